@@ -1,0 +1,104 @@
+// ProcessGroup: the c10d process group of a job (Gloo for CPU tensors, NCCL for CUDA tensors),
+// its rendezvous through a TCPStore hosted by rank 0, and subgroups over lists of ranks.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/state.h"
+
+namespace tandem {
+
+/// Reduction applied by reduce / allreduce. kMean is a sum divided by the group size.
+enum class ReduceOp { kSum, kMean, kMax, kMin };
+
+/// Options of ProcessGroup::create.
+///
+/// Example:
+///   auto pg = tandem::ProcessGroup::create(state,
+///       tandem::ProcessGroupOptions().timeout(std::chrono::seconds(20)));
+struct ProcessGroupOptions {
+  /// How long the rendezvous and each collective may wait for the other ranks.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
+  /// "auto" (Gloo, plus NCCL when CUDA tensors are used and LibTorch has NCCL), "gloo", "nccl".
+  TORCH_ARG(std::string, backend) = "auto";
+  /// Gloo worker threads (c10d's default is 2).
+  TORCH_ARG(int, gloo_threads) = 2;
+};
+
+class ProcessGroup;
+
+/// An asynchronous collective in flight. wait() rethrows a failure with the operation's name.
+class Work {
+ public:
+  struct Impl;
+  Work() = default;
+  explicit Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  /// Blocks until the operation completed; throws std::runtime_error on failure.
+  void wait();
+  /// True when there is nothing (left) to wait for.
+  bool completed() const;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+/// The ranks of a job (or of a subgroup of it), able to run collectives together.
+/// A group of size 1 needs no network and takes a fast path in every collective.
+class ProcessGroup {
+ public:
+  struct Impl;
+
+  /// Joins the job described by `state`: rank 0 hosts a TCPStore at master_addr:master_port,
+  /// every rank connects, waits for all world_size ranks, then builds the Gloo group (and NCCL
+  /// when asked). World size 1 returns a group that needs no network.
+  static std::shared_ptr<ProcessGroup> create(const ProcessState& state,
+                                              const ProcessGroupOptions& options = {});
+  /// A group with this process alone.
+  static std::shared_ptr<ProcessGroup> single();
+
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const;
+  int size() const;
+  /// The global rank of this group's rank `group_rank`.
+  int global_rank(int group_rank) const;
+  /// "[rank r/w]" in the global numbering, for error messages.
+  std::string prefix() const;
+  std::chrono::milliseconds timeout() const;
+
+  /// A new group over `ranks` (global ranks, ascending, no duplicates). Every rank of this
+  /// group must call it, in the same order; ranks not in the list get nullptr.
+  std::shared_ptr<ProcessGroup> new_subgroup(const std::vector<int>& ranks);
+
+  /// In-place allreduce of tensors of one device type, asynchronous. kMean divides after the
+  /// sum when the work is waited on.
+  Work allreduce_async(std::vector<at::Tensor> tensors, ReduceOp op, std::string what = "allreduce");
+  void allreduce(at::Tensor& tensor, ReduceOp op);
+  /// In-place broadcast from group rank `root`.
+  void broadcast(at::Tensor& tensor, int root = 0);
+  /// Every rank's tensor (same shape and dtype on every rank), in rank order.
+  std::vector<at::Tensor> allgather(const at::Tensor& tensor);
+  /// Returns when every rank of the group has reached it.
+  void barrier();
+
+  /// Internals for tandem's own engines (src/); not part of the public API.
+  Impl& impl() { return *impl_; }
+
+ private:
+  explicit ProcessGroup(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// The free TCP port the OS hands out on `host` right now (used when none is given).
+int find_free_port(const std::string& host = "127.0.0.1");
+
+}  // namespace tandem

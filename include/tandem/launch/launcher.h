@@ -1,0 +1,65 @@
+// Starting the local ranks of a job and supervising them: environment per rank, output
+// prefixed by rank, fail-fast when one rank fails, signals forwarded, restarts.
+#pragma once
+
+#include <torch/arg.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tandem/state.h"
+
+namespace tandem::launch {
+
+/// What `tandem launch` was asked to do, after flags and config file are merged.
+///
+/// Example:
+///   auto opts = tandem::launch::LaunchOptions().num_processes(2).cpu(true);
+///   auto plan = tandem::launch::make_plan(opts, {"./train"}, tandem::current_environment());
+///   int rc = tandem::launch::run(plan, opts);
+struct LaunchOptions {
+  TORCH_ARG(int, num_processes) = 1;  ///< processes on this machine
+  TORCH_ARG(int, num_machines) = 1;
+  TORCH_ARG(int, machine_rank) = 0;
+  TORCH_ARG(std::string, main_process_ip) = "127.0.0.1";
+  TORCH_ARG(int, main_process_port) = 0;  ///< 0: pick a free port (single machine only)
+  TORCH_ARG(bool, cpu) = false;
+  /// OMP_NUM_THREADS and LibTorch's intra-op threads per rank; 0: cores / local processes.
+  TORCH_ARG(int, num_cpu_threads_per_process) = 0;
+  /// Extra environment for every rank (--env KEY=VALUE), and settings handed to the program as
+  /// TANDEM_* variables (mixed precision, gradient accumulation, sharding, ...).
+  TORCH_ARG(EnvMap, extra_env) = {};
+  /// Seconds between SIGTERM and SIGKILL when the other ranks are stopped.
+  TORCH_ARG(double, grace_period_s) = 5.0;
+  TORCH_ARG(int, max_restarts) = 0;
+  TORCH_ARG(double, monitor_interval_s) = 0.1;
+  TORCH_ARG(std::string, log_dir) = "";  ///< one log file per rank when set
+  TORCH_ARG(bool, tee) = false;          ///< with log_dir: also print to the terminal
+  TORCH_ARG(bool, quiet) = false;        ///< no launcher messages on success
+  TORCH_ARG(std::string, rdzv_backend) = "static";
+};
+
+/// One local rank's command line and the variables tandem sets for it.
+struct RankPlan {
+  int rank = 0;
+  int local_rank = 0;
+  std::vector<std::string> argv;
+  EnvMap env;  ///< set on top of the launcher's own environment
+};
+
+/// The plan for this machine's ranks. Pure: no process is started. Throws std::invalid_argument
+/// on inconsistent options (machine_rank >= num_machines, no program, ...).
+std::vector<RankPlan> make_plan(const LaunchOptions& options, const std::vector<std::string>& command,
+                                const EnvMap& environment);
+
+/// The plan in readable form (for --dry_run): every rank's command and environment.
+std::string describe_plan(const std::vector<RankPlan>& plan);
+
+/// Starts the plan's ranks, forwards their output prefixed with "[rank r] ", and waits. When a
+/// rank fails, the others are stopped (SIGTERM, then SIGKILL after the grace period) and that
+/// rank's exit code is returned (128 + signal for a signal), after a message naming it. With
+/// max_restarts, all ranks are started again (TANDEM_RESTART_COUNT counts restarts).
+int run(std::vector<RankPlan> plan, const LaunchOptions& options);
+
+}  // namespace tandem::launch

@@ -1,0 +1,61 @@
+// ProcessState: who this process is in the job (rank, world, node, master), read from whatever
+// started it: tandem launch, torchrun / Kubernetes PyTorchJob, Open MPI, MPICH / Intel MPI, SLURM.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace tandem {
+
+/// Which launcher's variables described this process.
+enum class LauncherKind { kNone, kTandem, kTorchrun, kOpenMPI, kMPICH, kSlurm };
+
+/// Human-readable name of a launcher kind ("tandem", "torchrun", "Open MPI", ...).
+std::string to_string(LauncherKind kind);
+
+/// A snapshot of environment variables, so that parsing is a pure function (and testable).
+using EnvMap = std::map<std::string, std::string>;
+
+/// The current process's environment as an EnvMap.
+EnvMap current_environment();
+
+/// Rank, world size and rendezvous address of this process.
+///
+/// Example:
+///   auto st = tandem::ProcessState::from_environment();
+///   if (st.is_main_process()) std::cout << "world " << st.world_size << "\n";
+struct ProcessState {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  LauncherKind launcher = LauncherKind::kNone;
+
+  /// Reads the state from a given environment. Throws std::invalid_argument naming the
+  /// variable and its value when a value is malformed or inconsistent.
+  static ProcessState from_env(const EnvMap& env);
+  /// Reads the state from this process's environment.
+  static ProcessState from_environment();
+
+  bool distributed() const { return world_size > 1; }
+  bool is_main_process() const { return rank == 0; }
+  bool is_local_main_process() const { return local_rank == 0; }
+  /// "[rank r/w]", the prefix of every error message.
+  std::string prefix() const;
+};
+
+/// Expands a SLURM node list in its compact form ("gpu[01-03,07],cpu5") into host names,
+/// keeping zero padding. Throws std::invalid_argument on malformed input.
+std::vector<std::string> expand_slurm_nodelist(const std::string& nodelist);
+
+/// The device this process should use: CPU when `force_cpu`, when LibTorch has no CUDA or no GPU
+/// is visible; otherwise cuda:<local rank> among the devices CUDA_VISIBLE_DEVICES leaves visible.
+c10::Device select_device(const ProcessState& state, bool force_cpu);
+
+}  // namespace tandem

@@ -1,0 +1,16 @@
+#!/bin/bash
+# Installs the Debian 12 packages tandem needs. Quiet and quick when they are already there.
+set -euo pipefail
+pkgs=(build-essential cmake ninja-build ccache pkg-config
+      libtorch-dev libgloo-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libxxhash-dev
+      libgtest-dev libgmock-dev libbenchmark-dev iproute2 procps)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO=sudo
+echo "installing: ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" > /dev/null

@@ -1,0 +1,46 @@
+// Internals of ProcessGroup shared by tandem's engines (the DDP reducer, sharded strategies).
+#pragma once
+
+#include "../../compat/c10d.h"
+#include "tandem/comm/process_group.h"
+
+namespace tandem {
+
+struct ProcessGroup::Impl {
+  int rank = 0;
+  int size = 1;
+  std::vector<int> global_ranks;  // group rank -> global rank
+  ProcessState state;              // of the whole job
+  ProcessGroupOptions options;
+  c10::intrusive_ptr<c10d::Store> store;
+  std::shared_ptr<::gloo::transport::Device> gloo_device;
+  c10::intrusive_ptr<compat::Backend> gloo;  // CPU tensors (and objects)
+  c10::intrusive_ptr<compat::Backend> nccl;  // CUDA tensors, created on first use
+  int subgroup_counter = 0;
+  std::string store_prefix;
+
+  /// The backend for tensors on `device`.
+  compat::Backend& backend_for(const at::Tensor& t);
+  /// Wraps c10d work so that its failure names the operation and the rank.
+  Work wrap(c10::intrusive_ptr<compat::Work> work, std::string what, std::vector<at::Tensor> out,
+            double divide_by);
+  std::string prefix() const;
+};
+
+struct Work::Impl {
+  c10::intrusive_ptr<compat::Work> work;
+  std::string what;
+  std::string prefix;
+  std::vector<at::Tensor> tensors;
+  double divide_by = 1.0;
+  bool done = false;
+};
+
+#if defined(TANDEM_WITH_NCCL)
+/// Defined in nccl.cpp, compiled only when LibTorch has NCCL.
+c10::intrusive_ptr<compat::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
+                                                      int rank, int size,
+                                                      std::chrono::milliseconds timeout);
+#endif
+
+}  // namespace tandem

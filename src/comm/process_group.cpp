@@ -1,0 +1,297 @@
+// Rendezvous through c10d's TCPStore and the Gloo (and NCCL) process groups built on it.
+#include "tandem/comm/process_group.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include "detail/process_group_impl.h"
+
+namespace tandem {
+namespace {
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kMean: return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+std::string first_line(const std::string& s) {
+  auto nl = s.find('\n');
+  return nl == std::string::npos ? s : s.substr(0, nl);
+}
+
+// Gloo needs a device (an address to listen on) for each rank: the interface GLOO_SOCKET_IFNAME
+// names; on a single machine the loopback address; else the address of this host's name.
+std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessState& st) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  if (is_loopback(st.master_addr))
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  if (const char* host = std::getenv("TANDEM_LOCAL_ADDR"); host && *host)
+    return c10d::ProcessGroupGloo::createDeviceForHostname(host);
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+c10::intrusive_ptr<compat::Backend> make_gloo(const c10::intrusive_ptr<c10d::Store>& store,
+                                              int rank, int size,
+                                              const std::shared_ptr<::gloo::transport::Device>& dev,
+                                              const ProcessGroupOptions& o) {
+  auto opts = c10d::ProcessGroupGloo::Options::create(o.timeout());
+  opts->devices.push_back(dev);
+  opts->threads = o.gloo_threads();
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Work
+
+void Work::wait() {
+  if (!impl_ || impl_->done) return;
+  try {
+    impl_->work->wait();
+  } catch (const std::exception& e) {
+    impl_->done = true;
+    // Note [Secondary failures]: tell the launcher this rank failed because of a peer.
+    if (const char* file = std::getenv("TANDEM_ERROR_FILE"); file && *file) {
+      if (FILE* f = std::fopen(file, "w")) {
+        std::fprintf(f, "peer %s\n", impl_->what.c_str());
+        std::fclose(f);
+      }
+    }
+    throw std::runtime_error(impl_->prefix + " " + impl_->what + " failed: " + first_line(e.what()) +
+                             ". Another rank probably exited or stopped responding; the launcher's "
+                             "output names the rank that failed first.");
+  }
+  if (impl_->divide_by != 1.0)
+    for (auto& t : impl_->tensors) t.div_(impl_->divide_by);
+  impl_->done = true;
+}
+
+bool Work::completed() const { return !impl_ || impl_->done || impl_->work->isCompleted(); }
+
+// ---------------------------------------------------------------------------------------------
+// ProcessGroup::Impl
+
+compat::Backend& ProcessGroup::Impl::backend_for(const at::Tensor& t) {
+  if (t.is_cuda()) {
+#if defined(TANDEM_WITH_NCCL)
+    if (!nccl) nccl = make_nccl_backend(store, rank, size, options.timeout());
+    return *nccl;
+#else
+    throw std::runtime_error(prefix() + " a CUDA tensor was given to a collective, but this "
+                             "LibTorch has no NCCL: move it to the CPU or use a CUDA LibTorch");
+#endif
+  }
+  if (options.backend() == "nccl")
+    throw std::runtime_error(prefix() + " a CPU tensor was given to an NCCL-only process group: "
+                             "use backend \"auto\" so that CPU tensors go through Gloo");
+  return *gloo;
+}
+
+Work ProcessGroup::Impl::wrap(c10::intrusive_ptr<compat::Work> work, std::string what,
+                              std::vector<at::Tensor> out, double divide_by) {
+  auto w = std::make_shared<Work::Impl>();
+  w->work = std::move(work);
+  w->what = std::move(what);
+  w->prefix = prefix();
+  w->tensors = std::move(out);
+  w->divide_by = divide_by;
+  return Work(std::move(w));
+}
+
+std::string ProcessGroup::Impl::prefix() const { return state.prefix(); }
+
+// ---------------------------------------------------------------------------------------------
+// ProcessGroup
+
+ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ProcessGroup::~ProcessGroup() = default;
+
+std::shared_ptr<ProcessGroup> ProcessGroup::single() {
+  auto impl = std::make_unique<Impl>();
+  impl->global_ranks = {0};
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
+                                                   const ProcessGroupOptions& options) {
+  if (st.world_size == 1) {
+    auto pg = single();
+    pg->impl_->state = st;
+    pg->impl_->options = options;
+    return pg;
+  }
+  if (options.backend() != "auto" && options.backend() != "gloo" && options.backend() != "nccl")
+    throw std::invalid_argument(st.prefix() + " unknown process group backend '" +
+                                options.backend() + "': use auto, gloo or nccl");
+  auto impl = std::make_unique<Impl>();
+  impl->rank = st.rank;
+  impl->size = st.world_size;
+  impl->state = st;
+  impl->options = options;
+  for (int r = 0; r < st.world_size; ++r) impl->global_ranks.push_back(r);
+
+  const std::string where = st.master_addr + ":" + std::to_string(st.master_port);
+  const auto secs = std::chrono::duration_cast<std::chrono::seconds>(options.timeout()).count();
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<std::uint16_t>(st.master_port);
+  so.isServer = st.rank == 0;
+  so.waitWorkers = false;
+  so.timeout = options.timeout();
+  try {
+    impl->store = c10::make_intrusive<c10d::TCPStore>(st.master_addr, so);
+  } catch (const std::exception& e) {
+    if (st.rank == 0)
+      throw std::runtime_error(
+          st.prefix() + " cannot host the rendezvous store at " + where + ": " +
+          first_line(e.what()) + ". The port is probably in use by another program or job: "
+          "pick a free one with --main_process_port (or MASTER_PORT), or leave it unset so that "
+          "tandem launch picks a free port.");
+    throw std::runtime_error(st.prefix() + " cannot reach rank 0's rendezvous store at " + where +
+                             " within " + std::to_string(secs) + " s: " + first_line(e.what()) +
+                             ". Check MASTER_ADDR/MASTER_PORT and that rank 0 is running.");
+  }
+
+  // Count arrivals ourselves so that a timeout can say how many ranks came.
+  const std::string key = "tandem/rendezvous/arrived";
+  impl->store->add(key, 1);
+  auto deadline = std::chrono::steady_clock::now() + options.timeout();
+  int64_t arrived = 0;
+  while ((arrived = impl->store->add(key, 0)) < st.world_size) {
+    if (std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error(st.prefix() + " rendezvous timed out: waited " +
+                               std::to_string(secs) + " s for " +
+                               std::to_string(st.world_size - arrived) + " of " +
+                               std::to_string(st.world_size) + " ranks at " + where + " (" +
+                               std::to_string(arrived) + " arrived). Start every rank, or raise "
+                               "the timeout.");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+
+  try {
+    impl->gloo_device = make_gloo_device(st);
+    if (options.backend() != "nccl")
+      impl->gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", impl->store), st.rank,
+                             st.world_size, impl->gloo_device, options);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(st.prefix() + " could not connect the Gloo process group of " +
+                             std::to_string(st.world_size) + " ranks (store at " + where + "): " +
+                             first_line(e.what()));
+  }
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+}
+
+int ProcessGroup::rank() const { return impl_->rank; }
+int ProcessGroup::size() const { return impl_->size; }
+int ProcessGroup::global_rank(int group_rank) const { return impl_->global_ranks.at(group_rank); }
+std::string ProcessGroup::prefix() const { return impl_->prefix(); }
+std::chrono::milliseconds ProcessGroup::timeout() const { return impl_->options.timeout(); }
+
+std::shared_ptr<ProcessGroup> ProcessGroup::new_subgroup(const std::vector<int>& ranks) {
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] < 0 || ranks[i] >= impl_->state.world_size || (i > 0 && ranks[i] <= ranks[i - 1]))
+      throw std::invalid_argument(prefix() + " new_subgroup needs ascending, distinct global ranks "
+                                  "in [0, " + std::to_string(impl_->state.world_size) + ")");
+  }
+  const int id = impl_->subgroup_counter++;
+  const int me = impl_->state.rank;
+  auto it = std::find(ranks.begin(), ranks.end(), me);
+  if (it == ranks.end()) return nullptr;
+  auto impl = std::make_unique<Impl>();
+  impl->rank = static_cast<int>(it - ranks.begin());
+  impl->size = static_cast<int>(ranks.size());
+  impl->global_ranks = ranks;
+  impl->state = impl_->state;
+  impl->options = impl_->options;
+  if (impl->size > 1) {
+    impl->store_prefix = impl_->store_prefix + "sub" + std::to_string(id) + "/";
+    impl->store = c10::make_intrusive<c10d::PrefixStore>(impl->store_prefix, impl_->store);
+    impl->gloo_device = impl_->gloo_device;
+    impl->gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", impl->store), impl->rank,
+                           impl->size, impl->gloo_device, impl->options);
+  }
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+}
+
+Work ProcessGroup::allreduce_async(std::vector<at::Tensor> tensors, ReduceOp op, std::string what) {
+  if (impl_->size == 1 || tensors.empty()) return Work();
+  c10d::AllreduceOptions o;
+  o.reduceOp = to_c10d(op);
+  o.timeout = impl_->options.timeout();
+  auto& backend = impl_->backend_for(tensors.front());
+  auto work = backend.allreduce(tensors, o);
+  double div = op == ReduceOp::kMean ? static_cast<double>(impl_->size) : 1.0;
+  return impl_->wrap(std::move(work), std::move(what), std::move(tensors), div);
+}
+
+void ProcessGroup::allreduce(at::Tensor& tensor, ReduceOp op) {
+  allreduce_async({tensor}, op).wait();
+}
+
+void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
+  if (impl_->size == 1) return;
+  std::vector<at::Tensor> ts{tensor};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  o.timeout = impl_->options.timeout();
+  impl_->wrap(impl_->backend_for(tensor).broadcast(ts, o), "broadcast", {}, 1.0).wait();
+}
+
+std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
+  if (impl_->size == 1) return {tensor.clone()};
+  std::vector<at::Tensor> in{tensor.contiguous()};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < impl_->size; ++r) out[0].push_back(at::empty_like(in[0]));
+  c10d::AllgatherOptions o;
+  o.timeout = impl_->options.timeout();
+  impl_->wrap(impl_->backend_for(tensor).allgather(out, in, o), "allgather", {}, 1.0).wait();
+  return out[0];
+}
+
+void ProcessGroup::barrier() {
+  if (impl_->size == 1) return;
+  // A one-element allreduce is a barrier that Gloo and NCCL run the same way and that fails
+  // (rather than hangs) when a peer is gone.
+  auto t = at::zeros({1}, at::kInt);
+  allreduce_async({t}, ReduceOp::kSum, "wait_for_everyone").wait();
+}
+
+int find_free_port(const std::string& host) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error("find_free_port: socket() failed");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = 0;
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) addr.sin_addr.s_addr = INADDR_ANY;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    throw std::runtime_error("find_free_port: cannot bind on " + host);
+  }
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  int port = ntohs(addr.sin_port);
+  ::close(fd);
+  return port;
+}
+
+}  // namespace tandem

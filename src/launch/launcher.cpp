@@ -1,0 +1,425 @@
+// tandem's local supervisor: fork/exec each rank, prefix its output, fail fast, forward signals.
+#include "tandem/launch/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+#include "tandem/comm/process_group.h"
+
+namespace tandem::launch {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int g_signal_pipe[2] = {-1, -1};
+
+extern "C" void on_signal(int sig) {
+  unsigned char b = static_cast<unsigned char>(sig);
+  if (g_signal_pipe[1] >= 0) {
+    ssize_t rc = ::write(g_signal_pipe[1], &b, 1);
+    (void)rc;
+  }
+}
+
+void write_all(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    ssize_t n = ::write(fd, s.data() + off, s.size() - off);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    off += static_cast<size_t>(n);
+  }
+}
+
+std::string signal_name(int sig) {
+  const char* d = strsignal(sig);
+  static const std::map<int, std::string> abbrev = {
+      {SIGKILL, "SIGKILL"}, {SIGTERM, "SIGTERM"}, {SIGINT, "SIGINT"},   {SIGSEGV, "SIGSEGV"},
+      {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},   {SIGHUP, "SIGHUP"}};
+  auto it = abbrev.find(sig);
+  return std::to_string(sig) + " (" + (it != abbrev.end() ? it->second : std::string(d ? d : "?")) +
+         ")";
+}
+
+// One output stream of one rank: complete lines are written with the prefix in one write(2),
+// so lines of two ranks never interleave.
+struct Stream {
+  int fd = -1;
+  int out_fd = 1;
+  std::string buffer;
+  std::string prefix;
+  std::ofstream* log = nullptr;
+  bool to_terminal = true;
+
+  void emit(const std::string& line) {
+    if (to_terminal) write_all(out_fd, prefix + line + "\n");
+    if (log) {
+      *log << line << "\n";
+      log->flush();
+    }
+  }
+  // Returns false at end of stream.
+  bool read_some() {
+    char buf[65536];
+    ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
+    if (n <= 0) {
+      if (!buffer.empty()) emit(buffer);
+      buffer.clear();
+      ::close(fd);
+      fd = -1;
+      return false;
+    }
+    buffer.append(buf, static_cast<size_t>(n));
+    size_t start = 0, nl;
+    while ((nl = buffer.find('\n', start)) != std::string::npos) {
+      emit(buffer.substr(start, nl - start));
+      start = nl + 1;
+    }
+    buffer.erase(0, start);
+    return true;
+  }
+};
+
+struct Child {
+  RankPlan plan;
+  // When both output pipes reached end of file: the moment the rank exited, as seen by the
+  // launcher. It orders failures that are reaped together.
+  Clock::time_point closed_at = Clock::time_point::max();
+  pid_t pid = -1;
+  bool alive = false;
+  int status = 0;
+  Stream out, err;
+  std::unique_ptr<std::ofstream> log;
+};
+
+std::vector<std::string> make_envp(const EnvMap& overrides) {
+  EnvMap env = current_environment();
+  for (const auto& [k, v] : overrides) env[k] = v;
+  std::vector<std::string> out;
+  for (const auto& [k, v] : env) out.push_back(k + "=" + v);
+  return out;
+}
+
+void spawn(Child& c, const LaunchOptions& opts) {
+  int out_pipe[2], err_pipe[2];
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0)
+    throw std::runtime_error(std::string("tandem launch: pipe() failed: ") + std::strerror(errno));
+  auto envs = make_envp(c.plan.env);
+  std::vector<char*> envp, argv;
+  for (auto& e : envs) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  for (auto& a : c.plan.argv) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t parent = ::getpid();
+  pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error(std::string("tandem launch: fork() failed: ") +
+                                        std::strerror(errno));
+  if (pid == 0) {
+    // Child: own process group (so the whole tree can be signalled), die with the launcher.
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(1);
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::signal(SIGPIPE, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    ::dup2(out_pipe[1], 1);
+    ::dup2(err_pipe[1], 2);
+    ::execvpe(argv[0], argv.data(), envp.data());
+    std::string msg = "tandem launch: cannot run '" + c.plan.argv[0] + "': " +
+                      std::strerror(errno) + "\n";
+    write_all(2, msg);
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);
+  ::close(out_pipe[1]);
+  ::close(err_pipe[1]);
+  c.pid = pid;
+  c.alive = true;
+  c.closed_at = Clock::time_point::max();
+  c.status = 0;
+  const std::string prefix = "[rank " + std::to_string(c.plan.rank) + "] ";
+  c.out = Stream{out_pipe[0], 1, "", prefix, nullptr, true};
+  c.err = Stream{err_pipe[0], 2, "", prefix, nullptr, true};
+  if (!opts.log_dir().empty()) {
+    std::string path = opts.log_dir() + "/rank" + std::to_string(c.plan.rank) + ".log";
+    c.log = std::make_unique<std::ofstream>(path, std::ios::app);
+    if (!*c.log) throw std::runtime_error("tandem launch: cannot write the log file " + path +
+                                          ": check that --log_dir exists and is writable");
+    c.out.log = c.err.log = c.log.get();
+    c.out.to_terminal = c.err.to_terminal = opts.tee();
+  }
+}
+
+// Note [Secondary failures]: tandem's collectives write "peer" into TANDEM_ERROR_FILE when they
+// fail because another rank went away (comm/process_group.cpp); the launcher reads it here.
+bool failed_because_of_peer(const Child& c) {
+  auto it = c.plan.env.find("TANDEM_ERROR_FILE");
+  if (it == c.plan.env.end()) return false;
+  std::ifstream f(it->second);
+  std::string word;
+  return static_cast<bool>(f >> word) && word == "peer";
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+std::string describe_exit(const Child& c) {
+  std::string who = "rank " + std::to_string(c.plan.rank) + " (pid " + std::to_string(c.pid) + ")";
+  if (WIFSIGNALED(c.status)) return who + " was killed by signal " + signal_name(WTERMSIG(c.status));
+  return who + " exited with code " + std::to_string(exit_code_of(c.status));
+}
+
+// Runs one attempt. Returns the exit code; sets `interrupted` when a signal stopped the job.
+int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& interrupted) {
+  for (auto& c : children) spawn(c, opts);
+  const Child* failed = nullptr;
+  int forwarded_signal = 0;
+  bool stopping = false;
+  Clock::time_point kill_at{};
+  bool killed = false;
+  std::vector<Child*> candidates;  // failed ranks, in the order they were found
+  Clock::time_point settle_until = Clock::time_point::max();
+  int drain_loops = 0;  // loops spent reading pipes that outlive their rank
+
+  auto signal_all = [&](int sig) {
+    for (auto& c : children)
+      if (c.alive) ::kill(-c.pid, sig);
+  };
+  auto begin_stop = [&](int sig) {
+    if (stopping) return;
+    stopping = true;
+    signal_all(sig);
+    kill_at = Clock::now() + std::chrono::milliseconds(
+                                 static_cast<int64_t>(opts.grace_period_s() * 1000.0));
+  };
+
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<Stream*> streams;
+    fds.push_back({g_signal_pipe[0], POLLIN, 0});
+    streams.push_back(nullptr);
+    for (auto& c : children)
+      for (Stream* s : {&c.out, &c.err})
+        if (s->fd >= 0) {
+          fds.push_back({s->fd, POLLIN, 0});
+          streams.push_back(s);
+        }
+    int timeout_ms = std::max(10, static_cast<int>(opts.monitor_interval_s() * 1000));
+    int n = ::poll(fds.data(), fds.size(), timeout_ms);
+    if (n > 0) {
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        if (i == 0) {
+          unsigned char sig = 0;
+          if (::read(g_signal_pipe[0], &sig, 1) == 1) {
+            forwarded_signal = sig;
+            interrupted = true;
+            if (!opts.quiet())
+              write_all(2, "tandem launch: received signal " + signal_name(sig) +
+                               ", forwarding it to every rank\n");
+            if (stopping) {
+              signal_all(SIGKILL);
+            } else {
+              begin_stop(sig);
+            }
+          }
+        } else if (!streams[i]->read_some()) {
+          for (auto& c : children)
+            if (c.out.fd < 0 && c.err.fd < 0 && c.closed_at == Clock::time_point::max())
+              c.closed_at = Clock::now();
+        }
+      }
+    }
+    // Reap. When several ranks are found failed at once, the first to close its output failed
+    // first; the others most likely failed because of it.
+    std::vector<Child*> newly_failed;  // sorted below by when their output closed
+    for (auto& c : children) {
+      if (!c.alive) continue;
+      int st = 0;
+      pid_t r = ::waitpid(c.pid, &st, WNOHANG);
+      if (r == c.pid) {
+        c.alive = false;
+        c.status = st;
+        if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) newly_failed.push_back(&c);
+      }
+    }
+    std::stable_sort(newly_failed.begin(), newly_failed.end(),
+                     [](Child* a, Child* b) { return a->closed_at < b->closed_at; });
+    for (Child* c : newly_failed) candidates.push_back(c);
+    if (!candidates.empty() && !failed && !stopping) {
+      // A rank whose collective failed because a peer vanished is a consequence, not the cause:
+      // give the cause a moment to be reaped too, then name the first primary failure.
+      auto primary = std::find_if(candidates.begin(), candidates.end(),
+                                  [](Child* c) { return !failed_because_of_peer(*c); });
+      if (settle_until == Clock::time_point::max())
+        settle_until = Clock::now() + std::chrono::milliseconds(1500);
+      bool all_done = std::none_of(children.begin(), children.end(), [](auto& c) { return c.alive; });
+      if (primary != candidates.end() || Clock::now() >= settle_until || all_done) {
+        failed = primary != candidates.end() ? *primary : candidates.front();
+        write_all(2, "tandem launch: " + describe_exit(*failed) + "; stopping the other ranks\n");
+        begin_stop(SIGTERM);
+      }
+    }
+    bool any_alive = std::any_of(children.begin(), children.end(), [](auto& c) { return c.alive; });
+    if (stopping && any_alive && !killed && Clock::now() >= kill_at) {
+      signal_all(SIGKILL);
+      killed = true;
+    }
+    bool any_open = std::any_of(children.begin(), children.end(),
+                                [](auto& c) { return c.out.fd >= 0 || c.err.fd >= 0; });
+    if (!any_alive && !any_open) break;
+    if (!any_alive && any_open) {
+      // Grandchildren may keep a pipe open; give them a moment, then stop reading.
+      if (++drain_loops > 20) {
+        for (auto& c : children)
+          for (Stream* s : {&c.out, &c.err})
+            if (s->fd >= 0) {
+              ::close(s->fd);
+              s->fd = -1;
+            }
+      }
+    }
+  }
+  if (failed) return exit_code_of(failed->status);
+  if (forwarded_signal) return 128 + forwarded_signal;
+  return 0;
+}
+
+}  // namespace
+
+std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::string>& command,
+                                const EnvMap& environment) {
+  if (command.empty())
+    throw std::invalid_argument("tandem launch: no program given: tandem launch [options] PROGRAM "
+                                "[ARGS...]");
+  if (o.num_processes() < 1)
+    throw std::invalid_argument("--num_processes=" + std::to_string(o.num_processes()) +
+                                " must be at least 1");
+  if (o.num_machines() < 1)
+    throw std::invalid_argument("--num_machines=" + std::to_string(o.num_machines()) +
+                                " must be at least 1");
+  if (o.machine_rank() < 0 || o.machine_rank() >= o.num_machines())
+    throw std::invalid_argument("--machine_rank=" + std::to_string(o.machine_rank()) +
+                                " must be in [0, " + std::to_string(o.num_machines()) + ")");
+  if (o.main_process_port() < 0 || o.main_process_port() > 65535)
+    throw std::invalid_argument("--main_process_port=" + std::to_string(o.main_process_port()) +
+                                " is not a TCP port (1-65535, or 0 to pick a free one)");
+  int port = o.main_process_port();
+  if (port == 0) {
+    if (o.num_machines() > 1)
+      throw std::invalid_argument("--main_process_port is required with --num_machines > 1: every "
+                                  "machine must know where rank 0 listens");
+    port = find_free_port(o.main_process_ip());
+  }
+  int threads = o.num_cpu_threads_per_process();
+  if (threads <= 0) {
+    unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    threads = std::max(1, static_cast<int>(cores) / o.num_processes());
+  }
+  const int world = o.num_processes() * o.num_machines();
+  std::vector<RankPlan> plan;
+  for (int local = 0; local < o.num_processes(); ++local) {
+    RankPlan p;
+    p.local_rank = local;
+    p.rank = o.machine_rank() * o.num_processes() + local;
+    p.argv = command;
+    p.env = o.extra_env();
+    p.env["TANDEM_LAUNCHER"] = "1";
+    p.env["RANK"] = std::to_string(p.rank);
+    p.env["WORLD_SIZE"] = std::to_string(world);
+    p.env["LOCAL_RANK"] = std::to_string(local);
+    p.env["LOCAL_WORLD_SIZE"] = std::to_string(o.num_processes());
+    p.env["GROUP_RANK"] = std::to_string(o.machine_rank());
+    p.env["NODE_RANK"] = std::to_string(o.machine_rank());
+    p.env["MASTER_ADDR"] = o.main_process_ip();
+    p.env["MASTER_PORT"] = std::to_string(port);
+    p.env["OMP_NUM_THREADS"] = std::to_string(threads);
+    p.env["TANDEM_NUM_CPU_THREADS"] = std::to_string(threads);
+    if (o.cpu()) p.env["TANDEM_USE_CPU"] = "1";
+    if (!environment.count("TANDEM_RESTART_COUNT")) p.env["TANDEM_RESTART_COUNT"] = "0";
+    plan.push_back(std::move(p));
+  }
+  return plan;
+}
+
+std::string describe_plan(const std::vector<RankPlan>& plan) {
+  std::ostringstream os;
+  for (const auto& p : plan) {
+    os << "rank " << p.rank << " (local " << p.local_rank << "):";
+    for (const auto& a : p.argv) os << " " << a;
+    os << "\n";
+    for (const auto& [k, v] : p.env) os << "    " << k << "=" << v << "\n";
+  }
+  return os.str();
+}
+
+int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
+  if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
+    throw std::runtime_error("tandem launch: pipe() failed");
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  struct sigaction old_int {}, old_term {};
+  ::sigaction(SIGINT, &sa, &old_int);
+  ::sigaction(SIGTERM, &sa, &old_term);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  char tmpl[] = "/tmp/tandem-launch-XXXXXX";
+  const char* tmp = ::mkdtemp(tmpl);
+  std::string error_dir = tmp ? tmp : "";
+  int rc = 0;
+  for (int attempt = 0;; ++attempt) {
+    std::vector<Child> children(plan.size());
+    for (size_t i = 0; i < plan.size(); ++i) {
+      children[i].plan = plan[i];
+      children[i].plan.env["TANDEM_RESTART_COUNT"] = std::to_string(attempt);
+      if (!error_dir.empty()) {
+        std::string file = error_dir + "/rank" + std::to_string(plan[i].rank) + ".error";
+        ::unlink(file.c_str());
+        children[i].plan.env["TANDEM_ERROR_FILE"] = file;
+      }
+    }
+    bool interrupted = false;
+    rc = run_once(children, opts, interrupted);
+    if (rc == 0 || interrupted || attempt >= opts.max_restarts()) break;
+    write_all(2, "tandem launch: restarting all ranks (restart " + std::to_string(attempt + 1) +
+                     " of " + std::to_string(opts.max_restarts()) + ")\n");
+  }
+  if (!error_dir.empty()) {
+    for (const auto& p : plan) ::unlink((error_dir + "/rank" + std::to_string(p.rank) + ".error").c_str());
+    ::rmdir(error_dir.c_str());
+  }
+  ::sigaction(SIGINT, &old_int, nullptr);
+  ::sigaction(SIGTERM, &old_term, nullptr);
+  ::close(g_signal_pipe[0]);
+  ::close(g_signal_pipe[1]);
+  g_signal_pipe[0] = g_signal_pipe[1] = -1;
+  return rc;
+}
+
+}  // namespace tandem::launch

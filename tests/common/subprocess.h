@@ -1,0 +1,75 @@
+// Runs a command with a time limit and captures its output: the multi-process tests' harness.
+#pragma once
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace tandem::testing {
+
+struct RunResult {
+  int exit_code = -1;     ///< 128 + signal when killed by a signal
+  bool timed_out = false;
+  std::string output;     ///< stdout and stderr together
+  double seconds = 0;
+};
+
+inline RunResult run_command(const std::vector<std::string>& argv,
+                             const std::map<std::string, std::string>& env = {},
+                             double timeout_s = 120) {
+  RunResult r;
+  int p[2];
+  if (pipe2(p, O_CLOEXEC) != 0) return r;
+  auto start = std::chrono::steady_clock::now();
+  pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    dup2(p[1], 1);
+    dup2(p[1], 2);
+    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execvp(args[0], args.data());
+    _exit(127);
+  }
+  close(p[1]);
+  char buf[4096];
+  for (;;) {
+    double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (elapsed > timeout_s && !r.timed_out) {
+      r.timed_out = true;
+      kill(-pid, SIGKILL);
+    }
+    pollfd fd{p[0], POLLIN, 0};
+    int n = poll(&fd, 1, 100);
+    if (n > 0) {
+      ssize_t k = read(p[0], buf, sizeof(buf));
+      if (k <= 0) break;
+      r.output.append(buf, static_cast<size_t>(k));
+    }
+  }
+  close(p[0]);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  r.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+/// Counts occurrences of `needle` in `hay`.
+inline int count_of(const std::string& hay, const std::string& needle) {
+  int n = 0;
+  for (size_t pos = hay.find(needle); pos != std::string::npos; pos = hay.find(needle, pos + 1)) ++n;
+  return n;
+}
+
+}  // namespace tandem::testing

@@ -1,0 +1,147 @@
+// A rank of the collectives test: runs every collective and checks its result on this rank.
+// Modes: "all" (default) checks everything; "die" makes rank 1 SIGKILL itself in the middle of a
+// collective loop; "hold" keeps a port busy (for the port-in-use test is done by the harness).
+#include <signal.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+
+#include "tandem/comm/collectives.h"
+#include "tandem/comm/process_group.h"
+
+namespace {
+
+int failures = 0;
+std::string who;
+
+void check(bool ok, const std::string& what) {
+  if (!ok) {
+    std::cerr << who << " FAILED: " << what << std::endl;
+    ++failures;
+  }
+}
+
+bool same(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.sizes() == b.sizes() && a.to(torch::kDouble).equal(b.to(torch::kDouble));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = argc > 1 ? argv[1] : "all";
+  auto state = tandem::ProcessState::from_environment();
+  who = state.prefix();
+  const char* t_env = std::getenv("TANDEM_TEST_TIMEOUT_S");
+  auto pg = tandem::ProcessGroup::create(
+      state, tandem::ProcessGroupOptions().timeout(std::chrono::seconds(t_env ? std::atoi(t_env) : 20)));
+  const int r = pg->rank(), w = pg->size();
+  namespace comm = tandem::comm;
+
+  if (mode == "spam") {
+    // Many lines, written in pieces, to check that the launcher never interleaves two ranks.
+    for (int i = 0; i < 2000; ++i) {
+      std::string line = "spam " + std::to_string(r) + " " + std::to_string(i) + " " +
+                         std::string(static_cast<size_t>(50 + (i * 7) % 100), 'a' + r) + " end";
+      std::cout << line.substr(0, 10) << std::flush << line.substr(10) << "\n";
+    }
+    std::cout << std::flush;
+    return 0;
+  }
+  if (mode == "exit3") {
+    if (r == 2) return 3;
+    pg->barrier();  // blocks until the launcher stops this rank
+    return 0;
+  }
+  if (mode == "sleep") {
+    std::string dir = argc > 2 ? argv[2] : "/tmp";
+    FILE* f = std::fopen((dir + "/pid" + std::to_string(r)).c_str(), "w");
+    std::fprintf(f, "%d\n", static_cast<int>(::getpid()));
+    std::fclose(f);
+    std::cout << "sleeping" << std::endl;
+    ::sleep(120);
+    return 0;
+  }
+  if (mode == "die") {
+    for (int i = 0;; ++i) {
+      if (r == 1 && i == 50) ::kill(::getpid(), SIGKILL);
+      auto t = torch::ones({1000});
+      pg->allreduce(t, tandem::ReduceOp::kSum);
+    }
+  }
+
+  // gather: rank r contributes r + 1 rows filled with r.
+  auto mine = torch::full({r + 1, 2}, static_cast<float>(r));
+  auto g = comm::gather(*pg, mine);
+  std::vector<torch::Tensor> expect_parts;
+  for (int k = 0; k < w; ++k) expect_parts.push_back(torch::full({k + 1, 2}, static_cast<float>(k)));
+  check(same(g, torch::cat(expect_parts)), "gather");
+  std::cout << "gather rows " << g.size(0) << " sum " << g.sum().item<float>() << std::endl;
+
+  // gather_object / broadcast_object.
+  auto objs = comm::gather_object(*pg, "rank" + std::to_string(r) + std::string(r, 'x'));
+  check(static_cast<int>(objs.size()) == w, "gather_object size");
+  for (int k = 0; k < w && k < static_cast<int>(objs.size()); ++k)
+    check(objs[k] == "rank" + std::to_string(k) + std::string(k, 'x'), "gather_object " + objs[k]);
+  auto b = comm::broadcast_object(*pg, r == w - 1 ? std::string("from-last") : std::string("no"),
+                                  w - 1);
+  check(b == "from-last", "broadcast_object: " + b);
+  std::cout << "gather_object " << objs.size() << " broadcast_object " << b << std::endl;
+
+  // reduce: sum, mean, max, min of [r, 2r].
+  auto t = torch::tensor({static_cast<double>(r), 2.0 * r});
+  double sum = w * (w - 1) / 2.0;
+  check(same(comm::reduce(*pg, t, tandem::ReduceOp::kSum), torch::tensor({sum, 2 * sum})),
+        "reduce sum");
+  check(torch::allclose(comm::reduce(*pg, t, tandem::ReduceOp::kMean),
+                        torch::tensor({sum / w, 2 * sum / w})),
+        "reduce mean");
+  check(same(comm::reduce(*pg, t, tandem::ReduceOp::kMax),
+              torch::tensor({w - 1.0, 2.0 * (w - 1)})),
+        "reduce max");
+  check(same(comm::reduce(*pg, t, tandem::ReduceOp::kMin), torch::tensor({0.0, 0.0})),
+        "reduce min");
+  check(same(t, torch::tensor({static_cast<double>(r), 2.0 * r})), "reduce leaves its input");
+  std::cout << "reduce sum " << sum << std::endl;
+
+  // broadcast from rank 0.
+  auto bt = r == 0 ? torch::arange(6).reshape({2, 3}) : torch::zeros({2, 3}, torch::kLong);
+  comm::broadcast(*pg, bt, 0);
+  check(same(bt, torch::arange(6).reshape({2, 3})), "broadcast");
+
+  // pad_across_processes with uneven sizes, at the end and at the start.
+  auto u = torch::ones({2, r + 1});
+  auto padded = comm::pad_across_processes(*pg, u, 1, -1.0);
+  check(padded.size(1) == w && padded.size(0) == 2, "pad size");
+  check(padded.narrow(1, 0, r + 1).eq(1).all().item<bool>(), "pad keeps values");
+  if (r + 1 < w) check(padded.narrow(1, r + 1, w - r - 1).eq(-1).all().item<bool>(), "pad values");
+  auto first = comm::pad_across_processes(*pg, torch::ones({r + 1}), 0, 0.0, true);
+  check(first.size(0) == w && first.narrow(0, w - r - 1, r + 1).eq(1).all().item<bool>() &&
+            first.sum().item<float>() == r + 1,
+        "pad_first");
+  auto all_padded = comm::gather(*pg, padded.unsqueeze(0));
+  check(all_padded.size(0) == w && all_padded.eq(1).sum().item<int64_t>() == 2 * sum + 2 * w,
+        "gather after pad");
+  std::cout << "pad_across_processes width " << padded.size(1) << std::endl;
+
+  // Subgroup of the even ranks.
+  std::vector<int> evens;
+  for (int k = 0; k < w; k += 2) evens.push_back(k);
+  auto sub = pg->new_subgroup(evens);
+  check((r % 2 == 0) == (sub != nullptr), "subgroup membership");
+  if (sub) {
+    auto s = comm::reduce(*sub, torch::tensor({static_cast<float>(r)}), tandem::ReduceOp::kSum);
+    float expect = 0;
+    for (int k : evens) expect += k;
+    check(s.item<float>() == expect, "subgroup reduce");
+    check(sub->size() == static_cast<int>(evens.size()) && sub->rank() == r / 2, "subgroup rank");
+  }
+
+  comm::wait_for_everyone(*pg);
+  std::cout << (failures == 0 ? "collectives OK" : "collectives FAILED") << " on rank " << r
+            << " of " << w << std::endl;
+  return failures == 0 ? 0 : 1;
+}

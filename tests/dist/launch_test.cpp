@@ -1,0 +1,159 @@
+// Real multi-process runs through `tandem launch` over Gloo on 127.0.0.1.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <thread>
+
+#include "../common/subprocess.h"
+
+using tandem::testing::count_of;
+using tandem::testing::run_command;
+
+namespace {
+
+const std::string kCli = TANDEM_CLI;
+const std::string kWorker = COLLECTIVES_WORKER;
+
+std::vector<std::string> launch(int n, std::vector<std::string> args) {
+  std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
+                                "--grace_period", "2", kWorker};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+}  // namespace
+
+class Collectives : public ::testing::TestWithParam<int> {};
+
+TEST_P(Collectives, EveryCollectiveOnEveryRank) {
+  const int n = GetParam();
+  auto r = run_command(launch(n, {"all"}), {}, 120);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "collectives OK"), n) << r.output;
+  EXPECT_EQ(count_of(r.output, "FAILED"), 0) << r.output;
+  for (int k = 0; k < n; ++k)
+    EXPECT_NE(r.output.find("[rank " + std::to_string(k) + "] collectives OK on rank " +
+                            std::to_string(k) + " of " + std::to_string(n)),
+              std::string::npos)
+        << r.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4));
+
+TEST(Launch, LinesOfTwoRanksNeverInterleave) {
+  auto r = run_command(launch(3, {"spam"}), {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output.substr(0, 2000);
+  std::regex line_re(R"(\[rank (\d)\] spam (\d) (\d+) ([a-c]+) end)");
+  std::istringstream is(r.output);
+  std::string line;
+  int spam_lines = 0;
+  while (std::getline(is, line)) {
+    if (line.find("spam") == std::string::npos) continue;
+    std::smatch m;
+    ASSERT_TRUE(std::regex_match(line, m, line_re)) << "mangled line: " << line;
+    EXPECT_EQ(m[1], m[2]) << line;
+    EXPECT_EQ(m[4].str().find_first_not_of(m[4].str()[0]), std::string::npos) << line;
+    ++spam_lines;
+  }
+  EXPECT_EQ(spam_lines, 3 * 2000);
+}
+
+TEST(Launch, KilledRankStopsTheJobAndIsNamed) {
+  auto r = run_command(launch(3, {"die"}), {{"TANDEM_TEST_TIMEOUT_S", "60"}}, 90);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("killed by signal 9 (SIGKILL)"), std::string::npos) << r.output;
+  // The job ended because the launcher stopped it, long before the 60 s collective timeout.
+  EXPECT_LT(r.seconds, 45) << r.output;
+}
+
+TEST(Launch, ExitCodeOfTheFailingRankIsReturned) {
+  auto r = run_command(launch(3, {"exit3"}), {}, 90);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("rank 2 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 3"), std::string::npos) << r.output;
+}
+
+TEST(Launch, PortInUseGivesAClearError) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 4), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int port = ntohs(addr.sin_port);
+  auto argv = launch(2, {"all"});
+  argv.insert(argv.begin() + 2, {"--main_process_port", std::to_string(port)});
+  auto r = run_command(argv, {{"TANDEM_TEST_TIMEOUT_S", "10"}}, 90);
+  close(fd);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("cannot host the rendezvous store at 127.0.0.1:" + std::to_string(port)),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("--main_process_port"), std::string::npos) << r.output;
+}
+
+TEST(Launch, RendezvousTimeoutSaysHowManyRanksCame) {
+  // Rank 0 of a world of 3 alone: it must give up, naming 2 missing ranks.
+  auto r = run_command({kWorker, "all"},
+                       {{"RANK", "0"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"},
+                        {"MASTER_PORT", std::to_string(free_port())}, {"TANDEM_TEST_TIMEOUT_S", "2"}},
+                       60);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("waited 2 s for 2 of 3 ranks at 127.0.0.1:"), std::string::npos)
+      << r.output;
+}
+
+TEST(Launch, SigtermReachesEveryRank) {
+  char tmpl[] = "/tmp/tandem-sig-XXXXXX";
+  std::string dir = mkdtemp(tmpl);
+  std::thread killer([&] {
+    // Wait for both ranks to write their pid, then signal the launcher (the harness's child).
+    for (int i = 0; i < 300; ++i) {
+      std::ifstream a(dir + "/pid0"), b(dir + "/pid1");
+      if (a && b) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    system(("pkill -TERM -f 'tandem launch .*sleep " + dir + "'").c_str());
+  });
+  auto r = run_command(launch(2, {"sleep", dir}), {}, 60);
+  killer.join();
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
+  EXPECT_NE(r.output.find("forwarding it to every rank"), std::string::npos) << r.output;
+  for (int k = 0; k < 2; ++k) {
+    std::ifstream f(dir + "/pid" + std::to_string(k));
+    int pid = 0;
+    f >> pid;
+    ASSERT_GT(pid, 0);
+    EXPECT_NE(kill(pid, 0), 0) << "rank " << k << " still alive";
+  }
+}

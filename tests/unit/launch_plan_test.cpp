@@ -1,0 +1,54 @@
+// make_plan: ranks, environment, and bad options, without starting any process.
+#include <gtest/gtest.h>
+
+#include "tandem/launch/launcher.h"
+
+using tandem::launch::LaunchOptions;
+using tandem::launch::make_plan;
+
+TEST(LaunchPlan, SingleMachine) {
+  auto plan = make_plan(LaunchOptions().num_processes(3).main_process_port(29555).cpu(true)
+                            .num_cpu_threads_per_process(2),
+                        {"prog", "--x"}, {});
+  ASSERT_EQ(plan.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(plan[i].rank, i);
+    EXPECT_EQ(plan[i].env.at("RANK"), std::to_string(i));
+    EXPECT_EQ(plan[i].env.at("LOCAL_RANK"), std::to_string(i));
+    EXPECT_EQ(plan[i].env.at("WORLD_SIZE"), "3");
+    EXPECT_EQ(plan[i].env.at("MASTER_PORT"), "29555");
+    EXPECT_EQ(plan[i].env.at("OMP_NUM_THREADS"), "2");
+    EXPECT_EQ(plan[i].env.at("TANDEM_USE_CPU"), "1");
+    EXPECT_EQ(plan[i].argv, (std::vector<std::string>{"prog", "--x"}));
+  }
+}
+
+TEST(LaunchPlan, SecondMachineGetsGlobalRanks) {
+  auto plan = make_plan(LaunchOptions().num_processes(2).num_machines(3).machine_rank(2)
+                            .main_process_ip("10.1.1.1").main_process_port(1000),
+                        {"prog"}, {});
+  ASSERT_EQ(plan.size(), 2u);
+  EXPECT_EQ(plan[0].rank, 4);
+  EXPECT_EQ(plan[1].rank, 5);
+  EXPECT_EQ(plan[1].env.at("WORLD_SIZE"), "6");
+  EXPECT_EQ(plan[1].env.at("GROUP_RANK"), "2");
+  EXPECT_EQ(plan[1].env.at("MASTER_ADDR"), "10.1.1.1");
+}
+
+TEST(LaunchPlan, PicksAFreePort) {
+  auto plan = make_plan(LaunchOptions().num_processes(2), {"prog"}, {});
+  int port = std::stoi(plan[0].env.at("MASTER_PORT"));
+  EXPECT_GT(port, 0);
+  EXPECT_EQ(plan[1].env.at("MASTER_PORT"), plan[0].env.at("MASTER_PORT"));
+}
+
+TEST(LaunchPlan, RejectsBadOptions) {
+  EXPECT_THROW(make_plan(LaunchOptions(), {}, {}), std::invalid_argument);
+  EXPECT_THROW(make_plan(LaunchOptions().num_processes(0), {"p"}, {}), std::invalid_argument);
+  EXPECT_THROW(make_plan(LaunchOptions().num_machines(2).machine_rank(2).main_process_port(5),
+                         {"p"}, {}),
+               std::invalid_argument);
+  EXPECT_THROW(make_plan(LaunchOptions().num_machines(2), {"p"}, {}), std::invalid_argument);
+  EXPECT_THROW(make_plan(LaunchOptions().main_process_port(70000), {"p"}, {}),
+               std::invalid_argument);
+}
