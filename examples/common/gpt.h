@@ -1,0 +1,166 @@
+// A byte-level GPT: token and position embeddings, causal self-attention blocks, LayerNorm, and
+// an output head tied to the token embedding. Plus the text it trains on: files of this source
+// tree, so that the default run needs no download.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace examples {
+
+struct GPTConfig {
+  int64_t vocab = 256;
+  int64_t context = 128;
+  int64_t layers = 4;
+  int64_t heads = 4;
+  int64_t width = 128;
+};
+
+struct CausalSelfAttentionImpl : torch::nn::Module {
+  explicit CausalSelfAttentionImpl(const GPTConfig& c)
+      : heads(c.heads),
+        qkv(register_module("qkv", torch::nn::Linear(c.width, 3 * c.width))),
+        proj(register_module("proj", torch::nn::Linear(c.width, c.width))) {
+    TORCH_CHECK(c.width % c.heads == 0, "width ", c.width, " must be a multiple of heads ", c.heads);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const auto B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
+    auto parts = qkv(x).split(C, 2);
+    auto shape = [&](const torch::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
+    auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
+    auto att = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+    auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
+                    .triu(1);
+    att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+    return proj(att.matmul(v).transpose(1, 2).contiguous().view({B, T, C}));
+  }
+  int64_t heads;
+  torch::nn::Linear qkv, proj;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(const GPTConfig& c)
+      : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
+        attn(register_module("attn", CausalSelfAttention(c))),
+        ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
+        fc(register_module("fc", torch::nn::Linear(c.width, 4 * c.width))),
+        fc_proj(register_module("fc_proj", torch::nn::Linear(4 * c.width, c.width))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn(ln1(x));
+    return x + fc_proj(torch::gelu(fc(ln2(x))));
+  }
+  torch::nn::LayerNorm ln1;
+  CausalSelfAttention attn;
+  torch::nn::LayerNorm ln2;
+  torch::nn::Linear fc, fc_proj;
+};
+TORCH_MODULE(Block);
+
+/// The output projection, sharing its weight tensor with the token embedding: the model lists it
+/// under two names (wte.weight and head.weight) that are one tensor.
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(torch::Tensor w) : weight(register_parameter("weight", std::move(w))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x.matmul(weight.t()); }
+  torch::Tensor weight;
+};
+TORCH_MODULE(TiedHead);
+
+struct GPTImpl : torch::nn::Module {
+  explicit GPTImpl(const GPTConfig& c) : config(c) {
+    wte = register_module("wte", torch::nn::Embedding(c.vocab, c.width));
+    wpe = register_module("wpe", torch::nn::Embedding(c.context, c.width));
+    for (int64_t i = 0; i < c.layers; ++i)
+      blocks.push_back(register_module("h" + std::to_string(i), Block(c)));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
+    head = register_module("head", TiedHead(wte->weight));
+    // GPT-2's initialisation: N(0, 0.02) for weights and embeddings.
+    torch::NoGradGuard no_grad;
+    for (auto& p : named_parameters())
+      if (p.key().find("weight") != std::string::npos && p.value().dim() == 2)
+        p.value().normal_(0.0, 0.02);
+  }
+  /// Logits [B, T, vocab] for byte ids [B, T].
+  torch::Tensor forward(const torch::Tensor& idx) {
+    auto pos = torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+    auto x = wte(idx) + wpe(pos);
+    for (auto& b : blocks) x = b(x);
+    return head(ln_f(x));
+  }
+  /// Mean cross-entropy per sequence [B] (so that per-sample losses can be gathered).
+  torch::Tensor loss_per_sample(const torch::Tensor& idx, const torch::Tensor& targets) {
+    auto logits = forward(idx);
+    auto l = torch::nn::functional::cross_entropy(
+        logits.view({-1, logits.size(-1)}), targets.view({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+    return l.view({idx.size(0), idx.size(1)}).mean(1);
+  }
+  int64_t num_parameters() {  // distinct tensors: the tied head is counted once
+    int64_t n = 0;
+    for (auto& p : parameters())
+      if (p.unsafeGetTensorImpl() != head->weight.unsafeGetTensorImpl()) n += p.numel();
+    return n + head->weight.numel();
+  }
+  GPTConfig config;
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  std::vector<Block> blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+  TiedHead head{nullptr};
+};
+TORCH_MODULE(GPT);
+
+/// Bytes of this project's own text (README, docs, headers and sources), in a fixed order.
+inline std::string project_text(const std::string& root) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> files;
+  for (const char* top : {"README.md", "docs", "include", "src", "examples"}) {
+    fs::path p = fs::path(root) / top;
+    if (fs::is_regular_file(p)) files.push_back(p);
+    if (fs::is_directory(p))
+      for (auto& e : fs::recursive_directory_iterator(p))
+        if (e.is_regular_file()) {
+          auto ext = e.path().extension().string();
+          if (ext == ".md" || ext == ".h" || ext == ".cpp") files.push_back(e.path());
+        }
+  }
+  std::sort(files.begin(), files.end());
+  std::string text;
+  for (auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    text += std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  return text;
+}
+
+/// Non-overlapping windows of `context + 1` bytes: input = first `context`, target = shifted by
+/// one. `begin`/`end` select a byte range (train / held-out split).
+class ByteWindows : public torch::data::datasets::Dataset<ByteWindows> {
+ public:
+  ByteWindows(const std::string& text, int64_t context, size_t begin, size_t end)
+      : context_(context) {
+    auto all = torch::from_blob(const_cast<char*>(text.data() + begin),
+                                {static_cast<int64_t>(end - begin)}, torch::kUInt8)
+                   .to(torch::kLong);
+    bytes_ = all.clone();
+    count_ = std::max<int64_t>(0, (bytes_.size(0) - 1) / context_);
+  }
+  torch::data::Example<> get(size_t i) override {
+    auto s = static_cast<int64_t>(i) * context_;
+    return {bytes_.slice(0, s, s + context_), bytes_.slice(0, s + 1, s + context_ + 1)};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>(count_); }
+
+ private:
+  int64_t context_;
+  int64_t count_;
+  torch::Tensor bytes_;
+};
+
+}  // namespace examples

@@ -1,0 +1,65 @@
+// Data-parallel classification with an MLP on a data set the program makes itself.
+//   tandem launch --num_processes 2 --cpu build/examples/train_mlp --epochs 3
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include "common/mlp.h"
+#include "tandem/tandem.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"train_mlp: an MLP on a learnable synthetic data set"};
+  int64_t samples = 8192, batch = 64, epochs = 3, accum = 1;
+  double lr = 0.05;
+  app.add_option("--samples", samples, "Training samples");
+  app.add_option("--batch-size", batch, "Batch size per process");
+  app.add_option("--epochs", epochs, "Epochs");
+  app.add_option("--lr", lr, "Learning rate (SGD with momentum 0.9)");
+  app.add_option("--accumulate", accum, "Gradient accumulation steps");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    tandem::Accelerator acc(tandem::AcceleratorOptions().seed(0).gradient_accumulation_steps(
+        static_cast<int>(accum)));
+    // One teacher, two draws of points: a training set and a held-out test set.
+    examples::TeacherClassification train(samples, 784, 10, /*data_seed=*/1);
+    examples::TeacherClassification test(2000, 784, 10, /*data_seed=*/2);
+    auto model = acc.prepare(examples::MLP());
+    auto opt = acc.prepare(std::make_shared<torch::optim::SGD>(
+        model->parameters(), torch::optim::SGDOptions(lr).momentum(0.9)));
+    auto loader = acc.prepare_data_loader(
+        train, tandem::data::DataLoaderOptions().batch_size(batch).shuffle(true).seed(42));
+    acc.print("training on", acc.num_processes(), "processes,", loader->size(),
+              "batches per epoch per process");
+    tandem::track::ProgressBar bar(tandem::track::ProgressOptions()
+                                       .total(epochs * loader->size())
+                                       .description("train_mlp")
+                                       .is_main_process(acc.is_main_process()));
+    int64_t step = 0;
+    for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+      loader->set_epoch(epoch);
+      for (auto& b : *loader) {
+        auto scope = acc.accumulate();
+        auto loss = torch::cross_entropy_loss(model->forward(b.data), b.target);
+        acc.backward(loss);
+        opt.step();
+        opt.zero_grad();
+        bar.update(++step, acc.reduce(loss.detach()).item<double>());
+      }
+      // Accuracy on the held-out set, each sample counted once across ranks.
+      torch::NoGradGuard no_grad;
+      auto eval = acc.prepare_data_loader(test, tandem::data::DataLoaderOptions().batch_size(256));
+      int64_t correct = 0, seen = 0;
+      for (auto& b : *eval) {
+        auto hits = acc.gather_for_metrics(model->forward(b.data).argmax(1).eq(b.target));
+        correct += hits.sum().item<int64_t>();
+        seen += hits.size(0);
+      }
+      acc.print("epoch", epoch, "accuracy", static_cast<double>(correct) / seen, "on", seen,
+                "samples");
+    }
+    bar.close();
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}

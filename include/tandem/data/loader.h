@@ -1,0 +1,400 @@
+// Prepared data loaders: this rank's shard of a map-style data set (through DistributedSampler)
+// or of a stream, batched and collated, prefetched by a background thread, placed on the device.
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/data/example.h>
+
+#include <ATen/ATen.h>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "tandem/data/sampler.h"
+
+namespace tandem::data {
+
+/// What the Accelerator needs to know about the batch a prepared loader yielded last
+/// (Accelerate's GradientState): whether it is the last of the epoch, and how many of its rows
+/// are real samples rather than even-batches padding.
+struct LoaderState {
+  bool end_of_dataloader = false;
+  int64_t batch_rows = 0;       ///< rows of the last batch
+  int64_t valid_rows = -1;      ///< rows that are not padding; -1 when unknown
+};
+
+/// Options of a prepared loader.
+///
+/// Example:
+///   auto loader = accelerator.prepare_data_loader(dataset,
+///       tandem::data::DataLoaderOptions().batch_size(32).shuffle(true).seed(42));
+///   for (auto& batch : *loader) { ... batch.data, batch.target ... }
+struct DataLoaderOptions {
+  /// Samples per batch on each rank; with split_batches, the global batch split across ranks.
+  TORCH_ARG(int64_t, batch_size) = 1;
+  TORCH_ARG(bool, shuffle) = false;
+  /// Seed of the shuffle; the order of epoch e comes from seed + e (as PyTorch's sampler).
+  TORCH_ARG(uint64_t, seed) = 0;
+  /// Drop the last batch when it is smaller than batch_size.
+  TORCH_ARG(bool, drop_last) = false;
+  /// Unset: the Accelerator's setting (default true: every rank gets the same number of
+  /// batches, the shortest shards padded with samples from the start of the data set).
+  TORCH_ARG(std::optional<bool>, even_batches) = std::nullopt;
+  /// Unset: the Accelerator's setting.
+  TORCH_ARG(std::optional<bool>, split_batches) = std::nullopt;
+  /// Batches prepared ahead by a background thread; 0 loads in the calling thread.
+  TORCH_ARG(int64_t, prefetch) = 2;
+  /// Move batches to the Accelerator's device.
+  TORCH_ARG(bool, device_placement) = true;
+};
+
+/// Stacks examples into a batch. Specialise for your own example types, or pass a collate
+/// function to prepare_data_loader.
+template <class E>
+struct Collate;
+
+template <class Data, class Target>
+struct Collate<torch::data::Example<Data, Target>> {
+  using Batch = torch::data::Example<Data, Target>;
+  static Batch apply(std::vector<torch::data::Example<Data, Target>>& items) {
+    std::vector<at::Tensor> data, target;
+    for (auto& e : items) {
+      data.push_back(e.data);
+      target.push_back(e.target);
+    }
+    return {at::stack(data), at::stack(target)};
+  }
+};
+
+template <>
+struct Collate<at::Tensor> {
+  using Batch = at::Tensor;
+  static Batch apply(std::vector<at::Tensor>& items) { return at::stack(items); }
+};
+
+inline at::Tensor to_device(const at::Tensor& t, c10::Device d) { return t.to(d); }
+template <class Data, class Target>
+torch::data::Example<Data, Target> to_device(const torch::data::Example<Data, Target>& e,
+                                             c10::Device d) {
+  return {e.data.to(d), e.target.to(d)};
+}
+/// Row count of a batch (first dim of its data).
+inline int64_t batch_rows(const at::Tensor& t) { return t.dim() ? t.size(0) : 1; }
+template <class Data, class Target>
+int64_t batch_rows(const torch::data::Example<Data, Target>& e) {
+  return batch_rows(e.data);
+}
+
+namespace detail {
+
+/// A bounded queue filled by a producer thread, drained by the training loop. The producer is
+/// stopped and joined when the consumer lets go (breaking out of an epoch early is fine).
+template <class Item>
+class Prefetcher {
+ public:
+  Prefetcher(std::function<std::optional<Item>()> produce, size_t capacity)
+      : produce_(std::move(produce)), capacity_(std::max<size_t>(1, capacity)) {
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Prefetcher() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  /// The next item, or nullopt at the end; rethrows the producer's failure.
+  std::optional<Item> next() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return !queue_.empty() || done_; });
+    if (!queue_.empty()) {
+      Item item = std::move(queue_.front());
+      queue_.pop_front();
+      cv_.notify_all();
+      return item;
+    }
+    if (error_) std::rethrow_exception(error_);
+    return std::nullopt;
+  }
+
+ private:
+  void run() {
+    try {
+      for (;;) {
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait(lock, [this] { return stop_ || queue_.size() < capacity_; });
+          if (stop_) break;
+        }
+        auto item = produce_();
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!item) break;
+        queue_.push_back(std::move(*item));
+        cv_.notify_all();
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      error_ = std::current_exception();
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    cv_.notify_all();
+  }
+
+  std::function<std::optional<Item>()> produce_;
+  size_t capacity_;
+  std::deque<Item> queue_;
+  bool stop_ = false, done_ = false;
+  std::exception_ptr error_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::thread thread_;
+};
+
+/// Where this rank stands in the job, for loaders.
+struct Placement {
+  int64_t rank = 0;
+  int64_t world = 1;
+  c10::Device device = c10::Device(c10::kCPU);
+  bool even_batches = true;
+  bool split_batches = false;
+};
+
+int64_t per_rank_batch_size(const DataLoaderOptions& o, const Placement& p);
+
+/// One batch as produced: the collated batch and how many of its rows are real.
+template <class Batch>
+struct Produced {
+  Batch batch;
+  int64_t valid_rows;
+};
+
+/// Shared iteration logic of the loaders: an epoch is a function producing batches; the
+/// iterator pulls them (through the prefetcher) and updates the LoaderState.
+template <class Batch>
+class EpochIterator {
+ public:
+  using Source = std::function<std::optional<Produced<Batch>>()>;
+  EpochIterator() = default;
+  EpochIterator(Source source, int64_t prefetch, std::shared_ptr<LoaderState> state,
+                std::function<void()> on_end, std::function<bool(int64_t)> is_last)
+      : state_(std::move(state)), on_end_(std::move(on_end)), is_last_(std::move(is_last)) {
+    if (prefetch > 0) {
+      prefetcher_ = std::make_shared<Prefetcher<Produced<Batch>>>(std::move(source),
+                                                                   static_cast<size_t>(prefetch));
+    } else {
+      source_ = std::move(source);
+    }
+    advance();
+  }
+  Batch& operator*() { return current_->batch; }
+  Batch* operator->() { return &current_->batch; }
+  EpochIterator& operator++() {
+    advance();
+    return *this;
+  }
+  bool operator!=(const EpochIterator& other) const { return at_end() != other.at_end(); }
+  bool operator==(const EpochIterator& other) const { return at_end() == other.at_end(); }
+
+ private:
+  bool at_end() const { return !current_.has_value(); }
+  void advance() {
+    current_ = prefetcher_ ? prefetcher_->next() : source_();
+    if (!current_) {
+      if (on_end_) on_end_();
+      on_end_ = nullptr;
+      return;
+    }
+    ++index_;
+    if (state_) {
+      state_->batch_rows = batch_rows(current_->batch);
+      state_->valid_rows = current_->valid_rows;
+      state_->end_of_dataloader = is_last_ ? is_last_(index_) : false;
+    }
+  }
+  std::shared_ptr<Prefetcher<Produced<Batch>>> prefetcher_;
+  Source source_;
+  std::optional<Produced<Batch>> current_;
+  std::shared_ptr<LoaderState> state_;
+  std::function<void()> on_end_;
+  std::function<bool(int64_t)> is_last_;
+  int64_t index_ = 0;
+};
+
+}  // namespace detail
+
+/// This rank's loader over a map-style data set (anything with `get(size_t)` and `size()`
+/// returning an optional size, like LibTorch's datasets). The order is PyTorch's
+/// DistributedSampler's; each full pass advances the epoch (so the next pass reshuffles), and
+/// set_epoch sets it explicitly.
+template <class Dataset, class Example = decltype(std::declval<Dataset&>().get(size_t{}))>
+class DataLoader {
+ public:
+  using Batch = typename Collate<Example>::Batch;
+  using CollateFn = std::function<Batch(std::vector<Example>&)>;
+  using iterator = detail::EpochIterator<Batch>;
+
+  DataLoader(Dataset dataset, DataLoaderOptions options, detail::Placement placement,
+             std::shared_ptr<LoaderState> state, CollateFn collate = nullptr)
+      : dataset_(std::make_shared<Dataset>(std::move(dataset))),
+        options_(options),
+        placement_(placement),
+        state_(std::move(state)),
+        collate_(collate ? std::move(collate) : CollateFn(&Collate<Example>::apply)) {
+    auto n = dataset_->size();
+    if (!n) throw std::invalid_argument("prepare_data_loader: the data set has no size(); use "
+                                        "prepare_stream_loader for streams");
+    batch_size_ = detail::per_rank_batch_size(options_, placement_);
+    sampler_ = std::make_unique<DistributedSampler>(
+        static_cast<int64_t>(*n), SamplerOptions()
+                                      .num_replicas(placement_.world)
+                                      .rank(placement_.rank)
+                                      .shuffle(options_.shuffle())
+                                      .seed(options_.seed())
+                                      .pad(placement_.even_batches));
+  }
+
+  /// Batches of one epoch on this rank.
+  int64_t size() const {
+    int64_t n = sampler_->num_samples();
+    return options_.drop_last() ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
+  }
+  void set_epoch(int64_t epoch) { sampler_->set_epoch(epoch); }
+  int64_t epoch() const { return sampler_->epoch(); }
+  /// The next pass starts after `n` batches (resuming mid-epoch); applies once.
+  void skip_first_batches(int64_t n) { skip_ = n; }
+  /// Batches per rank per step and the sampler, for tests and checkpoints.
+  int64_t batch_size() const { return batch_size_; }
+  const DistributedSampler& sampler() const { return *sampler_; }
+  /// Batches handed out in the current pass (including skipped ones).
+  int64_t position() const { return *position_; }
+
+  iterator begin() {
+    auto indices = std::make_shared<std::vector<int64_t>>(sampler_->indices());
+    auto mask = std::make_shared<std::vector<bool>>(sampler_->padding_mask());
+    const int64_t total = size();
+    const int64_t first = std::min(skip_, total);
+    skip_ = 0;
+    *position_ = first;
+    auto next = std::make_shared<int64_t>(first);
+    auto ds = dataset_;
+    auto collate = collate_;
+    const int64_t bs = batch_size_;
+    const auto device = placement_.device;
+    const bool place = options_.device_placement();
+    auto source = [=]() -> std::optional<detail::Produced<Batch>> {
+      if (*next >= total) return std::nullopt;
+      const int64_t begin = *next * bs;
+      const int64_t end = std::min<int64_t>(begin + bs, static_cast<int64_t>(indices->size()));
+      std::vector<Example> items;
+      int64_t valid = 0;
+      for (int64_t k = begin; k < end; ++k) {
+        items.push_back(ds->get(static_cast<size_t>((*indices)[static_cast<size_t>(k)])));
+        if (static_cast<size_t>(k) >= mask->size() || !(*mask)[static_cast<size_t>(k)]) ++valid;
+      }
+      ++*next;
+      Batch b = collate(items);
+      if (place) b = to_device(b, device);
+      return detail::Produced<Batch>{std::move(b), valid};
+    };
+    auto pos = position_;
+    auto on_end = [this] { sampler_->set_epoch(sampler_->epoch() + 1); };
+    auto is_last = [pos, first, total](int64_t yielded) {
+      *pos = first + yielded;
+      return first + yielded >= total;
+    };
+    return iterator(source, options_.prefetch(), state_, on_end, is_last);
+  }
+  iterator end() { return iterator(); }
+
+ private:
+  std::shared_ptr<Dataset> dataset_;
+  DataLoaderOptions options_;
+  detail::Placement placement_;
+  std::shared_ptr<LoaderState> state_;
+  CollateFn collate_;
+  std::unique_ptr<DistributedSampler> sampler_;
+  int64_t batch_size_ = 1;
+  int64_t skip_ = 0;
+  std::shared_ptr<int64_t> position_ = std::make_shared<int64_t>(0);
+};
+
+/// This rank's loader over a stream (Accelerate's IterableDatasetShard): `make_stream()` starts
+/// a pass and returns a generator of examples (nullopt at the end). Examples are read in rounds
+/// of world x batch_size; rank r takes the r-th batch of each round. Every rank reads the whole
+/// stream, so all stop together: the last, incomplete round is dropped with drop_last, otherwise
+/// completed with examples from the start of the stream (rows that gather_for_metrics drops).
+template <class Example>
+class StreamLoader {
+ public:
+  using Batch = typename Collate<Example>::Batch;
+  using Generator = std::function<std::optional<Example>()>;
+  using iterator = detail::EpochIterator<Batch>;
+
+  StreamLoader(std::function<Generator()> make_stream, DataLoaderOptions options,
+               detail::Placement placement, std::shared_ptr<LoaderState> state)
+      : make_stream_(std::move(make_stream)),
+        options_(options),
+        placement_(placement),
+        state_(std::move(state)) {
+    batch_size_ = detail::per_rank_batch_size(options_, placement_);
+  }
+
+  iterator begin() {
+    auto gen = std::make_shared<Generator>(make_stream_());
+    auto head = std::make_shared<std::vector<Example>>();  // first round, for padding
+    auto finished = std::make_shared<bool>(false);
+    const int64_t bs = batch_size_, world = placement_.world, rank = placement_.rank;
+    const bool drop_last = options_.drop_last();
+    const auto device = placement_.device;
+    const bool place = options_.device_placement();
+    auto lookahead = std::make_shared<std::optional<Example>>();
+    auto source = [=]() -> std::optional<detail::Produced<Batch>> {
+      if (*finished) return std::nullopt;
+      std::vector<Example> round;
+      while (static_cast<int64_t>(round.size()) < bs * world) {
+        auto e = (*gen)();
+        if (!e) break;
+        if (static_cast<int64_t>(head->size()) < bs * world) head->push_back(*e);
+        round.push_back(std::move(*e));
+      }
+      const int64_t got = static_cast<int64_t>(round.size());
+      if (got == 0 || (got < bs * world && drop_last)) {
+        *finished = true;
+        return std::nullopt;
+      }
+      if (got < bs * world) *finished = true;
+      for (size_t k = 0; static_cast<int64_t>(round.size()) < bs * world; ++k)
+        round.push_back((*head)[k % head->size()]);
+      std::vector<Example> mine(round.begin() + rank * bs, round.begin() + (rank + 1) * bs);
+      int64_t valid = std::clamp<int64_t>(got - rank * bs, 0, bs);
+      Batch b = Collate<Example>::apply(mine);
+      if (place) b = to_device(b, device);
+      return detail::Produced<Batch>{std::move(b), valid};
+    };
+    // The end of a stream is known only when it is reached: a batch is the last when the
+    // stream ended while reading its round.
+    auto is_last = [finished](int64_t) { return *finished; };
+    return iterator(source, 0, state_, nullptr, is_last);
+  }
+  iterator end() { return iterator(); }
+
+ private:
+  std::function<Generator()> make_stream_;
+  DataLoaderOptions options_;
+  detail::Placement placement_;
+  std::shared_ptr<LoaderState> state_;
+  int64_t batch_size_ = 1;
+};
+
+}  // namespace tandem::data

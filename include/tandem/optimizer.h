@@ -1,0 +1,39 @@
+// AcceleratedOptimizer: the optimizer the Accelerator hands back from prepare(); its step() and
+// zero_grad() act only on gradient-synchronisation boundaries.
+#pragma once
+
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+
+namespace tandem {
+
+class Accelerator;
+
+/// Wraps a LibTorch optimizer. Off the boundary of a gradient-accumulation cycle, step() and
+/// zero_grad() do nothing (as Accelerate's AcceleratedOptimizer).
+class AcceleratedOptimizer {
+ public:
+  AcceleratedOptimizer() = default;
+  AcceleratedOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, Accelerator* owner)
+      : optimizer_(std::move(optimizer)), owner_(owner) {}
+
+  /// Steps on a synchronisation boundary (unless a mixed-precision scaler skips it).
+  void step();
+  /// Clears gradients on a synchronisation boundary.
+  void zero_grad();
+  /// Whether the last step() was skipped (fp16 overflow, or off the boundary).
+  bool step_was_skipped() const { return skipped_; }
+
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  const std::shared_ptr<torch::optim::Optimizer>& ptr() const { return optimizer_; }
+  torch::optim::Optimizer* operator->() { return optimizer_.get(); }
+
+ private:
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  Accelerator* owner_ = nullptr;
+  bool skipped_ = false;
+};
+
+}  // namespace tandem

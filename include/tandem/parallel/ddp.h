@@ -1,0 +1,116 @@
+// Data parallel: gradients reduced in buckets while backward runs, as PyTorch's c10d Reducer.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tandem/comm/process_group.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::autograd {
+struct Node;
+}
+
+namespace tandem::parallel {
+
+/// Options of GradientReducer.
+///
+/// Example:
+///   auto reducer = std::make_unique<tandem::parallel::GradientReducer>(
+///       model->named_parameters().pairs(), pg,
+///       tandem::parallel::ReducerOptions().bucket_cap_mb(25).find_unused_parameters(true));
+struct ReducerOptions {
+  /// Size cap of every bucket but the first, in MiB (PyTorch: 25).
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Size cap of the first bucket, in MiB (PyTorch: 1), so that communication starts early.
+  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  /// Parameters that get no gradient in a backward still complete their bucket (as zeros);
+  /// a parameter that no rank used keeps its .grad untouched.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+};
+
+/// When each bucket's allreduce started and ended in the last synchronised backward, and when
+/// backward itself ended (all on std::chrono::steady_clock).
+struct ReductionTimeline {
+  using TimePoint = std::chrono::steady_clock::time_point;
+  std::vector<TimePoint> bucket_started;
+  std::vector<TimePoint> bucket_finished;
+  std::vector<int64_t> bucket_bytes;
+  TimePoint backward_ended{};
+};
+
+/// Averages the gradients of a set of parameters across the ranks of a process group.
+///
+/// A post-hook on each parameter's gradient accumulator copies the fresh gradient into its
+/// bucket's flat buffer; when every gradient of a bucket is in, an asynchronous allreduce of the
+/// bucket starts while backward goes on (buckets are launched strictly in order, so every rank
+/// issues the same sequence of collectives). At the end of backward (an autograd engine
+/// callback) the reducer waits for the buckets and writes the averages back into `.grad`.
+/// Parameters that share one tensor (tied weights) are reduced once.
+class GradientReducer {
+ public:
+  GradientReducer(const std::vector<std::pair<std::string, at::Tensor>>& named_parameters,
+                  std::shared_ptr<ProcessGroup> pg, ReducerOptions options = {});
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  /// false: backward leaves gradients local (accumulation micro-steps, no_sync).
+  void set_sync(bool sync);
+  bool sync() const { return sync_; }
+
+  /// Completes the reduction of a backward whose hooks did not all fire (unused parameters,
+  /// or no parameter at all). Called by Accelerator::backward after autograd returns; does
+  /// nothing when the engine callback already finished the step.
+  void after_backward();
+
+  /// Buckets as indices into parameter_names(), in launch order.
+  const std::vector<std::vector<size_t>>& buckets() const { return buckets_; }
+  /// The distinct parameters, by their first name, in registration order.
+  const std::vector<std::string>& parameter_names() const { return names_; }
+  /// The timeline of the last synchronised backward.
+  ReductionTimeline last_timeline() const;
+  /// Number of synchronised backward passes completed.
+  int64_t reductions() const { return reductions_; }
+
+ private:
+  struct Bucket;
+  void on_gradient_ready(size_t index);
+  void launch_ready_buckets();  // caller holds mu_
+  void finalize();
+
+  std::shared_ptr<ProcessGroup> pg_;
+  ReducerOptions options_;
+  std::vector<std::string> names_;
+  std::vector<at::Tensor> params_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  std::vector<std::vector<size_t>> buckets_;
+  std::vector<std::unique_ptr<Bucket>> bucket_state_;
+  std::vector<size_t> bucket_of_;   // param -> bucket
+  std::vector<int64_t> offset_of_;  // param -> offset in its bucket (elements)
+  std::vector<char> ready_;
+  std::vector<std::string> twice_;
+  size_t next_bucket_ = 0;
+  bool callback_queued_ = false;
+  bool finalized_since_check_ = false;  // finalize ran since the last after_backward()
+  bool sync_ = true;
+  int64_t reductions_ = 0;
+  ReductionTimeline timeline_;
+  mutable std::mutex mu_;
+};
+
+/// Overwrites every rank's parameters and/or buffers with rank 0's (flattened by dtype, one
+/// broadcast each). Tied parameters are sent once.
+void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool parameters,
+                            bool buffers);
+
+}  // namespace tandem::parallel

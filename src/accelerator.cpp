@@ -1,0 +1,171 @@
+// The Accelerator (see accelerator.h).
+#include "tandem/accelerator.h"
+
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <stdexcept>
+
+namespace tandem {
+namespace {
+
+std::optional<std::string> env(const char* key) {
+  const char* v = std::getenv(key);
+  if (!v || !*v) return std::nullopt;
+  return std::string(v);
+}
+
+bool env_true(const std::string& v) { return v == "1" || v == "true" || v == "True" || v == "yes"; }
+
+int env_positive_int(const char* key, const std::string& v) {
+  try {
+    size_t pos = 0;
+    int x = std::stoi(v, &pos);
+    if (pos == v.size() && x >= 1) return x;
+  } catch (const std::exception&) {
+  }
+  throw std::invalid_argument(std::string(key) + "='" + v + "' must be a positive integer");
+}
+
+}  // namespace
+
+Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(options)) {
+  state_ = ProcessState::from_environment();
+  bool cpu = options_.cpu().value_or(env("TANDEM_USE_CPU") ? env_true(*env("TANDEM_USE_CPU"))
+                                                           : false);
+  device_ = select_device(state_, cpu);
+  if (auto steps = options_.gradient_accumulation_steps()) {
+    if (*steps < 1)
+      throw std::invalid_argument(state_.prefix() + " gradient_accumulation_steps is " +
+                                  std::to_string(*steps) + "; it must be at least 1");
+    accumulation_steps_ = *steps;
+  } else if (auto v = env("TANDEM_GRADIENT_ACCUMULATION_STEPS")) {
+    accumulation_steps_ = env_positive_int("TANDEM_GRADIENT_ACCUMULATION_STEPS", *v);
+  }
+  if (auto threads = env("TANDEM_NUM_CPU_THREADS"))
+    torch::set_num_threads(env_positive_int("TANDEM_NUM_CPU_THREADS", *threads));
+  if (options_.bucket_cap_mb() <= 0 || options_.first_bucket_cap_mb() <= 0)
+    throw std::invalid_argument(state_.prefix() + " bucket_cap_mb and first_bucket_cap_mb must be "
+                                "positive");
+  pg_ = ProcessGroup::create(state_, ProcessGroupOptions().timeout(options_.timeout()));
+  if (options_.seed()) set_seed(*options_.seed());
+}
+
+Accelerator::~Accelerator() = default;
+
+std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
+    std::shared_ptr<torch::nn::Module> model) {
+  TORCH_CHECK(model, state_.prefix(), " prepare: the model is null");
+  for (const auto& m : models_)
+    TORCH_CHECK(m.get() != model.get(), state_.prefix(),
+                " prepare: this model was already prepared; prepare each model once");
+  model->to(device_);
+  parallel::broadcast_module_state(*model, *pg_, true, true);
+  if (pg_->size() > 1) {
+    reducers_.push_back(std::make_unique<parallel::GradientReducer>(
+        model->named_parameters().pairs(), pg_,
+        parallel::ReducerOptions()
+            .bucket_cap_mb(options_.bucket_cap_mb())
+            .first_bucket_cap_mb(options_.first_bucket_cap_mb())
+            .find_unused_parameters(options_.find_unused_parameters())));
+  }
+  models_.push_back(model);
+  return model;
+}
+
+AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimizer> optimizer) {
+  TORCH_CHECK(optimizer, state_.prefix(), " prepare: the optimizer is null");
+  return AcceleratedOptimizer(std::move(optimizer), this);
+}
+
+data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o) const {
+  data::detail::Placement p;
+  p.rank = state_.rank;
+  p.world = state_.world_size;
+  p.device = device_;
+  p.even_batches = o.even_batches().value_or(options_.even_batches());
+  p.split_batches = o.split_batches().value_or(options_.split_batches());
+  return p;
+}
+
+void Accelerator::backward(const at::Tensor& loss) {
+  TORCH_CHECK(loss.defined(), state_.prefix(), " backward: the loss is undefined");
+  auto l = accumulation_steps_ > 1 ? loss / static_cast<double>(accumulation_steps_) : loss;
+  l.backward();
+  for (auto& r : reducers_) r->after_backward();
+}
+
+Accelerator::AccumulateScope Accelerator::accumulate() {
+  ++micro_step_;
+  sync_gradients_ = micro_step_ % accumulation_steps_ == 0 || loader_state_->end_of_dataloader;
+  if (sync_gradients_) micro_step_ = 0;
+  if (no_sync_depth_ == 0)
+    for (auto& r : reducers_) r->set_sync(sync_gradients_);
+  return AccumulateScope(this);
+}
+
+Accelerator::NoSyncScope::NoSyncScope(Accelerator* acc) : acc_(acc) {
+  if (acc_->no_sync_depth_++ == 0)
+    for (auto& r : acc_->reducers_) r->set_sync(false);
+}
+
+Accelerator::NoSyncScope::~NoSyncScope() {
+  if (acc_ && --acc_->no_sync_depth_ == 0)
+    for (auto& r : acc_->reducers_) r->set_sync(acc_->sync_gradients_);
+}
+
+Accelerator::NoSyncScope Accelerator::no_sync() { return NoSyncScope(this); }
+
+double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
+                                    double norm_type) {
+  if (!sync_gradients_) return 0.0;
+  return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+}
+
+void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
+  if (!sync_gradients_) return;
+  torch::nn::utils::clip_grad_value_(parameters, clip_value);
+}
+
+at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
+  auto t = tensor;
+  const auto& st = *loader_state_;
+  if (t.dim() > 0 && st.valid_rows >= 0 && st.valid_rows < st.batch_rows &&
+      t.size(0) == st.batch_rows)
+    t = t.narrow(0, 0, st.valid_rows);
+  return comm::gather(*pg_, t);
+}
+
+void Accelerator::set_seed(uint64_t seed, bool device_specific) {
+  if (device_specific) seed += static_cast<uint64_t>(state_.rank);
+  torch::manual_seed(seed);
+  if (torch::cuda::is_available()) torch::cuda::manual_seed_all(seed);
+}
+
+void Accelerator::after_optimizer_step() {
+  ++optimizer_steps_;
+  if (options_.broadcast_buffers())
+    for (auto& m : models_) parallel::broadcast_module_state(*m, *pg_, false, true);
+}
+
+Accelerator::MainProcessFirst::MainProcessFirst(Accelerator* acc) : acc_(acc) {
+  if (!acc_->is_main_process()) acc_->wait_for_everyone();
+}
+
+Accelerator::MainProcessFirst::~MainProcessFirst() {
+  if (acc_->is_main_process()) acc_->wait_for_everyone();
+}
+
+void AcceleratedOptimizer::step() {
+  skipped_ = owner_ && !owner_->sync_gradients();
+  if (skipped_) return;
+  optimizer_->step();
+  if (owner_) owner_->after_optimizer_step();
+}
+
+void AcceleratedOptimizer::zero_grad() {
+  if (owner_ && !owner_->sync_gradients()) return;
+  optimizer_->zero_grad();
+}
+
+}  // namespace tandem

@@ -1,0 +1,266 @@
+// GradientReducer: bucketed gradient allreduce overlapped with backward (see ddp.h).
+#include "tandem/parallel/ddp.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <set>
+#include <sstream>
+#include <unordered_set>
+
+#include "../compat/autograd_hooks.h"
+#include "tandem/parallel/buckets.h"
+
+namespace tandem::parallel {
+
+struct GradientReducer::Bucket {
+  at::Tensor flat;              // the bucket's gradients, flattened
+  std::vector<size_t> members;  // parameter indices
+  size_t pending = 0;           // gradients not yet in
+  Work work;
+  bool launched = false;
+};
+
+GradientReducer::GradientReducer(
+    const std::vector<std::pair<std::string, at::Tensor>>& named_parameters,
+    std::shared_ptr<ProcessGroup> pg, ReducerOptions options)
+    : pg_(std::move(pg)), options_(options) {
+  // Distinct parameters that need gradients, in registration order (tied ones once).
+  std::unordered_set<const void*> seen;
+  for (const auto& [name, p] : named_parameters) {
+    if (!p.requires_grad()) continue;
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    names_.push_back(name);
+    params_.push_back(p);
+  }
+  std::vector<BucketParam> sizes;
+  std::map<std::pair<int, int>, int> groups;  // (dtype, device) -> group
+  for (const auto& p : params_) {
+    auto key = std::make_pair(static_cast<int>(p.scalar_type()),
+                              static_cast<int>(p.device().type()) * 1000 + p.device().index());
+    auto it = groups.emplace(key, static_cast<int>(groups.size())).first;
+    sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), it->second});
+  }
+  const auto mib = [](double mb) { return static_cast<int64_t>(mb * 1024.0 * 1024.0); };
+  buckets_ = assign_buckets(sizes, mib(options_.bucket_cap_mb()), mib(options_.first_bucket_cap_mb()));
+  bucket_of_.assign(params_.size(), 0);
+  offset_of_.assign(params_.size(), 0);
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    auto st = std::make_unique<Bucket>();
+    st->members = buckets_[b];
+    int64_t numel = 0;
+    for (size_t i : st->members) {
+      bucket_of_[i] = b;
+      offset_of_[i] = numel;
+      numel += params_[i].numel();
+    }
+    st->flat = at::zeros({numel}, params_[st->members.front()].options().requires_grad(false));
+    st->pending = st->members.size();
+    bucket_state_.push_back(std::move(st));
+  }
+  ready_.assign(params_.size(), 0);
+  timeline_.bucket_started.resize(buckets_.size());
+  timeline_.bucket_finished.resize(buckets_.size());
+  for (size_t b = 0; b < buckets_.size(); ++b)
+    timeline_.bucket_bytes.push_back(bucket_state_[b]->flat.numel() *
+                                     static_cast<int64_t>(bucket_state_[b]->flat.element_size()));
+  // Hooks on the gradient accumulators: they run after .grad was written.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(acc, pg_->prefix(), " parameter ", names_[i],
+                " is not a leaf tensor: data parallel needs leaf parameters");
+    hook_keys_.push_back(compat::add_post_hook(*acc, [this, i] { on_gradient_ready(i); }));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+GradientReducer::~GradientReducer() {
+  for (size_t i = 0; i < accumulators_.size(); ++i)
+    compat::remove_post_hook(*accumulators_[i], hook_keys_[i]);
+  // Never leave a collective in flight behind us.
+  for (auto& b : bucket_state_) {
+    try {
+      if (b->launched) b->work.wait();
+    } catch (...) {
+    }
+  }
+}
+
+void GradientReducer::set_sync(bool sync) {
+  std::lock_guard<std::mutex> lock(mu_);
+  sync_ = sync;
+}
+
+void GradientReducer::on_gradient_ready(size_t i) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!sync_) return;
+  if (!callback_queued_) {
+    // Finish the reduction when the whole backward pass is done, even if the user called
+    // loss.backward() directly.
+    callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+  }
+  if (ready_[i]) {
+    twice_.push_back(names_[i]);
+    return;
+  }
+  ready_[i] = 1;
+  Bucket& b = *bucket_state_[bucket_of_[i]];
+  const auto& grad = params_[i].grad();
+  auto slot = b.flat.narrow(0, offset_of_[i], params_[i].numel());
+  if (grad.defined()) {
+    slot.copy_(grad.reshape({-1}));
+  } else {
+    slot.zero_();
+  }
+  if (--b.pending == 0) launch_ready_buckets();
+}
+
+void GradientReducer::launch_ready_buckets() {
+  while (next_bucket_ < bucket_state_.size() && bucket_state_[next_bucket_]->pending == 0) {
+    Bucket& b = *bucket_state_[next_bucket_];
+    timeline_.bucket_started[next_bucket_] = std::chrono::steady_clock::now();
+    b.work = pg_->allreduce_async({b.flat}, ReduceOp::kMean,
+                                  "gradient allreduce (bucket " + std::to_string(next_bucket_) + ")");
+    b.launched = true;
+    ++next_bucket_;
+  }
+}
+
+void GradientReducer::after_backward() {
+  bool pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // No hook fired at all in this backward (and so no engine callback finished it).
+    pending = sync_ && !callback_queued_ && !finalized_since_check_;
+    finalized_since_check_ = false;
+  }
+  if (pending) finalize();
+}
+
+void GradientReducer::finalize() {
+  std::unique_lock<std::mutex> lock(mu_);
+  timeline_.backward_ended = std::chrono::steady_clock::now();
+  callback_queued_ = false;
+  finalized_since_check_ = true;
+  auto reset = [&] {
+    for (auto& b : bucket_state_) {
+      b->pending = b->members.size();
+      b->launched = false;
+      b->work = Work();
+    }
+    std::fill(ready_.begin(), ready_.end(), 0);
+    next_bucket_ = 0;
+    twice_.clear();
+  };
+  auto wait_launched = [&] {
+    for (auto& b : bucket_state_)
+      if (b->launched) b->work.wait();
+  };
+  std::vector<size_t> unused;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!ready_[i]) unused.push_back(i);
+
+  if (!twice_.empty()) {
+    std::string names;
+    for (const auto& n : twice_) names += (names.empty() ? "" : ", ") + n;
+    wait_launched();
+    reset();
+    throw std::runtime_error(
+        pg_->prefix() + " parameters got their gradient twice in one synchronised backward (" +
+        names + "): call backward once per step, or wrap all but the last micro-step in "
+        "accelerator.no_sync(model) / accelerator.accumulate(model)");
+  }
+  if (!unused.empty() && !options_.find_unused_parameters()) {
+    std::string names;
+    for (size_t k = 0; k < unused.size() && k < 20; ++k)
+      names += (k ? ", " : "") + names_[unused[k]];
+    if (unused.size() > 20) names += ", ... (" + std::to_string(unused.size()) + " in all)";
+    wait_launched();
+    reset();
+    throw std::runtime_error(
+        pg_->prefix() + " these parameters received no gradient in this backward: " + names +
+        ". If parts of the model are unused in some steps, pass "
+        "AcceleratorOptions().find_unused_parameters(true); otherwise make sure every parameter "
+        "takes part in the loss (or set requires_grad(false) on the ones that should not train).");
+  }
+  // find_unused_parameters: complete the buckets with zeros, and learn which parameters no rank
+  // used, so that their .grad stays as it was (as PyTorch's DDP does).
+  at::Tensor used_anywhere;
+  if (options_.find_unused_parameters()) {
+    auto used = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+    for (size_t i = 0; i < params_.size(); ++i) used[i] = ready_[i] ? 1 : 0;
+    for (size_t i : unused) {
+      ready_[i] = 1;
+      Bucket& b = *bucket_state_[bucket_of_[i]];
+      b.flat.narrow(0, offset_of_[i], params_[i].numel()).zero_();
+      --b.pending;
+    }
+    launch_ready_buckets();
+    used_anywhere = used;
+    pg_->allreduce_async({used_anywhere}, ReduceOp::kSum, "unused-parameter map allreduce").wait();
+  }
+  // Wait for every bucket and write the averages back.
+  try {
+    for (size_t b = 0; b < bucket_state_.size(); ++b) {
+      Bucket& bs = *bucket_state_[b];
+      bs.work.wait();
+      timeline_.bucket_finished[b] = std::chrono::steady_clock::now();
+      for (size_t i : bs.members) {
+        if (used_anywhere.defined() && used_anywhere[i].item<int>() == 0) continue;
+        auto slot = bs.flat.narrow(0, offset_of_[i], params_[i].numel()).view(params_[i].sizes());
+        auto& g = params_[i].mutable_grad();
+        if (g.defined()) {
+          g.copy_(slot);
+        } else {
+          g = slot.clone();
+        }
+      }
+    }
+  } catch (...) {
+    reset();
+    throw;
+  }
+  ++reductions_;
+  reset();
+}
+
+ReductionTimeline GradientReducer::last_timeline() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return timeline_;
+}
+
+void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool parameters,
+                            bool buffers) {
+  if (pg.size() == 1) return;
+  std::vector<at::Tensor> tensors;
+  std::unordered_set<const void*> seen;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) tensors.push_back(t);
+  };
+  if (parameters)
+    for (auto& p : module.parameters()) add(p);
+  if (buffers)
+    for (auto& b : module.buffers()) add(b);
+  // One flat broadcast per (dtype, device).
+  std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
+  for (auto& t : tensors) groups[{static_cast<int>(t.scalar_type()), t.device().str()}].push_back(t);
+  at::NoGradGuard no_grad;
+  for (auto& [key, ts] : groups) {
+    std::vector<at::Tensor> flat_parts;
+    for (auto& t : ts) flat_parts.push_back(t.detach().reshape({-1}));
+    auto flat = at::cat(flat_parts);
+    pg.broadcast(flat, 0);
+    int64_t off = 0;
+    for (auto& t : ts) {
+      t.detach().copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+  }
+}
+
+}  // namespace tandem::parallel

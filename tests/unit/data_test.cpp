@@ -1,0 +1,274 @@
+// DistributedSampler (against PyTorch's), bucket assignment and the prepared loaders' logic,
+// without processes: a loader can be built for any (rank, world) placement.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <set>
+
+#include "tandem/data/loader.h"
+#include "tandem/data/sampler.h"
+#include "tandem/parallel/buckets.h"
+
+using tandem::data::DataLoader;
+using tandem::data::DataLoaderOptions;
+using tandem::data::DistributedSampler;
+using tandem::data::LoaderState;
+using tandem::data::SamplerOptions;
+
+namespace {
+
+// The sampler's algorithm written out plainly (PyTorch's DistributedSampler.__iter__), without
+// shuffling, to derive expectations independently of the implementation.
+std::vector<int64_t> plain_sampler(int64_t size, int64_t n, int64_t rank, bool drop_last) {
+  std::vector<int64_t> idx;
+  for (int64_t i = 0; i < size; ++i) idx.push_back(i);
+  int64_t num_samples = drop_last && size % n ? (size - n) / n + 1 : (size + n - 1) / n;
+  if (drop_last && size % n) num_samples = size / n;
+  int64_t total = num_samples * n;
+  if (!drop_last) {
+    std::vector<int64_t> padded = idx;
+    while (static_cast<int64_t>(padded.size()) < total)
+      padded.push_back(idx[padded.size() % idx.size()]);
+    idx = padded;
+  } else {
+    idx.resize(static_cast<size_t>(total));
+  }
+  std::vector<int64_t> out;
+  for (int64_t i = rank; i < total; i += n) out.push_back(idx[static_cast<size_t>(i)]);
+  return out;
+}
+
+struct Range : torch::data::datasets::Dataset<Range> {
+  explicit Range(int64_t n) : n(n) {}
+  torch::data::Example<> get(size_t i) override {
+    return {torch::full({2}, static_cast<float>(i)), torch::tensor(static_cast<int64_t>(i))};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>(n); }
+  int64_t n;
+};
+
+tandem::data::detail::Placement place(int64_t rank, int64_t world, bool even = true,
+                                   bool split = false) {
+  tandem::data::detail::Placement p;
+  p.rank = rank;
+  p.world = world;
+  p.even_batches = even;
+  p.split_batches = split;
+  return p;
+}
+
+std::vector<std::vector<int64_t>> batches_of(DataLoader<Range>& loader) {
+  std::vector<std::vector<int64_t>> out;
+  for (auto& b : loader) {
+    std::vector<int64_t> ids;
+    for (int64_t k = 0; k < b.target.size(0); ++k) ids.push_back(b.target[k].item<int64_t>());
+    out.push_back(ids);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(DistributedSampler, MatchesPyTorchOnEveryRecordedCase) {
+  // Recorded once from torch.utils.data.DistributedSampler (PyTorch 1.13) by iterating it for
+  // every (size, num_replicas, rank, shuffle, seed, epoch, drop_last) in the table.
+  std::ifstream f(TANDEM_TEST_DATA "/pytorch_sampler_cases.json");
+  ASSERT_TRUE(f) << "missing tests/data/pytorch_sampler_cases.json";
+  auto doc = nlohmann::json::parse(f);
+  int checked = 0;
+  for (const auto& c : doc["cases"]) {
+    for (int64_t r = 0; r < c["num_replicas"].get<int64_t>(); ++r) {
+      DistributedSampler s(c["size"].get<int64_t>(), SamplerOptions()
+                                                         .num_replicas(c["num_replicas"])
+                                                         .rank(r)
+                                                         .shuffle(c["shuffle"])
+                                                         .seed(c["seed"].get<uint64_t>())
+                                                         .drop_last(c["drop_last"]));
+      s.set_epoch(c["epoch"]);
+      auto expected = c["ranks"][r].get<std::vector<int64_t>>();
+      ASSERT_EQ(s.indices(), expected) << c.dump();
+      ASSERT_EQ(s.num_samples(), static_cast<int64_t>(expected.size()));
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 1000);
+}
+
+TEST(DistributedSampler, MatchesThePlainAlgorithmWithoutShuffle) {
+  for (int64_t size : {1, 5, 10, 11, 12, 13}) {
+    for (int64_t n : {1, 2, 3, 4, 7}) {
+      for (bool drop : {false, true}) {
+        for (int64_t r = 0; r < n; ++r) {
+          DistributedSampler s(size, SamplerOptions().num_replicas(n).rank(r).shuffle(false).drop_last(drop));
+          EXPECT_EQ(s.indices(), plain_sampler(size, n, r, drop))
+              << size << " " << n << " " << r << " " << drop;
+        }
+      }
+    }
+  }
+  DistributedSampler s(10, SamplerOptions().num_replicas(3).rank(1).shuffle(false));
+  EXPECT_EQ(s.indices(), (std::vector<int64_t>{1, 4, 7, 0}));
+  EXPECT_EQ(s.padding_mask(), (std::vector<bool>{false, false, false, true}));
+}
+
+TEST(DistributedSampler, EpochChangesTheOrderAndEveryRankCoversTheDataOnce) {
+  const int64_t n = 3, size = 30;
+  std::vector<int64_t> epoch0, epoch1;
+  for (int64_t e : {0, 1}) {
+    std::multiset<int64_t> all;
+    for (int64_t r = 0; r < n; ++r) {
+      DistributedSampler s(size, SamplerOptions().num_replicas(n).rank(r).seed(5));
+      s.set_epoch(e);
+      auto idx = s.indices();
+      all.insert(idx.begin(), idx.end());
+      if (r == 0) (e == 0 ? epoch0 : epoch1) = idx;
+    }
+    for (int64_t i = 0; i < size; ++i) EXPECT_EQ(all.count(i), 1u);
+  }
+  EXPECT_NE(epoch0, epoch1);
+}
+
+TEST(DistributedSampler, UnevenWithoutPadding) {
+  std::vector<int64_t> sizes;
+  for (int64_t r = 0; r < 3; ++r) {
+    DistributedSampler s(10, SamplerOptions().num_replicas(3).rank(r).shuffle(false).pad(false));
+    sizes.push_back(static_cast<int64_t>(s.indices().size()));
+    EXPECT_EQ(s.num_samples(), sizes.back());
+  }
+  EXPECT_EQ(sizes, (std::vector<int64_t>{4, 3, 3}));
+}
+
+TEST(Buckets, ReverseOrderUnderTheCapsWithASmallFirstBucket) {
+  using tandem::parallel::assign_buckets;
+  // 6 parameters of 400 bytes: first cap 500 -> closes after 2 (800 >= 500); cap 1000 -> 3 more.
+  std::vector<tandem::parallel::BucketParam> p(6, {400, 0});
+  auto b = assign_buckets(p, 1000, 500);
+  ASSERT_EQ(b.size(), 3u);
+  EXPECT_EQ(b[0], (std::vector<size_t>{5, 4}));
+  EXPECT_EQ(b[1], (std::vector<size_t>{3, 2, 1}));
+  EXPECT_EQ(b[2], (std::vector<size_t>{0}));
+  // A huge parameter closes its bucket alone; dtype groups never mix.
+  std::vector<tandem::parallel::BucketParam> q{{100, 0}, {100, 1}, {5000, 0}, {100, 1}};
+  auto c = assign_buckets(q, 1000, 1000);
+  std::set<size_t> seen;
+  for (auto& bucket : c) {
+    std::set<int> groups;
+    for (size_t i : bucket) {
+      groups.insert(q[i].group);
+      EXPECT_TRUE(seen.insert(i).second);
+    }
+    EXPECT_EQ(groups.size(), 1u);
+  }
+  EXPECT_EQ(seen.size(), q.size());
+  EXPECT_EQ(c[0], (std::vector<size_t>{2}));
+}
+
+TEST(Loader, ShardsBatchesAndMarksPaddingForEveryRank) {
+  // 10 samples, 3 ranks, batch 3: shards of 4 (two padded samples), batches of 3 and 1.
+  std::multiset<int64_t> real;
+  for (int64_t r = 0; r < 3; ++r) {
+    auto state = std::make_shared<LoaderState>();
+    DataLoader<Range> loader(Range(10), DataLoaderOptions().batch_size(3), place(r, 3), state);
+    EXPECT_EQ(loader.size(), 2);
+    auto it = loader.begin();
+    ASSERT_TRUE(it != loader.end());
+    EXPECT_EQ(state->batch_rows, 3);
+    EXPECT_EQ(state->valid_rows, 3);
+    EXPECT_FALSE(state->end_of_dataloader);
+    for (int64_t k = 0; k < 3; ++k) real.insert(it->target[k].item<int64_t>());
+    ++it;
+    ASSERT_TRUE(it != loader.end());
+    EXPECT_TRUE(state->end_of_dataloader);
+    EXPECT_EQ(state->batch_rows, 1);
+    EXPECT_EQ(state->valid_rows, r == 0 ? 1 : 0);  // rank 1 and 2 got repeats of 0 and 1
+    if (state->valid_rows) real.insert(it->target[0].item<int64_t>());
+    ++it;
+    EXPECT_FALSE(it != loader.end());
+  }
+  for (int64_t i = 0; i < 10; ++i) EXPECT_EQ(real.count(i), 1u) << i;
+}
+
+TEST(Loader, SkipFirstBatchesResumesMidEpochInTheSameOrder) {
+  auto state = std::make_shared<LoaderState>();
+  DataLoader<Range> full(Range(50), DataLoaderOptions().batch_size(4).shuffle(true).seed(3),
+                         place(1, 2), state);
+  DataLoader<Range> resumed(Range(50), DataLoaderOptions().batch_size(4).shuffle(true).seed(3),
+                            place(1, 2), state);
+  full.set_epoch(2);
+  resumed.set_epoch(2);
+  auto all = batches_of(full);
+  resumed.skip_first_batches(3);
+  auto rest = batches_of(resumed);
+  ASSERT_EQ(rest.size() + 3, all.size());
+  for (size_t k = 0; k < rest.size(); ++k) EXPECT_EQ(rest[k], all[k + 3]);
+  // The next pass is a new epoch with a new order and no skipping.
+  EXPECT_EQ(resumed.epoch(), 3);
+  EXPECT_EQ(batches_of(resumed).size(), all.size());
+}
+
+TEST(Loader, SplitBatchesDropLastAndPrefetchOff) {
+  auto state = std::make_shared<LoaderState>();
+  DataLoader<Range> split(Range(20), DataLoaderOptions().batch_size(8), place(0, 4, true, true), state);
+  EXPECT_EQ(split.batch_size(), 2);
+  auto make_bad = [&] {
+    DataLoader<Range> bad(Range(20), DataLoaderOptions().batch_size(6), place(0, 4, true, true),
+                          state);
+  };
+  EXPECT_THROW(make_bad(), std::invalid_argument);
+  DataLoader<Range> drop(Range(10), DataLoaderOptions().batch_size(4).drop_last(true).prefetch(0),
+                         place(0, 1), state);
+  auto b = batches_of(drop);
+  ASSERT_EQ(b.size(), 2u);
+  EXPECT_EQ(b[1], (std::vector<int64_t>{4, 5, 6, 7}));
+}
+
+TEST(Loader, ProducerErrorsReachTheTrainingLoop) {
+  struct Bad : torch::data::datasets::Dataset<Bad> {
+    torch::data::Example<> get(size_t i) override {
+      if (i == 5) throw std::runtime_error("sample 5 is corrupt");
+      return {torch::zeros({1}), torch::zeros({})};
+    }
+    torch::optional<size_t> size() const override { return 8; }
+  };
+  DataLoader<Bad> loader(Bad(), DataLoaderOptions().batch_size(2), place(0, 1),
+                         std::make_shared<LoaderState>());
+  try {
+    for (auto& b : loader) (void)b;
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "sample 5 is corrupt");
+  }
+}
+
+TEST(StreamLoader, RanksTakeEveryNthBatchAndStopTogether) {
+  // A stream of 11 examples, 3 ranks, batch 2: rounds of 6; the second round has 5 (one pad).
+  std::vector<std::vector<int64_t>> per_rank(3);
+  std::vector<int64_t> valid_total(3, 0);
+  for (int64_t r = 0; r < 3; ++r) {
+    auto state = std::make_shared<LoaderState>();
+    auto make = [] {
+      auto i = std::make_shared<int64_t>(0);
+      return std::function<std::optional<torch::Tensor>()>([i]() -> std::optional<torch::Tensor> {
+        if (*i >= 11) return std::nullopt;
+        return torch::tensor(static_cast<float>((*i)++));
+      });
+    };
+    tandem::data::StreamLoader<torch::Tensor> loader(make, DataLoaderOptions().batch_size(2),
+                                                      place(r, 3), state);
+    int batches = 0;
+    for (auto& b : loader) {
+      ++batches;
+      for (int64_t k = 0; k < state->valid_rows; ++k)
+        per_rank[r].push_back(static_cast<int64_t>(b[k].item<float>()));
+      valid_total[r] += state->valid_rows;
+      EXPECT_EQ(state->end_of_dataloader, batches == 2);
+    }
+    EXPECT_EQ(batches, 2);
+  }
+  EXPECT_EQ(per_rank[0], (std::vector<int64_t>{0, 1, 6, 7}));
+  EXPECT_EQ(per_rank[1], (std::vector<int64_t>{2, 3, 8, 9}));
+  EXPECT_EQ(per_rank[2], (std::vector<int64_t>{4, 5, 10}));
+}
