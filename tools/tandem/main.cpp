@@ -1,10 +1,11 @@
-// The `tandem` command line: launch, env. Thin: the logic lives in the library (src/).
+// The `tandem` command line: launch, env, estimate-memory. Thin: the logic lives in src/.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
 
 #include "tandem/launch/launcher.h"
 #include "tandem/version.h"
+#include "estimate_memory_cmd.h"
 
 namespace {
 
@@ -64,7 +65,12 @@ int main(int argc, char** argv) {
   // --- env ------------------------------------------------------------------------------------
   auto* env = app.add_subcommand("env", "Print what a bug report needs");
 
+  // --- estimate-memory (flags and handler in estimate_memory_cmd.cpp) ----------------------------
+  tandem::cli::EstimateMemoryCommand estimate_memory(app);
+
   CLI11_PARSE(app, argc, argv);
+
+  if (estimate_memory.chosen()) return estimate_memory.run();
 
   try {
     if (*launch) {

@@ -1,0 +1,517 @@
+// Memory estimates: parameter counting (GPT shape, safetensors headers) and the size formulas.
+#include "tandem/track/memory_estimate.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace tandem::track {
+namespace fs = std::filesystem;
+
+namespace {
+
+// safetensors refuses headers above 100 MB; a bigger length means a file that is not one.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+constexpr double kZeroK = 12;  // fp32 master weights (4) + Adam momentum (4) + variance (4)
+
+std::string with_commas(int64_t n) {
+  std::string digits = std::to_string(n < 0 ? -n : n);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return n < 0 ? "-" + out : out;
+}
+
+// Tensors counted so far; a layer can span shards, so groups are summed before the maximum.
+struct Tally {
+  int64_t total = 0;
+  std::map<std::string, int64_t> groups;
+  std::map<std::string, int64_t> dtypes;
+  size_t tensors = 0;
+};
+
+std::string layer_of(const std::string& name) {
+  std::vector<std::string> parts;
+  std::stringstream ss(name);
+  std::string part;
+  while (std::getline(ss, part, '.')) parts.push_back(part);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    bool numeric = !parts[i].empty() &&
+                   std::all_of(parts[i].begin(), parts[i].end(),
+                               [](unsigned char c) { return std::isdigit(c) != 0; });
+    if (numeric && i > 0) {
+      std::string out = parts[0];
+      for (size_t k = 1; k <= i; ++k) out += "." + parts[k];
+      return out;
+    }
+  }
+  auto dot = name.rfind('.');
+  return dot == std::string::npos ? name : name.substr(0, dot);
+}
+
+void tally_header(const std::string& header_json, const std::string& source, Tally& tally) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(header_json);
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(source + ": expected a safetensors header (JSON), found text that " +
+                             "does not parse (" + e.what() + "); is this a safetensors file?");
+  }
+  if (!j.is_object()) {
+    throw std::runtime_error(source + ": expected the safetensors header to be a JSON object, "
+                             "found " + std::string(j.type_name()));
+  }
+  for (const auto& [name, info] : j.items()) {
+    if (name == "__metadata__") continue;
+    if (!info.is_object() || !info.contains("shape") || !info["shape"].is_array()) {
+      throw std::runtime_error(source + ": expected tensor '" + name +
+                               "' to have a \"shape\" array, found " + info.dump());
+    }
+    int64_t n = 1;
+    for (const auto& d : info["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0) {
+        throw std::runtime_error(source + ": expected non-negative integer dimensions for '" +
+                                 name + "', found " + info["shape"].dump());
+      }
+      n *= d.get<int64_t>();
+    }
+    std::string dtype = info.contains("dtype") && info["dtype"].is_string()
+                            ? info["dtype"].get<std::string>()
+                            : "unknown";
+    tally.total += n;
+    tally.groups[layer_of(name)] += n;
+    tally.dtypes[dtype] += n;
+    ++tally.tensors;
+  }
+}
+
+ModelSize finish_tally(const Tally& tally, const std::string& source) {
+  ModelSize m;
+  m.source = source;
+  m.num_parameters = tally.total;
+  m.stored_dtypes = tally.dtypes;
+  for (const auto& [name, n] : tally.groups) {
+    if (n > m.largest_layer_parameters) {
+      m.largest_layer_parameters = n;
+      m.largest_layer_name = name;
+    }
+  }
+  m.notes.push_back("counted " + std::to_string(tally.tensors) +
+                    " tensors from the checkpoint header; buffers stored in it count as "
+                    "parameters");
+  return m;
+}
+
+std::string read_header(const fs::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) {
+    throw std::runtime_error("estimate-memory: expected a readable safetensors file at '" +
+                             file.string() + "', but it cannot be opened; check the path");
+  }
+  unsigned char len_bytes[8];
+  if (!in.read(reinterpret_cast<char*>(len_bytes), 8)) {
+    throw std::runtime_error(file.string() + ": expected a safetensors file (8-byte header "
+                             "length first), found fewer than 8 bytes");
+  }
+  uint64_t len = 0;
+  for (int i = 7; i >= 0; --i) len = (len << 8) | len_bytes[i];
+  std::error_code ec;
+  auto size = fs::file_size(file, ec);
+  if (len > kMaxHeaderBytes || (!ec && len > size - 8)) {
+    throw std::runtime_error(file.string() + ": expected a safetensors header length below " +
+                             std::to_string(kMaxHeaderBytes) + " bytes and within the file (" +
+                             std::to_string(ec ? 0 : size) + " bytes), found " +
+                             std::to_string(len) + "; is this a safetensors file?");
+  }
+  std::string header(len, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(len))) {
+    throw std::runtime_error(file.string() + ": the safetensors header is cut short");
+  }
+  return header;
+}
+
+ModelSize read_index(const fs::path& index) {
+  std::ifstream in(index);
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const nlohmann::json::exception& e) {
+    throw std::runtime_error(index.string() + ": expected a safetensors index (JSON with a " +
+                             "\"weight_map\"), found text that does not parse (" + e.what() + ")");
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
+    throw std::runtime_error(index.string() + ": expected a \"weight_map\" object mapping tensor "
+                             "names to shard files; is this a model.safetensors.index.json?");
+  }
+  std::vector<std::string> shards;
+  for (const auto& [name, shard] : j["weight_map"].items()) {
+    if (!shard.is_string()) {
+      throw std::runtime_error(index.string() + ": expected a shard file name for '" + name +
+                               "', found " + shard.dump());
+    }
+    auto s = shard.get<std::string>();
+    if (std::find(shards.begin(), shards.end(), s) == shards.end()) shards.push_back(s);
+  }
+  Tally tally;
+  for (const auto& s : shards) {
+    auto p = index.parent_path() / s;
+    if (!fs::exists(p)) {
+      throw std::runtime_error(index.string() + ": expected shard '" + s + "' beside the index, " +
+                               "but it is missing; download every shard (only their headers " +
+                               "are read)");
+    }
+    tally_header(read_header(p), p.string(), tally);
+  }
+  auto m = finish_tally(tally, "safetensors index " + index.filename().string() + " (" +
+                                   std::to_string(shards.size()) + " shards)");
+  return m;
+}
+
+}  // namespace
+
+ModelSize count_gpt_parameters(const GptShape& s) {
+  if (s.layers <= 0 || s.hidden <= 0 || s.vocab <= 0 || s.context <= 0) {
+    throw std::invalid_argument(
+        "estimate-memory: expected positive --layers, --hidden, --vocab and --context for a GPT "
+        "shape, found layers " + std::to_string(s.layers) + ", hidden " +
+        std::to_string(s.hidden) + ", vocab " + std::to_string(s.vocab) + ", context " +
+        std::to_string(s.context) + "; give all four");
+  }
+  const int64_t h = s.hidden;
+  const int64_t token = s.vocab * h, position = s.context * h;
+  const int64_t block = 12 * h * h + 13 * h;
+  ModelSize m;
+  m.num_parameters = token + position + s.layers * block + 2 * h;
+  m.source = "GPT: " + std::to_string(s.layers) + " layers, hidden " + std::to_string(h) +
+             ", vocab " + std::to_string(s.vocab) + ", context " + std::to_string(s.context);
+  std::vector<std::pair<std::string, int64_t>> layers = {
+      {"token embedding", token}, {"position embedding", position}, {"transformer block", block}};
+  for (const auto& [name, n] : layers) {
+    if (n > m.largest_layer_parameters) {
+      m.largest_layer_parameters = n;
+      m.largest_layer_name = name;
+    }
+  }
+  m.notes.push_back("output head tied to the token embedding (no extra parameters); untied adds " +
+                    with_commas(token));
+  m.notes.push_back("per block 12h^2 + 13h: qkv 3h^2+3h, attention projection h^2+h, MLP "
+                    "4h^2+4h and 4h^2+h, two LayerNorms 2h each; final LayerNorm 2h");
+  return m;
+}
+
+int64_t parse_parameter_count(const std::string& text) {
+  auto fail = [&]() {
+    return std::invalid_argument("estimate-memory: expected a parameter count like 125M, 7.5B, "
+                                 "1e9 or 350000, found '" + text + "'");
+  };
+  std::string s = text;
+  s.erase(std::remove_if(s.begin(), s.end(), [](unsigned char c) { return std::isspace(c); }),
+          s.end());
+  s.erase(std::remove(s.begin(), s.end(), '_'), s.end());
+  if (s.empty()) throw fail();
+  double mult = 1;
+  switch (std::tolower(static_cast<unsigned char>(s.back()))) {
+    case 'k': mult = 1e3; break;
+    case 'm': mult = 1e6; break;
+    case 'b':
+    case 'g': mult = 1e9; break;
+    case 't': mult = 1e12; break;
+    default: break;
+  }
+  if (mult != 1) s.pop_back();
+  if (s.empty()) throw fail();
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size() || !std::isfinite(v) || v <= 0 || v * mult >= 9.2e18) {
+    throw fail();
+  }
+  return static_cast<int64_t>(std::llround(v * mult));
+}
+
+ModelSize model_size_from_count(int64_t n) {
+  if (n <= 0) {
+    throw std::invalid_argument("estimate-memory: expected a positive parameter count, found " +
+                                std::to_string(n));
+  }
+  ModelSize m;
+  m.num_parameters = n;
+  m.source = "parameter count";
+  m.notes.push_back("largest layer unknown: give a checkpoint or a GPT shape to see it");
+  return m;
+}
+
+ModelSize model_size_from_safetensors_header(const std::string& header_json,
+                                             const std::string& source) {
+  Tally tally;
+  tally_header(header_json, source, tally);
+  return finish_tally(tally, source);
+}
+
+ModelSize read_safetensors_model_size(const std::string& path_text) {
+  fs::path path(path_text);
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    throw std::runtime_error("estimate-memory: expected a .safetensors file, a "
+                             "model.safetensors.index.json or a folder with one, but '" +
+                             path_text + "' does not exist");
+  }
+  if (fs::is_directory(path, ec)) {
+    if (fs::exists(path / "model.safetensors.index.json")) {
+      return read_index(path / "model.safetensors.index.json");
+    }
+    if (fs::exists(path / "model.safetensors")) path = path / "model.safetensors";
+    else {
+      std::vector<fs::path> indexes, files;
+      for (const auto& e : fs::directory_iterator(path)) {
+        auto name = e.path().filename().string();
+        auto ends = [&](const std::string& suf) {
+          return name.size() >= suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
+        };
+        if (ends(".safetensors.index.json")) indexes.push_back(e.path());
+        else if (ends(".safetensors")) files.push_back(e.path());
+      }
+      if (indexes.size() == 1) return read_index(indexes.front());
+      if (indexes.empty() && !files.empty()) {
+        std::sort(files.begin(), files.end());
+        Tally tally;
+        for (const auto& f : files) tally_header(read_header(f), f.string(), tally);
+        return finish_tally(tally, "safetensors: " + std::to_string(files.size()) +
+                                       " files in " + path_text);
+      }
+      throw std::runtime_error(
+          "estimate-memory: expected '" + path_text + "' to hold model.safetensors, one "
+          "*.safetensors.index.json or *.safetensors files, found " +
+          std::to_string(indexes.size()) + " index files and " + std::to_string(files.size()) +
+          " safetensors files; pass the file to use");
+    }
+  }
+  auto name = path.filename().string();
+  if (name.size() > 5 && name.compare(name.size() - 5, 5, ".json") == 0) return read_index(path);
+  return finish_tally(
+      [&] {
+        Tally t;
+        tally_header(read_header(path), path.string(), t);
+        return t;
+      }(),
+      "safetensors: " + path.filename().string());
+}
+
+std::vector<std::string> memory_dtypes() { return {"float32", "float16/bfloat16", "int8", "int4"}; }
+
+MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
+                               const std::vector<std::string>& dtypes) {
+  if (num_processes < 1) {
+    throw std::invalid_argument("estimate-memory: expected --num_processes of at least 1, found " +
+                                std::to_string(num_processes));
+  }
+  static const std::vector<std::pair<std::string, double>> kRows = {
+      {"float32", 4}, {"float16/bfloat16", 2}, {"int8", 1}, {"int4", 0.5}};
+  std::vector<std::string> wanted;
+  for (const auto& d : dtypes) {
+    std::string k = d;
+    std::transform(k.begin(), k.end(), k.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    std::string row;
+    if (k == "float32" || k == "fp32") row = "float32";
+    else if (k == "float16" || k == "fp16" || k == "bfloat16" || k == "bf16" ||
+             k == "float16/bfloat16") row = "float16/bfloat16";
+    else if (k == "int8") row = "int8";
+    else if (k == "int4") row = "int4";
+    else {
+      throw std::invalid_argument("estimate-memory: expected dtypes among float32, float16, "
+                                  "bfloat16, int8, int4, found '" + d + "'");
+    }
+    wanted.push_back(row);
+  }
+  MemoryEstimate e;
+  e.model = model;
+  e.num_processes = num_processes;
+  const double p = static_cast<double>(model.num_parameters);
+  for (const auto& [name, b] : kRows) {
+    if (!wanted.empty() && std::find(wanted.begin(), wanted.end(), name) == wanted.end()) continue;
+    DtypeMemory d;
+    d.dtype = name;
+    d.bytes_per_parameter = b;
+    d.largest_layer_bytes = static_cast<double>(model.largest_layer_parameters) * b;
+    d.total_bytes = p * b;
+    d.training_adam_bytes = p * (2 * b + 8);
+    e.dtypes.push_back(d);
+  }
+  const double n = static_cast<double>(num_processes);
+  e.zero = {
+      {"ddp", "DDP (no sharding)", "(2+2+K)P", (2 + 2 + kZeroK) * p},
+      {"zero1", "ZeRO-1 (optimizer states)", "4P + KP/N", 4 * p + kZeroK * p / n},
+      {"zero2", "ZeRO-2 (+ gradients)", "2P + (2+K)P/N", 2 * p + (2 + kZeroK) * p / n},
+      {"zero3", "ZeRO-3 (+ parameters)", "(2+2+K)P/N", (2 + 2 + kZeroK) * p / n},
+  };
+  e.caveats = {
+      "activations (they grow with batch size and sequence length, and are often the largest "
+      "part of training memory; activation checkpointing trades them for compute)",
+      "temporary buffers: gradient buckets for allreduce, ZeRO-3's gathered parameters, "
+      "optimizer-step scratch",
+      "model buffers that are not parameters (unless the checkpoint stores them)",
+      "the CUDA context and library workspaces (cuBLAS, cuDNN, NCCL)",
+      "allocator fragmentation and caching: keep 10-20% headroom",
+  };
+  return e;
+}
+
+std::string format_bytes(double bytes) {
+  static const char* kUnits[] = {"B", "KB", "MB", "GB", "TB", "PB"};
+  int u = 0;
+  double v = bytes;
+  while (std::fabs(v) >= 1000 && u < 5) {
+    v /= 1000;
+    ++u;
+  }
+  char buf[64];
+  if (u == 0 || std::fabs(v) >= 100) std::snprintf(buf, sizeof(buf), "%.0f %s", v, kUnits[u]);
+  else std::snprintf(buf, sizeof(buf), "%.1f %s", v, kUnits[u]);
+  return buf;
+}
+
+namespace {
+
+std::string table(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& r : rows) {
+    for (size_t i = 0; i < r.size(); ++i) {
+      if (width.size() <= i) width.push_back(0);
+      width[i] = std::max(width[i], r[i].size());
+    }
+  }
+  std::string out;
+  for (size_t k = 0; k < rows.size(); ++k) {
+    std::string line = "  ";
+    for (size_t i = 0; i < rows[k].size(); ++i) {
+      const auto& cell = rows[k][i];
+      // First column left-aligned, numbers right-aligned.
+      if (i == 0) line += cell + std::string(width[i] - cell.size(), ' ');
+      else line += "  " + std::string(width[i] - cell.size(), ' ') + cell;
+    }
+    out += line + "\n";
+    if (k == 0) {
+      size_t total = 0;
+      for (auto w : width) total += w + 2;
+      out += "  " + std::string(total - 2, '-') + "\n";
+    }
+  }
+  return out;
+}
+
+// Word-wraps `text` at `width` columns; continuation lines start with `indent`.
+std::string wrap(const std::string& first, const std::string& text, const std::string& indent,
+                 size_t width = 96) {
+  std::string out = first, word;
+  size_t col = first.size();
+  std::stringstream ss(text);
+  bool line_start = true;
+  while (ss >> word) {
+    if (!line_start && col + 1 + word.size() > width) {
+      out += "\n" + indent;
+      col = indent.size();
+      line_start = true;
+    }
+    if (!line_start) {
+      out += ' ';
+      ++col;
+    }
+    out += word;
+    col += word.size();
+    line_start = false;
+  }
+  return out + "\n";
+}
+
+}  // namespace
+
+std::string format_memory_estimate(const MemoryEstimate& e) {
+  std::string out;
+  const auto& m = e.model;
+  out += "Model: " + with_commas(m.num_parameters) + " parameters (" + m.source + ")\n";
+  if (m.largest_layer_parameters > 0) {
+    out += "Largest layer: " + m.largest_layer_name + ", " +
+           with_commas(m.largest_layer_parameters) + " parameters\n";
+  }
+  if (!m.stored_dtypes.empty()) {
+    out += "Stored as:";
+    for (const auto& [d, n] : m.stored_dtypes) out += " " + d + " (" + with_commas(n) + ")";
+    out += "\n";
+  }
+  for (const auto& note : m.notes) out += wrap("Note: ", note, "      ");
+
+  if (!e.dtypes.empty()) {
+    std::vector<std::vector<std::string>> rows = {
+        {"dtype", "largest layer", "total size", "training with Adam"}};
+    for (const auto& d : e.dtypes) {
+      rows.push_back({d.dtype, m.largest_layer_parameters > 0 ? format_bytes(d.largest_layer_bytes)
+                                                              : "-",
+                      format_bytes(d.total_bytes), format_bytes(d.training_adam_bytes)});
+    }
+    out += "\nMemory per dtype (one copy of the model):\n" + table(rows);
+    out += wrap("  training with Adam = ",
+                "weights + gradients in the dtype + Adam's two moments in fp32 = P x (2b+8) "
+                "bytes, b = bytes per parameter (float32: 16P, the \"4 x model size\" of "
+                "Accelerate's estimate). The int8/int4 rows assume gradients in that dtype "
+                "too; real quantized fine-tuning (QLoRA) trains small fp16/bf16 adapters "
+                "instead.",
+                "    ");
+  }
+
+  std::vector<std::vector<std::string>> rows = {{"scheme", "formula", "per device"}};
+  for (const auto& z : e.zero) rows.push_back({z.stage, z.formula, format_bytes(z.bytes_per_device)});
+  out += "\nModel states per device on N = " + std::to_string(e.num_processes) +
+         (e.num_processes == 1 ? " process" : " processes") +
+         " (ZeRO paper; fp16/bf16 mixed-precision Adam:\n"
+         "2P fp16 weights, 2P fp16 gradients, K = 12 bytes/parameter of fp32 optimizer states):\n" +
+         table(rows);
+
+  out += "\nNot included:\n";
+  for (const auto& c : e.caveats) out += wrap("  - ", c, "    ");
+  out += "Units are decimal: 1 GB = 10^9 bytes.\n";
+  return out;
+}
+
+std::string memory_estimate_to_json(const MemoryEstimate& e) {
+  nlohmann::json j;
+  const auto& m = e.model;
+  j["parameters"] = m.num_parameters;
+  j["source"] = m.source;
+  j["largest_layer"] = {{"name", m.largest_layer_name}, {"parameters", m.largest_layer_parameters}};
+  j["stored_dtypes"] = m.stored_dtypes;
+  j["notes"] = m.notes;
+  j["num_processes"] = e.num_processes;
+  j["dtypes"] = nlohmann::json::array();
+  for (const auto& d : e.dtypes) {
+    j["dtypes"].push_back({{"dtype", d.dtype},
+                           {"bytes_per_parameter", d.bytes_per_parameter},
+                           {"largest_layer_bytes", d.largest_layer_bytes},
+                           {"total_bytes", d.total_bytes},
+                           {"training_adam_bytes", d.training_adam_bytes}});
+  }
+  j["training_adam_formula"] = "P * (2 * bytes_per_parameter + 8)";
+  j["zero"] = nlohmann::json::array();
+  for (const auto& z : e.zero) {
+    j["zero"].push_back({{"id", z.id},
+                         {"stage", z.stage},
+                         {"formula", z.formula},
+                         {"bytes_per_device", z.bytes_per_device},
+                         {"gb_per_device", z.bytes_per_device / 1e9}});
+  }
+  j["zero_k"] = kZeroK;
+  j["caveats"] = e.caveats;
+  j["units"] = "bytes; gb = 10^9 bytes";
+  return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+}  // namespace tandem::track
