@@ -1,0 +1,183 @@
+// The training state: resumed equals uninterrupted (bitwise), saves that survive kill -9 at any
+// point, and damaged checkpoints that are refused with the file named.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "../common/subprocess.h"
+
+namespace fs = std::filesystem;
+using tandem::testing::count_of;
+using tandem::testing::run_command;
+
+namespace {
+
+const std::string kCli = TANDEM_CLI;
+const std::string kWorker = RESUME_WORKER;
+
+std::string fresh_dir(const std::string& name) {
+  auto d = fs::temp_directory_path() / ("tandem-ckpt-" + std::to_string(::getpid()) + "-" + name);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d.string();
+}
+
+std::string bytes_of(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+tandem::testing::RunResult launch(int n, std::vector<std::string> args,
+                                  std::map<std::string, std::string> env = {}) {
+  std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
+                                "--num_cpu_threads_per_process", "1", "--grace_period", "1", kWorker};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_command(argv, env, 180);
+}
+
+}  // namespace
+
+class Resume : public ::testing::TestWithParam<int> {};
+
+// Train 2K steps straight, or K steps, save, and K more in a new process: parameters, optimizer
+// state, scheduler and a registered object are bitwise equal (the dump files are byte-identical).
+// K = 7 optimizer steps with accumulation 2 and batch 8 stops mid-epoch (150 samples).
+TEST_P(Resume, ResumedEqualsUninterrupted) {
+  const int n = GetParam();
+  auto dir = fresh_dir("resume" + std::to_string(n));
+  auto straight = dir + "/straight.safetensors", resumed = dir + "/resumed.safetensors";
+  auto a = launch(n, {"run", "--steps", "14", "--project", dir + "/a", "--out", straight});
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b1 = launch(n, {"run", "--steps", "14", "--stop-at", "7", "--project", dir + "/b"});
+  ASSERT_EQ(b1.exit_code, 0) << b1.output;
+  ASSERT_NE(b1.output.find("saved at step 7"), std::string::npos) << b1.output;
+  ASSERT_TRUE(fs::exists(dir + "/b/checkpoints/checkpoint_0/manifest.json"));
+  auto b2 = launch(n, {"run", "--steps", "14", "--resume", "--project", dir + "/b", "--out", resumed});
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  EXPECT_NE(b2.output.find("resumed at step 7"), std::string::npos) << b2.output;
+  auto x = bytes_of(straight), y = bytes_of(resumed);
+  ASSERT_GT(x.size(), 10000u);
+  EXPECT_TRUE(x == y) << "resumed training differs from uninterrupted training";
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Resume, ::testing::Values(1, 2));
+
+class KillDuringSave : public ::testing::TestWithParam<std::string> {};
+
+// A process SIGKILLed at a point of its second save: the latest loadable checkpoint is the first
+// one (or, killed after the rename, the complete second one); never a half-written one.
+TEST_P(KillDuringSave, PreviousCheckpointStaysLoadable) {
+  const std::string point = GetParam();
+  auto dir = fresh_dir("kill-" + point);
+  auto first = dir + "/first.safetensors", loaded = dir + "/loaded.safetensors";
+  auto r = launch(1, {"crash", "--project", dir, "--point", point, "--out", first});
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
+  auto v = launch(1, {"verify", "--project", dir, "--out", loaded});
+  ASSERT_EQ(v.exit_code, 0) << v.output;
+  if (point == "after_rename") {
+    EXPECT_NE(v.output.find("checkpoint_1 at step 5"), std::string::npos) << v.output;
+  } else {
+    EXPECT_NE(v.output.find("checkpoint_0 at step 3"), std::string::npos) << v.output;
+    EXPECT_TRUE(bytes_of(first) == bytes_of(loaded));
+    EXPECT_FALSE(fs::exists(dir + "/checkpoints/checkpoint_1"));
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, KillDuringSave,
+                         ::testing::Values("after_files", "before_rename", "after_rename"));
+
+TEST(Checkpoint, SaveCompletesOnAllRanksOrNone) {
+  // Rank 1 dies after writing its part of the second save: no checkpoint_1 appears.
+  auto dir = fresh_dir("allornone");
+  auto r = launch(2, {"crash", "--project", dir, "--point", "after_files", "--out", dir + "/f"},
+                  {{"TANDEM_CHECKPOINT_CRASH_RANK", "1"}});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(fs::exists(dir + "/checkpoints/checkpoint_1")) << r.output;
+  auto v = launch(2, {"verify", "--project", dir, "--out", dir + "/loaded"});
+  EXPECT_EQ(v.exit_code, 0) << v.output;
+  EXPECT_EQ(count_of(v.output, "checkpoint_0 at step 3"), 2) << v.output;
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, KilledAtRandomMomentsAlwaysLeavesALoadableLatest) {
+  auto dir = fresh_dir("random");
+  std::mt19937 rng(12345);
+  for (int round = 0; round < 4; ++round) {
+    // The harness kills the launcher's whole group after a random delay; the launcher takes
+    // the worker down with it.
+    pid_t pid = fork();
+    if (pid == 0) {
+      setpgid(0, 0);
+      int devnull = ::open("/dev/null", O_WRONLY);
+      dup2(devnull, 1);
+      dup2(devnull, 2);
+      execl(kWorker.c_str(), kWorker.c_str(), "loop", "--project", dir.c_str(), "--total-limit",
+            "2", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200 + rng() % 1500));
+    kill(-pid, SIGKILL);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    auto v = launch(1, {"verify", "--project", dir, "--out", dir + "/v"});
+    ASSERT_EQ(v.exit_code, 0) << "round " << round << "\n" << v.output;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, DamagedFilesAreRefusedByName) {
+  auto dir = fresh_dir("damaged");
+  auto r = launch(1, {"run", "--steps", "4", "--stop-at", "2", "--project", dir});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string ck = dir + "/checkpoints/checkpoint_0";
+  // Truncated model file.
+  fs::copy(ck, dir + "/backup", fs::copy_options::recursive);
+  fs::resize_file(ck + "/model.safetensors", fs::file_size(ck + "/model.safetensors") - 10);
+  auto v = launch(1, {"verify", "--project", dir, "--out", dir + "/v"});
+  EXPECT_NE(v.exit_code, 0);
+  EXPECT_NE(v.output.find("model.safetensors has"), std::string::npos) << v.output;
+  EXPECT_NE(v.output.find("truncated or altered"), std::string::npos) << v.output;
+  // One altered byte in the optimizer state.
+  fs::remove_all(ck);
+  fs::copy(dir + "/backup", ck, fs::copy_options::recursive);
+  {
+    std::fstream f(ck + "/optimizer.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-5, std::ios::end);
+    f.put('\x7f');
+  }
+  v = launch(1, {"verify", "--project", dir, "--out", dir + "/v"});
+  EXPECT_NE(v.exit_code, 0);
+  EXPECT_NE(v.output.find("optimizer.safetensors does not match its checksum"), std::string::npos)
+      << v.output;
+  // No manifest: an interrupted save is never loaded.
+  fs::remove(ck + "/manifest.json");
+  v = launch(1, {"verify", "--project", dir, "--out", dir + "/v"});
+  EXPECT_NE(v.exit_code, 0);
+  EXPECT_NE(v.output.find("no complete checkpoint"), std::string::npos) << v.output;
+  fs::remove_all(dir);
+}
+
+TEST(Checkpoint, RotationKeepsTotalLimit) {
+  auto dir = fresh_dir("rotation");
+  for (int k = 1; k <= 4; ++k) {
+    std::vector<std::string> args{"run", "--steps", "20", "--stop-at", std::to_string(k),
+                                  "--project", dir, "--total-limit", "2"};
+    if (k > 1) args.push_back("--resume");
+    auto r = launch(1, args);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  std::vector<std::string> names;
+  for (auto& e : fs::directory_iterator(dir + "/checkpoints")) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"checkpoint_2", "checkpoint_3"}));
+  fs::remove_all(dir);
+}

@@ -1,0 +1,128 @@
+// A rank of the checkpoint tests. Modes:
+//   run      train the MLP (AdamW, shuffled, gradient accumulation 2) to --steps optimizer steps;
+//            --resume loads the latest checkpoint first; --stop-at K saves at step K and exits
+//            (an interruption); --out writes the final parameters and optimizer state (rank 0).
+//   crash    save a checkpoint, write its parameters to --out, then save again with the fault
+//            injection point --point armed (the process is SIGKILLed inside the second save).
+//   verify   load the latest checkpoint and write its parameters to --out.
+//   loop     save checkpoints in a loop until killed (random-time kill test).
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <iostream>
+
+#include "../../examples/common/mlp.h"
+#include "tandem/checkpoint/optimizer_state.h"
+#include "tandem/checkpoint/safetensors.h"
+#include "tandem/tandem.h"
+
+namespace {
+
+struct Counter {  // a user object registered for checkpointing
+  int64_t value = 0;
+  std::string state_dict() const { return std::to_string(value); }
+  void load_state_dict(const std::string& s) { value = std::stoll(s); }
+};
+
+void dump(torch::nn::Module& m, torch::optim::Optimizer& opt, int64_t counter, const std::string& path) {
+  std::vector<std::pair<std::string, at::Tensor>> t;
+  for (auto& p : m.named_parameters()) t.emplace_back("param." + p.key(), p.value().detach());
+  for (auto& s : tandem::checkpoint::optimizer_state(opt).tensors) t.emplace_back("optim." + s.first, s.second);
+  t.emplace_back("counter", torch::tensor({counter}));
+  tandem::checkpoint::save_safetensors(path, t, {{"optimizer_json", tandem::checkpoint::optimizer_state(opt).json}});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"resume_worker"};
+  std::string mode = "run", out, project = ".", point;
+  int64_t steps = 10, stop_at = -1, limit = 0;
+  bool resume = false;
+  app.add_option("mode", mode);
+  app.add_option("--out", out);
+  app.add_option("--project", project);
+  app.add_option("--steps", steps);
+  app.add_option("--stop-at", stop_at);
+  app.add_option("--point", point);
+  app.add_option("--total-limit", limit);
+  app.add_flag("--resume", resume);
+  CLI11_PARSE(app, argc, argv);
+  torch::set_num_threads(1);
+  try {
+    tandem::Accelerator acc(tandem::AcceleratorOptions()
+                                .gradient_accumulation_steps(2)
+                                .project_dir(project)
+                                .total_limit(static_cast<int>(limit)));
+    torch::manual_seed(7);
+    auto model = acc.prepare(examples::MLP(32, 64, 5));
+    auto adamw = std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));
+    auto opt = acc.prepare(adamw);
+    auto sched = acc.prepare_scheduler(std::make_shared<torch::optim::StepLR>(*adamw, 3, 0.5));
+    Counter counter;
+    acc.register_for_checkpointing("counter", counter);
+    auto loader = acc.prepare_data_loader(examples::TeacherClassification(150, 32, 5, 3, 4),
+                                          tandem::data::DataLoaderOptions().batch_size(8).shuffle(true).seed(5));
+    auto train_steps = [&](int64_t until) {
+      int64_t done = acc.step();
+      for (int64_t epoch = loader->epoch(); done < until; ++epoch) {
+        loader->set_epoch(epoch);
+        for (auto& b : *loader) {
+          auto scope = acc.accumulate();
+          acc.backward(torch::cross_entropy_loss(model->forward(b.data), b.target));
+          opt.step();
+          opt.zero_grad();
+          if (!acc.sync_gradients()) continue;
+          sched->step();
+          ++counter.value;
+          if (++done == stop_at) {
+            acc.save_state();
+            std::cout << "saved at step " << done << " (epoch " << loader->epoch() << ", batch "
+                      << loader->position() << ")" << std::endl;
+            return false;
+          }
+          if (done >= until) break;
+        }
+      }
+      return true;
+    };
+    if (mode == "run") {
+      if (resume) {
+        acc.load_state();
+        std::cout << "resumed at step " << acc.step() << std::endl;
+      }
+      if (!train_steps(steps)) return 0;
+      if (acc.is_main_process() && !out.empty()) dump(*model, *adamw, counter.value, out);
+      std::cout << "finished " << acc.step() << " steps" << std::endl;
+      return 0;
+    }
+    if (mode == "crash") {
+      train_steps(3);
+      acc.save_state();
+      if (acc.is_main_process()) dump(*model, *adamw, counter.value, out);
+      train_steps(5);
+      ::setenv("TANDEM_CHECKPOINT_CRASH", point.c_str(), 1);
+      acc.save_state();
+      std::cout << "second save completed" << std::endl;
+      return 0;
+    }
+    if (mode == "verify") {
+      acc.load_state();
+      if (acc.is_main_process()) dump(*model, *adamw, counter.value, out);
+      std::cout << "loaded " << acc.latest_checkpoint() << " at step " << acc.step() << std::endl;
+      return 0;
+    }
+    if (mode == "loop") {
+      for (int64_t k = 1;; ++k) {
+        train_steps(k);
+        acc.save_state();
+        std::cout << "saved " << k << std::endl;
+      }
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "ERROR: " << e.what() << std::endl;
+    return 1;
+  }
+  return 2;
+}
