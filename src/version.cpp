@@ -11,6 +11,8 @@
 #include <sstream>
 #include <thread>
 
+#include "tandem/config/config.h"
+
 namespace tandem {
 
 const char* const kVersion = TANDEM_VERSION_STRING;
@@ -39,6 +41,7 @@ std::string environment_report() {
   std::string line;
   while (std::getline(osr, line))
     if (line.rfind("PRETTY_NAME=", 0) == 0) os << "Distribution: " << line.substr(12) << "\n";
+  os << config::default_config_report(current_environment());
   return os.str();
 }
 

@@ -12,7 +12,8 @@ extern const char* const kVersion;
 std::string torch_version();
 
 /// What a bug report needs: tandem and LibTorch versions, CUDA and its devices, NCCL and Gloo,
-/// CPU count, memory, OS. One "key: value" per line.
+/// CPU count, memory, OS, and the default launch config (path and contents, or "none"). One
+/// "key: value" per line.
 std::string environment_report();
 
 }  // namespace tandem

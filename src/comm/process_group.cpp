@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -124,8 +125,17 @@ std::string ProcessGroup::Impl::prefix() const { return state.prefix(); }
 // ---------------------------------------------------------------------------------------------
 // ProcessGroup
 
-ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-ProcessGroup::~ProcessGroup() = default;
+// Live groups of more than one rank, so that tandem::launch::launch can refuse to fork them.
+static std::atomic<int> g_live_process_groups{0};
+
+ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  if (impl_->size > 1) ++g_live_process_groups;
+}
+ProcessGroup::~ProcessGroup() {
+  if (impl_ && impl_->size > 1) --g_live_process_groups;
+}
+
+int live_process_groups() { return g_live_process_groups.load(); }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::single() {
   auto impl = std::make_unique<Impl>();

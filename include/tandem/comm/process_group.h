@@ -101,4 +101,8 @@ class ProcessGroup {
 /// The free TCP port the OS hands out on `host` right now (used when none is given).
 int find_free_port(const std::string& host = "127.0.0.1");
 
+/// ProcessGroups of more than one rank alive in this process (tandem::launch::launch refuses to
+/// fork while there are any).
+int live_process_groups();
+
 }  // namespace tandem

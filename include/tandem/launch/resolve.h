@@ -1,0 +1,79 @@
+// From flags and config file to what the launcher does: precedence (command line > config file >
+// defaults), the checks that need several settings, and the TANDEM_* variables the program gets.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tandem/config/config.h"
+#include "tandem/launch/launcher.h"
+
+namespace tandem::launch {
+
+/// The command-line flags that were given (CLI11's count() > 0), in order, as (config key, raw
+/// text): ("num_processes", "4"), ("use_cpu", "true"), ("distributed_type", "FSDP") for
+/// --use_fsdp, ("fsdp_config.fsdp_offload_params", "true"), ("deepspeed_config.zero_stage", "3").
+using FlagValues = std::vector<std::pair<std::string, std::string>>;
+
+/// What the launcher knows about this machine; injected so that resolution stays pure.
+struct MachineInfo {
+  int cuda_devices = 0;              ///< CUDA devices LibTorch sees (0 without CUDA)
+  std::string cuda_visible_devices;  ///< the launcher's CUDA_VISIBLE_DEVICES, for messages
+};
+
+/// The merged configuration and what follows from it.
+struct ResolvedLaunch {
+  config::LaunchConfig config;
+  /// NO, MULTI_CPU, MULTI_GPU, FSDP or DEEPSPEED: the value of TANDEM_DISTRIBUTED_TYPE.
+  std::string distributed_type = "NO";
+  int processes_per_machine = 1;
+  /// True when the ranks use GPUs (not --cpu, and CUDA devices are visible).
+  bool on_gpu = false;
+  /// Things the user should know (a type tandem runs differently, a GPU config on a CPU machine).
+  std::vector<std::string> notes;
+};
+
+/// The flag that sets a config key, for messages ("--num_processes", "--fsdp_offload_params").
+std::string flag_for_key(const std::string& key);
+
+/// Applies `flags` over `base` (a config file's settings, or defaults) and resolves what is left:
+/// the distributed type (flags --multi_gpu/--use_fsdp/--use_deepspeed/--cpu, then the file,
+/// then from the process count and devices), the number of processes (default: every visible
+/// GPU, or 1), the checks of config::validate and the device count (check_device_count).
+/// Throws std::invalid_argument naming the flag or key, the value and the fix.
+ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues& flags,
+                              const MachineInfo& machine);
+
+/// The variables handed to every rank (besides RANK, WORLD_SIZE, ... from make_plan):
+/// TANDEM_DISTRIBUTED_TYPE, TANDEM_MIXED_PRECISION, TANDEM_GRADIENT_ACCUMULATION_STEPS; and when
+/// they apply TANDEM_USE_CPU=1, TANDEM_DEBUG=1, TANDEM_DOWNCAST_BF16=1, TANDEM_GPU_IDS with
+/// CUDA_VISIBLE_DEVICES, TANDEM_ZERO_STAGE, TANDEM_OFFLOAD_OPTIMIZER_DEVICE,
+/// TANDEM_OFFLOAD_PARAM_DEVICE, TANDEM_GRADIENT_CLIPPING, TANDEM_ZERO3_INIT_FLAG,
+/// TANDEM_ZERO3_SAVE_16BIT_MODEL (DeepSpeed), TANDEM_FSDP_<KEY> (FSDP), TANDEM_FP8_<KEY> (fp8).
+EnvMap program_environment(const ResolvedLaunch& resolved);
+
+/// The LaunchOptions of a resolved launch: processes on this machine, machines, address, port,
+/// CPU, and extra_env = program_environment() overridden by `user_env` (--env KEY=VALUE).
+/// Launcher-only settings (restarts, logging) are taken from `launcher`.
+LaunchOptions to_launch_options(const ResolvedLaunch& resolved, const EnvMap& user_env,
+                                LaunchOptions launcher = {});
+
+/// The device-count check of a GPU run: `processes_per_machine` ranks need as many visible GPUs.
+/// `gpu_ids` ("", "all" or "0,2") picks the devices among `cuda_devices`. Throws
+/// std::invalid_argument saying how many GPUs there are and what to change.
+void check_device_count(int processes_per_machine, int cuda_devices, const std::string& gpu_ids,
+                        const std::string& cuda_visible_devices = "");
+
+/// The resolved configuration, one "key: value  (source)" line each, for --debug and --dry_run.
+std::string describe_resolved(const ResolvedLaunch& resolved);
+
+/// The address of this machine that traffic to `host` leaves from (the routing table's choice;
+/// a UDP socket is connected, nothing is sent). "" when it cannot be found. Used to set
+/// TANDEM_LOCAL_ADDR on multi-machine jobs so that Gloo listens on the right interface.
+std::string local_address_for(const std::string& host, int port);
+
+/// The CUDA devices LibTorch sees in this process (0 without CUDA).
+int visible_cuda_devices();
+
+}  // namespace tandem::launch

@@ -1,0 +1,698 @@
+// Accelerate-compatible configuration files: which keys exist, which tandem acts on, which it
+// accepts and ignores, and the validation of every value.
+#include "tandem/config/config.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+namespace tandem::config {
+namespace {
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string upper(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string trim(const std::string& s) {
+  size_t a = s.find_first_not_of(" \t\r\n");
+  if (a == std::string::npos) return "";
+  size_t b = s.find_last_not_of(" \t\r\n");
+  return s.substr(a, b - a + 1);
+}
+
+std::string join(const std::vector<std::string>& items, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < items.size(); ++i) out += (i ? sep : "") + items[i];
+  return out;
+}
+
+[[noreturn]] void bad(const std::string& origin, const std::string& value,
+                      const std::string& expected) {
+  throw std::invalid_argument(origin + ": got '" + value + "', expected " + expected);
+}
+
+bool parse_bool(const std::string& origin, const std::string& value) {
+  const std::string v = lower(trim(value));
+  if (v == "true" || v == "yes" || v == "on" || v == "1" || v == "y") return true;
+  if (v == "false" || v == "no" || v == "off" || v == "0" || v == "n") return false;
+  bad(origin, value, "true or false (yes/no also work)");
+}
+
+bool is_integer(const std::string& v) {
+  size_t i = (!v.empty() && (v[0] == '-' || v[0] == '+')) ? 1 : 0;
+  if (i >= v.size() || v.size() - i > 9) return false;
+  for (; i < v.size(); ++i)
+    if (!std::isdigit(static_cast<unsigned char>(v[i]))) return false;
+  return true;
+}
+
+int parse_int(const std::string& origin, const std::string& value, int min, int max,
+              const std::string& expected) {
+  const std::string v = trim(value);
+  if (!is_integer(v)) bad(origin, value, expected);
+  int n = std::stoi(v);
+  if (n < min || n > max) bad(origin, value, expected);
+  return n;
+}
+
+std::string one_of(const std::string& origin, const std::string& value,
+                   const std::vector<std::string>& allowed, bool upper_case) {
+  const std::string v = upper_case ? upper(trim(value)) : lower(trim(value));
+  for (const auto& a : allowed)
+    if (v == a) return a;
+  bad(origin, value, "one of " + join(allowed, ", "));
+}
+
+const std::vector<std::string> kComputeEnvironments = {"LOCAL_MACHINE", "AMAZON_SAGEMAKER"};
+const std::vector<std::string> kRdzvBackends = {"static", "c10d"};
+const std::vector<std::string> kOffloadDevices = {"none", "cpu", "nvme"};
+const std::vector<std::string> kAutoWrap = {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"};
+const std::vector<std::string> kStateDict = {"FULL_STATE_DICT", "LOCAL_STATE_DICT",
+                                             "SHARDED_STATE_DICT"};
+const std::vector<std::string> kPrefetch = {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"};
+
+// Accelerate's top-level keys (BaseConfig, ClusterConfig, SageMakerConfig, and the two legacy
+// keys its process_config converts), split by what tandem does with them.
+const std::set<std::string> kActedOn = {"compute_environment",
+                                        "distributed_type",
+                                        "mixed_precision",
+                                        "use_cpu",
+                                        "debug",
+                                        "num_processes",
+                                        "num_machines",
+                                        "machine_rank",
+                                        "main_process_ip",
+                                        "main_process_port",
+                                        "gpu_ids",
+                                        "rdzv_backend",
+                                        "same_network",
+                                        "downcast_bf16",
+                                        "enable_cpu_affinity",
+                                        "main_training_function",
+                                        "fsdp_config",
+                                        "deepspeed_config",
+                                        "fp8_config",
+                                        "fp16"};
+const std::set<std::string> kIgnoredKeys = {
+    // TPU pods
+    "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm",
+    "tpu_env",
+    // other engines and launchers
+    "megatron_lm_config", "dynamo_config", "dynamo_backend", "ipex_config", "mpirun_config",
+    "tp_config", "parallelism_config",
+    // Amazon SageMaker
+    "ec2_instance_type", "iam_role_name", "image_uri", "profile", "region", "base_job_name",
+    "pytorch_version", "transformers_version", "py_version", "sagemaker_inputs_file",
+    "sagemaker_metrics_file", "additional_args"};
+const std::set<std::string> kSections = {"fsdp_config", "deepspeed_config", "fp8_config"};
+
+// deepspeed_config keys Accelerate's questionnaire and launcher know; tandem acts on the first
+// group and reports the second as ignored.
+const std::set<std::string> kDeepSpeedActedOn = {"zero_stage",
+                                                 "offload_optimizer_device",
+                                                 "offload_param_device",
+                                                 "gradient_accumulation_steps",
+                                                 "gradient_clipping",
+                                                 "zero3_init_flag",
+                                                 "zero3_save_16bit_model"};
+
+// A value that means "not used": such ignored keys are not worth a warning (Accelerate writes
+// tpu_env: [], tpu_use_cluster: false, dynamo_config: {} into every file).
+bool unset_value(const std::string& key, const std::string& v) {
+  const std::string l = lower(trim(v));
+  if (l.empty() || l == "false" || l == "null" || l == "~" || l == "[]" || l == "{}") return true;
+  if ((key == "dynamo_backend" || key == "downcast_bf16") && l == "no") return true;
+  if (key == "main_training_function" && l == "main") return true;
+  return false;
+}
+
+void note_ignored(LaunchConfig& c, const std::string& entry) {
+  if (std::find(c.ignored.begin(), c.ignored.end(), entry) == c.ignored.end())
+    c.ignored.push_back(entry);
+}
+
+void set_fsdp(LaunchConfig& c, std::string key, const std::string& value,
+              const std::string& origin) {
+  if (key.rfind("fsdp_", 0) != 0) key = "fsdp_" + key;  // as Accelerate's launcher does
+  std::string v = trim(value);
+  if (key == "fsdp_sharding_strategy") {
+    const auto& names = fsdp_sharding_strategies();
+    if (is_integer(v)) {
+      int n = std::stoi(v);
+      if (n < 1 || n > static_cast<int>(names.size()))
+        bad(origin, value,
+            "1-5 or a name (1 FULL_SHARD, 2 SHARD_GRAD_OP, 3 NO_SHARD, 4 "
+            "HYBRID_SHARD, 5 HYBRID_SHARD_ZERO2)");
+      v = names[static_cast<size_t>(n - 1)];
+    } else {
+      v = one_of(origin, value, names, true);
+    }
+  } else if (key == "fsdp_offload_params" || key == "fsdp_forward_prefetch" ||
+             key == "fsdp_sync_module_states" || key == "fsdp_cpu_ram_efficient_loading" ||
+             key == "fsdp_use_orig_params" || key == "fsdp_activation_checkpointing") {
+    v = parse_bool(origin, value) ? "true" : "false";
+  } else if (key == "fsdp_reshard_after_forward") {
+    // FSDP2 takes a boolean; FSDP1 configs may name a sharding strategy here.
+    std::string l = lower(v);
+    if (l == "true" || l == "false" || l == "yes" || l == "no" || l == "1" || l == "0")
+      v = parse_bool(origin, value) ? "true" : "false";
+    else
+      v = one_of(origin, value, fsdp_sharding_strategies(), true);
+  } else if (key == "fsdp_auto_wrap_policy") {
+    v = one_of(origin, value, kAutoWrap, true);
+  } else if (key == "fsdp_state_dict_type") {
+    v = one_of(origin, value, kStateDict, true);
+  } else if (key == "fsdp_backward_prefetch") {
+    std::string u = upper(v);
+    v = (u == "NONE" || u == "NO") ? "NO_PREFETCH" : one_of(origin, value, kPrefetch, true);
+  } else if (key == "fsdp_min_num_params") {
+    v = std::to_string(parse_int(origin, value, 0, 1000000000, "a number of parameters >= 0"));
+  } else if (key == "fsdp_version") {
+    v = std::to_string(parse_int(origin, value, 1, 2, "1 or 2"));
+  }
+  c.fsdp_config[key] = v;
+}
+
+void set_deepspeed(LaunchConfig& c, const std::string& key, const std::string& value,
+                   const std::string& origin) {
+  std::string v = trim(value);
+  if (key == "zero_stage") {
+    v = std::to_string(parse_int(origin, value, 0, 3, "a ZeRO stage 0, 1, 2 or 3"));
+  } else if (key == "offload_optimizer_device" || key == "offload_param_device") {
+    v = one_of(origin, value, kOffloadDevices, false);
+  } else if (key == "gradient_clipping") {
+    char* end = nullptr;
+    double d = std::strtod(v.c_str(), &end);
+    if (v.empty() || end != v.c_str() + v.size() || !(d >= 0))
+      bad(origin, value, "a gradient norm >= 0 such as 1.0");
+  } else if (key == "zero3_init_flag" || key == "zero3_save_16bit_model") {
+    v = parse_bool(origin, value) ? "true" : "false";
+  } else {
+    if (!unset_value(key, v)) note_ignored(c, "deepspeed_config." + key + ": " + v);
+    return;
+  }
+  c.deepspeed_config[key] = v;
+}
+
+std::string check_ip(const std::string& origin, const std::string& value) {
+  std::string v = trim(value);
+  bool ok = !v.empty() && v.size() < 254;
+  for (char ch : v)
+    ok = ok && (std::isalnum(static_cast<unsigned char>(ch)) || ch == '.' || ch == '-' ||
+                ch == ':' || ch == '_');
+  if (!ok) bad(origin, value, "an IP address or host name of machine 0, such as 10.0.0.1");
+  return v;
+}
+
+std::string check_gpu_ids(const std::string& origin, const std::string& value) {
+  std::string v = trim(value);
+  if (lower(v) == "all") return "all";
+  std::vector<std::string> out;
+  std::set<int> seen;
+  std::stringstream ss(v);
+  std::string item;
+  const std::string expected = "comma-separated device indices such as 0,1 or 'all'";
+  if (v.empty()) bad(origin, value, expected);
+  while (std::getline(ss, item, ',')) {
+    item = trim(item);
+    if (item.empty() || !is_integer(item) || item[0] == '-' || item[0] == '+')
+      throw std::invalid_argument(origin + ": the entry '" + item + "' of '" + value +
+                                  "' is not a device index; expected " + expected);
+    int id = std::stoi(item);
+    if (!seen.insert(id).second)
+      throw std::invalid_argument(origin + ": device " + item + " appears twice in '" + value +
+                                  "'; expected " + expected + ", each device once");
+    out.push_back(std::to_string(id));
+  }
+  return join(out, ",");
+}
+
+// A YAML node as text: scalars as written, sequences joined by ','. Null is "".
+std::string node_text(const YAML::Node& n) {
+  if (!n || n.IsNull()) return "";
+  if (n.IsScalar()) return n.Scalar();
+  if (n.IsSequence()) {
+    std::vector<std::string> items;
+    for (const auto& e : n) items.push_back(node_text(e));
+    return n.size() == 0 ? "[]" : join(items, ",");
+  }
+  return n.size() == 0 ? "{}" : "{...}";
+}
+
+std::string where(const YAML::Node& n) {
+  auto m = n.Mark();
+  if (m.line < 0) return "";
+  return " (line " + std::to_string(m.line + 1) + ")";
+}
+
+}  // namespace
+
+std::string to_string(Source source) {
+  switch (source) {
+    case Source::kDefault:
+      return "default";
+    case Source::kConfigFile:
+      return "config file";
+    case Source::kCommandLine:
+      return "command line";
+  }
+  return "?";
+}
+
+const std::vector<std::string>& tandem_distributed_types() {
+  static const std::vector<std::string> v = {"NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED"};
+  return v;
+}
+
+const std::vector<std::string>& accelerate_distributed_types() {
+  static const std::vector<std::string> v = {
+      "NO",        "MULTI_CPU", "MULTI_GPU",   "FSDP",          "DEEPSPEED",     "MULTI_NPU",
+      "MULTI_MLU", "MULTI_XPU", "MULTI_HPU",   "MULTI_SDAA",    "MULTI_MUSA",    "MULTI_NEURON",
+      "XLA",       "TPU",       "MEGATRON_LM", "DATA_PARALLEL", "MODEL_PARALLEL"};
+  return v;
+}
+
+const std::vector<std::string>& mixed_precision_values() {
+  static const std::vector<std::string> v = {"no", "fp16", "bf16", "fp8", "bf16-true", "fp16-true"};
+  return v;
+}
+
+const std::vector<std::string>& fsdp_sharding_strategies() {
+  static const std::vector<std::string> v = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
+                                             "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"};
+  return v;
+}
+
+void set_value(LaunchConfig& c, const std::string& key, const std::string& value, Source source,
+               const std::string& origin) {
+  auto dot = key.find('.');
+  if (dot != std::string::npos) {
+    const std::string section = key.substr(0, dot), sub = key.substr(dot + 1);
+    if (section == "fsdp_config") {
+      set_fsdp(c, sub, value, origin);
+      c.sources[sub.rfind("fsdp_", 0) == 0 ? key : "fsdp_config.fsdp_" + sub] = source;
+    } else if (section == "deepspeed_config" && sub == "gradient_accumulation_steps") {
+      set_value(c, "gradient_accumulation_steps", value, source, origin);
+    } else if (section == "deepspeed_config") {
+      set_deepspeed(c, sub, value, origin);
+      if (c.deepspeed_config.count(sub)) c.sources[key] = source;
+    } else if (section == "fp8_config") {
+      c.fp8_config[sub] = trim(value);
+      c.sources[key] = source;
+    } else {
+      throw std::invalid_argument(origin + ": unknown section '" + section +
+                                  "'; expected fsdp_config, deepspeed_config or fp8_config");
+    }
+    return;
+  }
+  const std::string v = trim(value);
+  if (key == "compute_environment") {
+    c.compute_environment = one_of(origin, value, kComputeEnvironments, true);
+    if (c.compute_environment != "LOCAL_MACHINE")
+      note_ignored(c, "compute_environment: " + c.compute_environment +
+                          " (tandem starts the job on this machine)");
+  } else if (key == "distributed_type") {
+    std::string t = one_of(origin, value, accelerate_distributed_types(), true);
+    if (t == "TPU") t = "XLA";
+    c.distributed_type = t;
+    const auto& ours = tandem_distributed_types();
+    if (std::find(ours.begin(), ours.end(), t) == ours.end())
+      note_ignored(c, "distributed_type: " + t + " (runs as plain data parallel)");
+  } else if (key == "mixed_precision") {
+    c.mixed_precision = one_of(origin, value, mixed_precision_values(), false);
+  } else if (key == "fp16") {  // Accelerate's legacy key
+    if (parse_bool(origin, value) && !c.given("mixed_precision")) c.mixed_precision = "fp16";
+    return;
+  } else if (key == "use_cpu") {
+    c.use_cpu = parse_bool(origin, value);
+  } else if (key == "debug") {
+    c.debug = parse_bool(origin, value);
+  } else if (key == "downcast_bf16") {
+    c.downcast_bf16 = parse_bool(origin, value);
+  } else if (key == "same_network") {
+    c.same_network = parse_bool(origin, value);
+  } else if (key == "enable_cpu_affinity") {
+    c.enable_cpu_affinity = parse_bool(origin, value);
+    if (c.enable_cpu_affinity) note_ignored(c, "enable_cpu_affinity: true");
+  } else if (key == "main_training_function") {
+    c.main_training_function = v;
+    if (!unset_value(key, v)) note_ignored(c, "main_training_function: " + v);
+  } else if (key == "num_processes") {
+    if (v == "-1") {
+      c.num_processes = -1;  // Accelerate's "pass --num_processes at launch time"
+    } else {
+      c.num_processes = parse_int(origin, value, 1, 1 << 20,
+                                  "an integer of at least 1 (processes over all machines)");
+    }
+  } else if (key == "num_machines") {
+    c.num_machines = parse_int(origin, value, 1, 1 << 20, "an integer of at least 1");
+  } else if (key == "machine_rank") {
+    c.machine_rank = parse_int(origin, value, 0, 1 << 20,
+                               "an integer from 0 to num_machines - 1 (this machine's index)");
+  } else if (key == "main_process_ip") {
+    c.main_process_ip = check_ip(origin, value);
+  } else if (key == "main_process_port") {
+    c.main_process_port = parse_int(origin, value, 0, 65535,
+                                    "a TCP port 1-65535 (or 0 to pick a free one on one machine)");
+  } else if (key == "gpu_ids") {
+    c.gpu_ids = check_gpu_ids(origin, value);
+  } else if (key == "rdzv_backend") {
+    c.rdzv_backend = one_of(origin, value, kRdzvBackends, false);
+  } else if (key == "gradient_accumulation_steps") {
+    c.gradient_accumulation_steps =
+        parse_int(origin, value, 1, 1 << 30, "an integer of at least 1");
+  } else if (kIgnoredKeys.count(key)) {
+    if (!unset_value(key, v)) note_ignored(c, key);
+    return;
+  } else {
+    throw std::invalid_argument(origin + ": unknown setting '" + key + "'");
+  }
+  c.sources[key] = source;
+}
+
+LaunchConfig parse_config(const std::string& text, const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    throw std::invalid_argument("config file " + path + " is not valid YAML: line " +
+                                std::to_string(e.mark.line + 1) + ", column " +
+                                std::to_string(e.mark.column + 1) + ": " + e.msg +
+                                ". Fix the file, or write a new one with `tandem config`.");
+  }
+  if (!root || root.IsNull())
+    throw std::invalid_argument("config file " + path +
+                                " is empty: expected a YAML map of "
+                                "Accelerate's keys, e.g. `distributed_type: MULTI_CPU` and "
+                                "`num_processes: 2`; `tandem config` writes one");
+  if (!root.IsMap())
+    throw std::invalid_argument("config file " + path +
+                                " is not a map of keys to values: "
+                                "expected lines such as `num_processes: 2`");
+  LaunchConfig c;
+  c.path = path;
+  std::vector<std::string> errors;
+  std::vector<std::string> unknown;
+  auto origin = [&](const std::string& key) { return "config file " + path + ", key " + key; };
+  auto try_set = [&](const std::string& key, const YAML::Node& n) {
+    try {
+      if (n.IsMap())
+        throw std::invalid_argument(origin(key) + where(n) +
+                                    ": got a map, expected a single value");
+      std::string v = node_text(n);
+      if (v.empty() && !kIgnoredKeys.count(key)) return;  // null: not set
+      set_value(c, key, v, Source::kConfigFile, origin(key) + where(n));
+    } catch (const std::invalid_argument& e) {
+      errors.push_back(e.what());
+    }
+  };
+  YAML::Node fp16;
+  for (const auto& kv : root) {
+    const std::string key = kv.first.as<std::string>();
+    const YAML::Node& value = kv.second;
+    if (!kActedOn.count(key) && !kIgnoredKeys.count(key)) {
+      unknown.push_back(key);
+      continue;
+    }
+    if (key == "fp16") {
+      fp16 = value;
+      continue;
+    }
+    if (kSections.count(key)) {
+      if (!value || value.IsNull()) continue;
+      if (!value.IsMap()) {
+        errors.push_back(origin(key) + where(value) + ": got '" + node_text(value) +
+                         "', expected a map of " + key.substr(0, key.find('_')) + " settings");
+        continue;
+      }
+      for (const auto& sub : value) {
+        const std::string skey = sub.first.as<std::string>();
+        try {
+          if (sub.second.IsMap())
+            throw std::invalid_argument(origin(key + "." + skey) + where(sub.second) +
+                                        ": got a map, expected a single value");
+          std::string v = node_text(sub.second);
+          if (v.empty() || v == "[]") continue;
+          set_value(c, key + "." + skey, v, Source::kConfigFile,
+                    origin(key + "." + skey) + where(sub.second));
+        } catch (const std::invalid_argument& e) {
+          errors.push_back(e.what());
+        }
+      }
+      continue;
+    }
+    if (kIgnoredKeys.count(key)) {
+      std::string v = value.IsMap() ? (value.size() ? "{...}" : "{}") : node_text(value);
+      if (!unset_value(key, v)) note_ignored(c, key);
+      continue;
+    }
+    try_set(key, value);
+  }
+  if (fp16) try_set("fp16", fp16);
+  if (!root["distributed_type"] || root["distributed_type"].IsNull())
+    errors.push_back("config file " + path + ": distributed_type is missing; expected one of " +
+                     join(tandem_distributed_types(), ", ") + " (Accelerate requires it too)");
+  if (!unknown.empty()) {
+    std::sort(unknown.begin(), unknown.end());
+    errors.insert(errors.begin(),
+                  "config file " + path +
+                      " has keys that Accelerate does not know: " + join(unknown, ", ") +
+                      ". Remove or rename them (`tandem config` writes a "
+                      "valid file)");
+  }
+  if (!errors.empty()) {
+    if (errors.size() == 1) throw std::invalid_argument(errors.front());
+    std::string msg =
+        "config file " + path + " has " + std::to_string(errors.size()) + " problems:";
+    for (const auto& e : errors) msg += "\n  - " + e;
+    throw std::invalid_argument(msg);
+  }
+  return c;
+}
+
+LaunchConfig load_config_file(const std::string& path) {
+  std::ifstream f(path);
+  if (!f)
+    throw std::invalid_argument("cannot read the config file " + path + ": " +
+                                std::strerror(errno) +
+                                ". Check the path, or write one with "
+                                "`tandem config` (or `tandem config default`)");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_config(ss.str(), path);
+}
+
+void validate(const LaunchConfig& c) {
+  const std::string where = c.path.empty() ? "" : " (config file " + c.path + ")";
+  if (c.machine_rank >= c.num_machines)
+    throw std::invalid_argument("machine_rank " + std::to_string(c.machine_rank) +
+                                " is not below num_machines " + std::to_string(c.num_machines) +
+                                where + ": machines are numbered 0 to " +
+                                std::to_string(c.num_machines - 1) + "; fix --machine_rank");
+  if (c.num_processes > 0 && c.num_processes % c.num_machines != 0)
+    throw std::invalid_argument(
+        "num_processes " + std::to_string(c.num_processes) + " is not a multiple of num_machines " +
+        std::to_string(c.num_machines) + where +
+        ": num_processes counts the processes of all "
+        "machines (as in Accelerate), the same number on each; e.g. --num_processes " +
+        std::to_string(c.num_machines * std::max(1, c.num_processes / c.num_machines)));
+  if (c.num_machines > 1) {
+    if (c.main_process_ip.empty())
+      throw std::invalid_argument("main_process_ip is required with num_machines " +
+                                  std::to_string(c.num_machines) + where +
+                                  ": pass --main_process_ip with the address of machine 0");
+    if (c.main_process_port == 0)
+      throw std::invalid_argument("main_process_port is required with num_machines " +
+                                  std::to_string(c.num_machines) + where +
+                                  ": pass --main_process_port with a free port on machine 0, "
+                                  "the same on every machine (e.g. 29500)");
+  }
+  const bool sharded = c.distributed_type == "DEEPSPEED";
+  if (sharded) {
+    auto it = c.deepspeed_config.find("offload_param_device");
+    auto st = c.deepspeed_config.find("zero_stage");
+    if (it != c.deepspeed_config.end() && it->second != "none" &&
+        (st == c.deepspeed_config.end() || st->second != "3"))
+      throw std::invalid_argument("deepspeed_config.offload_param_device " + it->second +
+                                  " needs zero_stage 3 (parameters are sharded only there)" +
+                                  where + "; set zero_stage: 3 or offload_param_device: none");
+  }
+}
+
+std::string ignored_warning(const LaunchConfig& c) {
+  if (c.ignored.empty()) return "";
+  return "tandem: warning: " + std::string(c.path.empty() ? "the configuration" : c.path) +
+         " has settings for things tandem does not do; they are ignored: " + join(c.ignored, ", ");
+}
+
+namespace {
+
+// PyYAML (Accelerate) reads these plain scalars as booleans, nulls or numbers: quote them.
+bool needs_quotes(const std::string& s) {
+  static const std::set<std::string> words = {"yes",  "no",    "on",   "off", "y", "n",
+                                              "true", "false", "null", "~",   ""};
+  if (words.count(lower(s))) return true;
+  char* end = nullptr;
+  std::strtod(s.c_str(), &end);
+  return end == s.c_str() + s.size();
+}
+
+void emit_text(YAML::Emitter& out, const std::string& s, bool typed) {
+  if (typed && (s == "true" || s == "false")) {
+    out << (s == "true");
+  } else if (typed && is_integer(s)) {
+    out << std::stoll(s);
+  } else if (typed && !s.empty() && [&] {
+               char* end = nullptr;
+               std::strtod(s.c_str(), &end);
+               return end == s.c_str() + s.size();
+             }()) {
+    out << YAML::Node(s);  // a float, plain
+  } else if (needs_quotes(s)) {
+    out << YAML::SingleQuoted << s;
+  } else {
+    out << s;
+  }
+}
+
+}  // namespace
+
+std::string to_yaml(const LaunchConfig& c) {
+  std::map<std::string, std::string> ds = c.deepspeed_config;
+  if (c.gradient_accumulation_steps != 1 || c.distributed_type == "DEEPSPEED")
+    ds["gradient_accumulation_steps"] = std::to_string(c.gradient_accumulation_steps);
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  out << YAML::Key << "compute_environment" << YAML::Value << c.compute_environment;
+  out << YAML::Key << "debug" << YAML::Value << c.debug;
+  if (!ds.empty()) {
+    out << YAML::Key << "deepspeed_config" << YAML::Value << YAML::BeginMap;
+    for (const auto& [k, v] : ds) {
+      out << YAML::Key << k << YAML::Value;
+      emit_text(out, v, true);
+    }
+    out << YAML::EndMap;
+  }
+  out << YAML::Key << "distributed_type" << YAML::Value;
+  emit_text(out, c.distributed_type, false);
+  out << YAML::Key << "downcast_bf16" << YAML::Value << c.downcast_bf16;
+  out << YAML::Key << "enable_cpu_affinity" << YAML::Value << c.enable_cpu_affinity;
+  if (!c.fp8_config.empty()) {
+    out << YAML::Key << "fp8_config" << YAML::Value << YAML::BeginMap;
+    for (const auto& [k, v] : c.fp8_config) {
+      out << YAML::Key << k << YAML::Value;
+      emit_text(out, v, true);
+    }
+    out << YAML::EndMap;
+  }
+  if (!c.fsdp_config.empty()) {
+    out << YAML::Key << "fsdp_config" << YAML::Value << YAML::BeginMap;
+    for (const auto& [k, v] : c.fsdp_config) {
+      out << YAML::Key << k << YAML::Value;
+      emit_text(out, v, true);
+    }
+    out << YAML::EndMap;
+  }
+  if (!c.gpu_ids.empty()) {
+    out << YAML::Key << "gpu_ids" << YAML::Value;
+    emit_text(out, c.gpu_ids, false);
+  }
+  out << YAML::Key << "machine_rank" << YAML::Value << c.machine_rank;
+  if (!c.main_process_ip.empty())
+    out << YAML::Key << "main_process_ip" << YAML::Value << c.main_process_ip;
+  if (c.main_process_port != 0)
+    out << YAML::Key << "main_process_port" << YAML::Value << c.main_process_port;
+  out << YAML::Key << "main_training_function" << YAML::Value << c.main_training_function;
+  out << YAML::Key << "mixed_precision" << YAML::Value;
+  emit_text(out, c.mixed_precision, false);
+  out << YAML::Key << "num_machines" << YAML::Value << c.num_machines;
+  out << YAML::Key << "num_processes" << YAML::Value << c.num_processes;
+  out << YAML::Key << "rdzv_backend" << YAML::Value << c.rdzv_backend;
+  out << YAML::Key << "same_network" << YAML::Value << c.same_network;
+  out << YAML::Key << "use_cpu" << YAML::Value << c.use_cpu;
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+std::string default_config_path(const EnvMap& env) {
+  auto get = [&](const char* k) {
+    auto it = env.find(k);
+    return it == env.end() ? std::string() : it->second;
+  };
+  if (auto home = get("TANDEM_CONFIG_HOME"); !home.empty()) return home + "/default_config.yaml";
+  if (auto xdg = get("XDG_CACHE_HOME"); !xdg.empty()) return xdg + "/tandem/default_config.yaml";
+  std::string home = get("HOME");
+  if (home.empty()) home = ".";
+  return home + "/.cache/tandem/default_config.yaml";
+}
+
+LaunchConfig basic_config(int cuda_devices, const std::string& mixed_precision) {
+  LaunchConfig c;
+  set_value(c, "mixed_precision", mixed_precision, Source::kConfigFile, "--mixed_precision");
+  set_value(c, "compute_environment", "LOCAL_MACHINE", Source::kConfigFile, "basic config");
+  if (cuda_devices > 0) {
+    c.num_processes = cuda_devices;
+    c.use_cpu = false;
+    c.distributed_type = cuda_devices > 1 ? "MULTI_GPU" : "NO";
+    c.gpu_ids = "all";
+  } else {
+    c.num_processes = 1;
+    c.use_cpu = true;
+    c.distributed_type = "NO";
+  }
+  for (const char* k : {"num_processes", "use_cpu", "distributed_type"})
+    c.sources[k] = Source::kConfigFile;
+  return c;
+}
+
+void write_config_file(const std::string& path, const std::string& text) {
+  // Create the parent folders one by one (mkdir -p).
+  for (size_t pos = path.find('/', 1); pos != std::string::npos; pos = path.find('/', pos + 1)) {
+    std::string dir = path.substr(0, pos);
+    if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
+      throw std::runtime_error("cannot create the folder " + dir + " for " + path + ": " +
+                               std::strerror(errno));
+  }
+  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp);
+    f << text;
+    if (!f.flush())
+      throw std::runtime_error("cannot write " + tmp + ": " + std::strerror(errno) +
+                               "; check that the folder is writable");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::string why = std::strerror(errno);
+    std::remove(tmp.c_str());
+    throw std::runtime_error("cannot write " + path + ": " + why);
+  }
+}
+
+std::string default_config_report(const EnvMap& env) {
+  const std::string path = default_config_path(env);
+  std::ifstream f(path);
+  if (!f) return "Default config: none (" + path + " does not exist; `tandem config` writes it)\n";
+  std::ostringstream os;
+  os << "Default config: " << path << "\n";
+  std::string line;
+  while (std::getline(f, line)) os << "    " << line << "\n";
+  return os.str();
+}
+
+}  // namespace tandem::config

@@ -1,0 +1,298 @@
+// Merging flags over the config file, resolving the distributed type and process count, the
+// device-count check, and the TANDEM_* environment of the ranks.
+#include "tandem/launch/resolve.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <torch/cuda.h>
+
+#include <algorithm>
+#include <cctype>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+namespace tandem::launch {
+namespace {
+
+using config::Source;
+
+std::string upper(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::vector<int> gpu_id_list(const std::string& gpu_ids) {
+  std::vector<int> ids;
+  if (gpu_ids.empty() || gpu_ids == "all") return ids;
+  std::stringstream ss(gpu_ids);
+  std::string item;
+  while (std::getline(ss, item, ',')) ids.push_back(std::stoi(item));
+  return ids;
+}
+
+bool is_multi(const std::string& t) {
+  return t != "NO";
+}
+
+const char* type_flag(const std::string& t) {
+  if (t == "MULTI_GPU") return "--multi_gpu";
+  if (t == "FSDP") return "--use_fsdp";
+  if (t == "DEEPSPEED") return "--use_deepspeed";
+  return "--distributed_type";
+}
+
+}  // namespace
+
+std::string flag_for_key(const std::string& key) {
+  if (key == "use_cpu") return "--cpu";
+  if (key == "distributed_type") return "--multi_gpu/--use_fsdp/--use_deepspeed";
+  auto dot = key.find('.');
+  if (dot == std::string::npos) return "--" + key;
+  std::string sub = key.substr(dot + 1);
+  if (key.rfind("fsdp_config.", 0) == 0 && sub.rfind("fsdp_", 0) != 0) sub = "fsdp_" + sub;
+  if (key.rfind("fp8_config.", 0) == 0 && sub.rfind("fp8_", 0) != 0) sub = "fp8_" + sub;
+  return "--" + sub;
+}
+
+void check_device_count(int processes_per_machine, int cuda_devices, const std::string& gpu_ids,
+                        const std::string& cuda_visible_devices) {
+  const std::string visible_note =
+      cuda_visible_devices.empty() ? "" : " (CUDA_VISIBLE_DEVICES=" + cuda_visible_devices + ")";
+  const std::string have = std::to_string(cuda_devices) + " GPU" + (cuda_devices == 1 ? "" : "s") +
+                           " visible" + visible_note;
+  int usable = cuda_devices;
+  auto ids = gpu_id_list(gpu_ids);
+  if (!ids.empty()) {
+    for (int id : ids)
+      if (id >= cuda_devices)
+        throw std::invalid_argument("--gpu_ids " + gpu_ids + ": device " + std::to_string(id) +
+                                    " does not exist; this "
+                                    "machine has " +
+                                    have +
+                                    (cuda_devices > 0
+                                         ? ", numbered 0 to " + std::to_string(cuda_devices - 1)
+                                         : std::string()) +
+                                    ". Pick devices from that range, or pass --gpu_ids all");
+    usable = static_cast<int>(ids.size());
+  }
+  if (processes_per_machine > usable) {
+    std::string which = ids.empty() ? have
+                                    : std::to_string(usable) + " GPU" + (usable == 1 ? "" : "s") +
+                                          " chosen by --gpu_ids " + gpu_ids + " (of " + have + ")";
+    throw std::invalid_argument(
+        std::to_string(processes_per_machine) + " processes per machine need " +
+        std::to_string(processes_per_machine) + " GPUs, one each, but there " +
+        (usable == 1 ? "is " : "are ") + which + ". Start at most " + std::to_string(usable) +
+        " processes per machine (--num_processes counts all machines), choose other devices "
+        "with --gpu_ids, or pass --cpu to run on the CPU");
+  }
+}
+
+ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues& flags,
+                              const MachineInfo& machine) {
+  ResolvedLaunch r;
+  r.config = base;
+  auto& c = r.config;
+  std::vector<std::string> type_flags;
+  bool cpu_flag = false;
+  for (const auto& [key, value] : flags) {
+    std::string origin = flag_for_key(key);
+    if (key == "distributed_type") {
+      origin = type_flag(upper(value));
+      type_flags.push_back(origin);
+    }
+    if (key == "use_cpu") cpu_flag = true;
+    config::set_value(c, key, value, Source::kCommandLine, origin);
+  }
+  if (type_flags.size() > 1)
+    throw std::invalid_argument(
+        "only one of --multi_gpu, --use_fsdp, --use_deepspeed can be given "
+        "(got " +
+        type_flags[0] + " and " + type_flags[1] + ")");
+  if (cpu_flag && c.use_cpu && !type_flags.empty() && type_flags[0] == "--multi_gpu")
+    throw std::invalid_argument(
+        "--cpu and --multi_gpu contradict each other: pass --cpu to run "
+        "on the CPU (MULTI_CPU), or --multi_gpu to use the GPUs");
+
+  // Types tandem does not have run as plain data parallel (config::set_value noted them).
+  std::string t = c.distributed_type;
+  const auto& ours = config::tandem_distributed_types();
+  if (std::find(ours.begin(), ours.end(), t) == ours.end()) t = "MULTI_GPU";
+  const bool gpus_here = !c.use_cpu && machine.cuda_devices > 0;
+
+  if (c.num_processes == -1)
+    throw std::invalid_argument(
+        "num_processes is -1 in " + (c.path.empty() ? std::string("the configuration") : c.path) +
+        ", which leaves it to the command line: pass --num_processes N (processes over all "
+        "machines)");
+  if (!c.given("num_processes")) {
+    if (is_multi(t) && gpus_here) {
+      auto ids = gpu_id_list(c.gpu_ids);
+      int per_machine = ids.empty() ? machine.cuda_devices : static_cast<int>(ids.size());
+      c.num_processes = per_machine * c.num_machines;
+    } else if (is_multi(t) && c.given("distributed_type")) {
+      throw std::invalid_argument(
+          "distributed_type " + c.distributed_type +
+          " needs a number of processes, and none is "
+          "set: pass --num_processes N (processes over all machines) or add num_processes to "
+          "the config file");
+    } else {
+      c.num_processes = c.num_machines;
+    }
+  }
+  const int total = c.num_processes;
+  if (t == "MULTI_GPU" && c.use_cpu) {
+    t = "MULTI_CPU";
+  } else if (t == "MULTI_GPU" && machine.cuda_devices == 0) {
+    t = "MULTI_CPU";
+    r.notes.push_back("distributed_type " + c.distributed_type + ": no GPU is visible, so the " +
+                      std::to_string(total) + " processes run on the CPU (MULTI_CPU)");
+  }
+  if (t == "NO" && total > 1) t = gpus_here ? "MULTI_GPU" : "MULTI_CPU";
+  if ((t == "MULTI_CPU" || t == "MULTI_GPU") && total == 1) {
+    if (!type_flags.empty() && type_flags[0] == "--multi_gpu")
+      throw std::invalid_argument(
+          "--multi_gpu needs at least 2 processes, but --num_processes is "
+          "1: pass --num_processes 2 or more, or leave out --multi_gpu");
+    t = "NO";
+  }
+  config::validate(c);
+  r.distributed_type = t;
+  r.processes_per_machine = total / c.num_machines;
+  r.on_gpu = gpus_here;
+  if (r.on_gpu)
+    check_device_count(r.processes_per_machine, machine.cuda_devices, c.gpu_ids,
+                       machine.cuda_visible_devices);
+  return r;
+}
+
+EnvMap program_environment(const ResolvedLaunch& r) {
+  const auto& c = r.config;
+  EnvMap env;
+  env["TANDEM_DISTRIBUTED_TYPE"] = r.distributed_type;
+  env["TANDEM_MIXED_PRECISION"] = c.mixed_precision;
+  env["TANDEM_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(c.gradient_accumulation_steps);
+  if (c.use_cpu) env["TANDEM_USE_CPU"] = "1";
+  if (c.debug) env["TANDEM_DEBUG"] = "1";
+  if (c.downcast_bf16) env["TANDEM_DOWNCAST_BF16"] = "1";
+  if (!c.use_cpu && !c.gpu_ids.empty()) {
+    env["TANDEM_GPU_IDS"] = c.gpu_ids;
+    if (c.gpu_ids != "all") env["CUDA_VISIBLE_DEVICES"] = c.gpu_ids;
+  }
+  if (r.distributed_type == "DEEPSPEED") {
+    auto get = [&](const std::string& k, const std::string& fallback) {
+      auto it = c.deepspeed_config.find(k);
+      return it == c.deepspeed_config.end() ? fallback : it->second;
+    };
+    env["TANDEM_ZERO_STAGE"] = get("zero_stage", "2");  // Accelerate's default stage
+    env["TANDEM_OFFLOAD_OPTIMIZER_DEVICE"] = get("offload_optimizer_device", "none");
+    env["TANDEM_OFFLOAD_PARAM_DEVICE"] = get("offload_param_device", "none");
+    for (const char* k : {"gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model"})
+      if (c.deepspeed_config.count(k)) env["TANDEM_" + upper(k)] = c.deepspeed_config.at(k);
+  } else if (c.deepspeed_config.count("gradient_clipping")) {
+    env["TANDEM_GRADIENT_CLIPPING"] = c.deepspeed_config.at("gradient_clipping");
+  }
+  if (r.distributed_type == "FSDP") {
+    env["TANDEM_FSDP_SHARDING_STRATEGY"] = "FULL_SHARD";
+    for (const auto& [k, v] : c.fsdp_config) env["TANDEM_FSDP_" + upper(k.substr(5))] = v;
+  }
+  if (c.mixed_precision == "fp8") {
+    for (const auto& [k, v] : c.fp8_config) {
+      std::string name = k.rfind("fp8_", 0) == 0 ? k.substr(4) : k;
+      env["TANDEM_FP8_" + upper(name)] = v;
+    }
+  }
+  return env;
+}
+
+LaunchOptions to_launch_options(const ResolvedLaunch& r, const EnvMap& user_env,
+                                LaunchOptions launcher) {
+  const auto& c = r.config;
+  EnvMap env = program_environment(r);
+  for (const auto& [k, v] : launcher.extra_env()) env[k] = v;
+  for (const auto& [k, v] : user_env) env[k] = v;
+  launcher.num_processes(r.processes_per_machine)
+      .num_machines(c.num_machines)
+      .machine_rank(c.machine_rank)
+      .main_process_ip(c.main_process_ip.empty() ? "127.0.0.1" : c.main_process_ip)
+      .main_process_port(c.main_process_port)
+      .cpu(c.use_cpu)
+      .rdzv_backend(c.rdzv_backend)
+      .extra_env(env);
+  return launcher;
+}
+
+std::string describe_resolved(const ResolvedLaunch& r) {
+  const auto& c = r.config;
+  std::ostringstream os;
+  os << "tandem launch configuration (config file: " << (c.path.empty() ? "none" : c.path)
+     << "):\n";
+  auto line = [&](const std::string& key, const std::string& value, const std::string& extra = "") {
+    auto it = c.sources.find(key);
+    Source s = it == c.sources.end() ? Source::kDefault : it->second;
+    os << "  " << key << ": " << value << extra << "  [" << config::to_string(s) << "]\n";
+  };
+  line("compute_environment", c.compute_environment);
+  line("distributed_type", r.distributed_type,
+       c.distributed_type != r.distributed_type ? " (configured: " + c.distributed_type + ")" : "");
+  line("num_processes", std::to_string(c.num_processes),
+       " (" + std::to_string(r.processes_per_machine) + " on this machine)");
+  line("num_machines", std::to_string(c.num_machines));
+  line("machine_rank", std::to_string(c.machine_rank));
+  line("main_process_ip", c.main_process_ip.empty() ? "127.0.0.1" : c.main_process_ip);
+  line("main_process_port", std::to_string(c.main_process_port),
+       c.main_process_port == 0 ? " (a free port)" : "");
+  line("rdzv_backend", c.rdzv_backend);
+  line("same_network", c.same_network ? "true" : "false");
+  line("use_cpu", c.use_cpu ? "true" : "false",
+       r.on_gpu ? " (ranks use GPUs)" : " (ranks use the CPU)");
+  line("gpu_ids", c.gpu_ids.empty() ? "all" : c.gpu_ids);
+  line("mixed_precision", c.mixed_precision);
+  line("gradient_accumulation_steps", std::to_string(c.gradient_accumulation_steps));
+  line("debug", c.debug ? "true" : "false");
+  line("downcast_bf16", c.downcast_bf16 ? "true" : "false");
+  for (const auto& [k, v] : c.fsdp_config) line("fsdp_config." + k, v);
+  for (const auto& [k, v] : c.deepspeed_config) line("deepspeed_config." + k, v);
+  for (const auto& [k, v] : c.fp8_config) line("fp8_config." + k, v);
+  if (!c.ignored.empty()) {
+    os << "  ignored:";
+    for (const auto& i : c.ignored) os << " " << i << ";";
+    os << "\n";
+  }
+  for (const auto& n : r.notes) os << "  note: " << n << "\n";
+  return os.str();
+}
+
+std::string local_address_for(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port > 0 ? port : 9);
+  if (::getaddrinfo(host.c_str(), service.c_str(), &hints, &res) != 0 || !res) return "";
+  std::string out;
+  int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  // connect() on a UDP socket only asks the routing table for a source address: no packet.
+  if (fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t len = sizeof(local);
+    char buf[INET_ADDRSTRLEN] = {0};
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+        ::inet_ntop(AF_INET, &local.sin_addr, buf, sizeof(buf)))
+      out = buf;
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(res);
+  return out;
+}
+
+int visible_cuda_devices() {
+  return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+}
+
+}  // namespace tandem::launch

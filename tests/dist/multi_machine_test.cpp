@@ -1,0 +1,160 @@
+// Two machines, each with its own `tandem launch`: on loopback, and as two network namespaces
+// joined by a veth pair (10.231.0.1 and 10.231.0.2, hosts that exist only inside this test).
+// Machine 1 starts first: the ranks wait for rank 0's store until their timeout.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "../common/subprocess.h"
+
+using tandem::testing::count_of;
+using tandem::testing::run_command;
+using tandem::testing::RunResult;
+
+namespace {
+
+const std::string kCli = TANDEM_CLI;
+const std::string kWorker = COLLECTIVES_WORKER;
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::vector<std::string> machine(int rank, const std::string& ip, int port,
+                                 std::vector<std::string> extra = {}) {
+  std::vector<std::string> argv{kCli,
+                                "launch",
+                                "--num_machines",
+                                "2",
+                                "--machine_rank",
+                                std::to_string(rank),
+                                "--main_process_ip",
+                                ip,
+                                "--main_process_port",
+                                std::to_string(port),
+                                "--num_processes",
+                                "4",
+                                "--cpu",
+                                "--grace_period",
+                                "2"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.push_back(kWorker);
+  argv.push_back("all");
+  return argv;
+}
+
+// Runs machine 1 first, then machine 0 after `delay_s`; both must finish.
+std::pair<RunResult, RunResult> run_two(const std::vector<std::string>& m0,
+                                        const std::vector<std::string>& m1, double delay_s) {
+  const std::map<std::string, std::string> env{{"TANDEM_TEST_TIMEOUT_S", "30"},
+                                               {"TANDEM_CONFIG_HOME", "/nonexistent"}};
+  RunResult r1;
+  std::thread first([&] { r1 = run_command(m1, env, 120); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(delay_s * 1000)));
+  RunResult r0 = run_command(m0, env, 120);
+  first.join();
+  return {r0, r1};
+}
+
+void expect_ranks_ok(const RunResult& r, std::vector<int> ranks) {
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (int k : ranks)
+    EXPECT_NE(r.output.find("[rank " + std::to_string(k) + "] collectives OK on rank " +
+                            std::to_string(k) + " of 4"),
+              std::string::npos)
+        << r.output;
+  EXPECT_EQ(count_of(r.output, "collectives OK"), 2) << r.output;
+}
+
+int sh(const std::string& cmd, std::string* out = nullptr) {
+  auto r = run_command({"/bin/sh", "-c", cmd}, {}, 30);
+  if (out) *out = r.output;
+  return r.exit_code;
+}
+
+// Two network namespaces joined by a veth pair; removed in every case (the namespaces take
+// their veth ends with them).
+class TwoHosts {
+ public:
+  TwoHosts() {
+    const std::string id = std::to_string(getpid() % 1000000);
+    ns_ = {"tandem-m0-" + id, "tandem-m1-" + id};
+    veth_ = {"tdv0-" + id, "tdv1-" + id};
+  }
+  ~TwoHosts() {
+    for (const auto& n : ns_) sh("ip netns del " + n + " 2>/dev/null");
+    sh("ip link del " + veth_[0] + " 2>/dev/null");
+  }
+  // "" on success, else what failed.
+  std::string setup() {
+    std::string out;
+    if (sh("ip netns add " + ns_[0], &out) != 0) return "ip netns add: " + out;
+    created_ = true;
+    const std::vector<std::string> steps = {
+        "ip netns add " + ns_[1],
+        "ip link add " + veth_[0] + " type veth peer name " + veth_[1],
+        "ip link set " + veth_[0] + " netns " + ns_[0],
+        "ip link set " + veth_[1] + " netns " + ns_[1],
+        "ip -n " + ns_[0] + " addr add 10.231.0.1/24 dev " + veth_[0],
+        "ip -n " + ns_[1] + " addr add 10.231.0.2/24 dev " + veth_[1],
+        "ip -n " + ns_[0] + " link set lo up",
+        "ip -n " + ns_[1] + " link set lo up",
+        "ip -n " + ns_[0] + " link set " + veth_[0] + " up",
+        "ip -n " + ns_[1] + " link set " + veth_[1] + " up",
+    };
+    for (const auto& s : steps)
+      if (sh(s, &out) != 0) return s + ": " + out;
+    return "";
+  }
+  bool created() const { return created_; }
+  std::vector<std::string> in(int host, const std::vector<std::string>& argv) const {
+    std::vector<std::string> out{"ip", "netns", "exec", ns_[static_cast<size_t>(host)]};
+    out.insert(out.end(), argv.begin(), argv.end());
+    return out;
+  }
+
+ private:
+  std::vector<std::string> ns_, veth_;
+  bool created_ = false;
+};
+
+}  // namespace
+
+TEST(MultiMachine, TwoLaunchersOnLoopbackMachineOneFirst) {
+  const int port = free_port();
+  auto [r0, r1] = run_two(machine(0, "127.0.0.1", port), machine(1, "127.0.0.1", port), 2.0);
+  expect_ranks_ok(r0, {0, 1});
+  expect_ranks_ok(r1, {2, 3});
+}
+
+TEST(MultiMachine, TwoNetworkNamespacesWithC10dRendezvous) {
+  if (geteuid() != 0) GTEST_SKIP() << "creating network namespaces needs root (ip netns add)";
+  TwoHosts hosts;
+  std::string why = hosts.setup();
+  if (!hosts.created())
+    GTEST_SKIP() << "network namespaces are not permitted here, so two machines cannot be "
+                    "simulated ("
+                 << why << ")";
+  ASSERT_EQ(why, "") << "setting up the two hosts failed";
+  // Machine 1 (10.231.0.2) starts 3 s before machine 0 hosts the store.
+  auto m0 = hosts.in(0, machine(0, "10.231.0.1", 29500, {"--rdzv_backend", "c10d"}));
+  auto m1 = hosts.in(1, machine(1, "10.231.0.1", 29500, {"--rdzv_backend", "c10d", "--debug"}));
+  auto [r0, r1] = run_two(m0, m1, 3.0);
+  expect_ranks_ok(r0, {0, 1});
+  expect_ranks_ok(r1, {2, 3});
+  // The launcher found the address that routes to machine 0, for Gloo to listen on.
+  EXPECT_NE(r1.output.find("TANDEM_LOCAL_ADDR=10.231.0.2"), std::string::npos) << r1.output;
+}
