@@ -16,6 +16,15 @@
 #include "tandem/parallel/buckets.h"
 
 namespace tandem::parallel {
+namespace {
+
+// Gloo (LibTorch 1.13) has no bfloat16 reductions: bf16 CPU tensors travel as fp32 (whose sums
+// are also more accurate); copy_ converts on the way in and out.
+at::ScalarType wire_dtype(const at::Tensor& t) {
+  return t.is_cpu() && t.scalar_type() == at::kBFloat16 ? at::kFloat : t.scalar_type();
+}
+
+}  // namespace
 
 struct GradientReducer::Bucket {
   at::Tensor flat;              // the bucket's gradients, flattened
@@ -58,7 +67,8 @@ GradientReducer::GradientReducer(
       offset_of_[i] = numel;
       numel += params_[i].numel();
     }
-    st->flat = at::zeros({numel}, params_[st->members.front()].options().requires_grad(false));
+    const auto& first = params_[st->members.front()];
+    st->flat = at::zeros({numel}, first.options().dtype(wire_dtype(first)).requires_grad(false));
     st->pending = st->members.size();
     bucket_state_.push_back(std::move(st));
   }
@@ -217,7 +227,7 @@ void GradientReducer::finalize() {
         if (g.defined()) {
           g.copy_(slot);
         } else {
-          g = slot.clone();
+          g = slot.to(params_[i].scalar_type(), /*non_blocking=*/false, /*copy=*/true);
         }
       }
     }
@@ -254,6 +264,7 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool pa
     std::vector<at::Tensor> flat_parts;
     for (auto& t : ts) flat_parts.push_back(t.detach().reshape({-1}));
     auto flat = at::cat(flat_parts);
+    flat = flat.to(wire_dtype(flat));
     pg.broadcast(flat, 0);
     int64_t off = 0;
     for (auto& t : ts) {
