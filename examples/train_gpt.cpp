@@ -13,10 +13,12 @@ int main(int argc, char** argv) {
   examples::GPTConfig cfg;
   int64_t steps = 200, batch = 8, accum = 1, eval_every = 100, eval_batches = 8;
   double lr = 3e-3;
+  std::string mixed_precision;  // empty: the launcher's (TANDEM_MIXED_PRECISION), else "no"
   std::string data = TANDEM_SOURCE_DIR, text_file;
   app.add_option("--steps", steps, "Optimizer steps");
   app.add_option("--batch-size", batch, "Sequences per process per micro-step");
   app.add_option("--accumulate", accum, "Gradient accumulation steps");
+  app.add_option("--mixed_precision", mixed_precision, "no, bf16, fp16, bf16-true, fp16-true, fp8");
   app.add_option("--lr", lr, "Learning rate (AdamW)");
   app.add_option("--context", cfg.context, "Context length");
   app.add_option("--layers", cfg.layers, "Transformer blocks");
@@ -28,8 +30,10 @@ int main(int argc, char** argv) {
   app.add_option("--text", text_file, "A text file to train on instead");
   CLI11_PARSE(app, argc, argv);
   try {
-    tandem::Accelerator acc(tandem::AcceleratorOptions().seed(1234).gradient_accumulation_steps(
-        static_cast<int>(accum)));
+    auto options = tandem::AcceleratorOptions().seed(1234).gradient_accumulation_steps(
+        static_cast<int>(accum));
+    if (!mixed_precision.empty()) options.mixed_precision(mixed_precision);
+    tandem::Accelerator acc(options);
     std::string text;
     if (!text_file.empty()) {
       std::ifstream in(text_file, std::ios::binary);
@@ -49,11 +53,12 @@ int main(int argc, char** argv) {
         model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.01)));
     auto loader = acc.prepare_data_loader(
         train, tandem::data::DataLoaderOptions().batch_size(batch).shuffle(true).seed(7));
-    acc.print("GPT with", model->num_parameters(), "parameters;", text.size(), "bytes of text;",
+    acc.print("GPT with", model->num_parameters(), "parameters in", acc.mixed_precision(), "precision;", text.size(), "bytes of text;",
               acc.num_processes(), "processes");
 
     auto evaluate = [&]() {
       torch::NoGradGuard no_grad;
+      auto autocast = acc.autocast();  // as in training (nested inside accumulate() it is a no-op)
       model->eval();
       auto eval = acc.prepare_data_loader(held_out, tandem::data::DataLoaderOptions().batch_size(batch));
       double sum = 0;
@@ -78,7 +83,7 @@ int main(int argc, char** argv) {
     for (int64_t epoch = 0; step < steps; ++epoch) {
       loader->set_epoch(epoch);
       for (auto& b : *loader) {
-        auto scope = acc.accumulate();
+        auto scope = acc.accumulate();  // autocast on for this micro-step, in bf16/fp16 modes
         auto loss = model->loss_per_sample(b.data, b.target).mean();
         acc.backward(loss);
         acc.clip_grad_norm_(model->parameters(), 1.0);

@@ -47,11 +47,20 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   if (options_.bucket_cap_mb() <= 0 || options_.first_bucket_cap_mb() <= 0)
     throw std::invalid_argument(state_.prefix() + " bucket_cap_mb and first_bucket_cap_mb must be "
                                 "positive");
+  init_precision();  // refuses impossible modes before joining the job
   pg_ = ProcessGroup::create(state_, ProcessGroupOptions().timeout(options_.timeout()));
+  init_timeline();
   if (options_.seed()) set_seed(*options_.seed());
 }
 
-Accelerator::~Accelerator() = default;
+Accelerator::~Accelerator() {
+  try {
+    end_training();  // finishes trackers and writes the timeline, if the user did not
+  } catch (const std::exception& e) {
+    std::cerr << state_.prefix() << " could not finish the trackers or the timeline: " << e.what()
+              << std::endl;
+  }
+}
 
 std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
     std::shared_ptr<torch::nn::Module> model) {
@@ -60,6 +69,7 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
     TORCH_CHECK(m.get() != model.get(), state_.prefix(),
                 " prepare: this model was already prepared; prepare each model once");
   model->to(device_);
+  cast_model_for_precision(*model);
   parallel::broadcast_module_state(*model, *pg_, true, true);
   if (pg_->size() > 1) {
     reducers_.push_back(std::make_unique<parallel::GradientReducer>(
@@ -75,7 +85,16 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
 
 AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimizer> optimizer) {
   TORCH_CHECK(optimizer, state_.prefix(), " prepare: the optimizer is null");
+  optimizers_.push_back(optimizer);
+  install_master_weights(*optimizer);
   return AcceleratedOptimizer(std::move(optimizer), this);
+}
+
+std::shared_ptr<torch::optim::LRScheduler> Accelerator::prepare_scheduler(
+    std::shared_ptr<torch::optim::LRScheduler> scheduler) {
+  TORCH_CHECK(scheduler, state_.prefix(), " prepare_scheduler: the scheduler is null");
+  schedulers_.push_back(scheduler);
+  return scheduler;
 }
 
 data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o) const {
@@ -90,9 +109,18 @@ data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o)
 
 void Accelerator::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined(), state_.prefix(), " backward: the loss is undefined");
-  auto l = accumulation_steps_ > 1 ? loss / static_cast<double>(accumulation_steps_) : loss;
-  l.backward();
+  // Note [Loss in fp32]: a half loss is cast up before dividing and scaling.
+  auto l = precision_.is_half() && loss.scalar_type() != at::kDouble ? loss.to(at::kFloat) : loss;
+  if (accumulation_steps_ > 1) l = l / static_cast<double>(accumulation_steps_);
+  if (scaler_) l = scaler_->scale(l);
+  const auto begin = track::Timeline::Clock::now();
+  {
+    auto no_autocast = autocast(false);
+    l.backward();
+  }
+  boundary_prepared_ = false;
   for (auto& r : reducers_) r->after_backward();
+  record_backward(begin, track::Timeline::Clock::now());
 }
 
 Accelerator::AccumulateScope Accelerator::accumulate() {
@@ -101,7 +129,7 @@ Accelerator::AccumulateScope Accelerator::accumulate() {
   if (sync_gradients_) micro_step_ = 0;
   if (no_sync_depth_ == 0)
     for (auto& r : reducers_) r->set_sync(sync_gradients_);
-  return AccumulateScope(this);
+  return AccumulateScope(this, autocast());
 }
 
 Accelerator::NoSyncScope::NoSyncScope(Accelerator* acc) : acc_(acc) {
@@ -119,12 +147,16 @@ Accelerator::NoSyncScope Accelerator::no_sync() { return NoSyncScope(this); }
 double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
                                     double norm_type) {
   if (!sync_gradients_) return 0.0;
-  return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  unscale_gradients();
+  auto no_autocast = autocast(false);
+  return torch::nn::utils::clip_grad_norm_(grads_to_clip(parameters), max_norm, norm_type);
 }
 
 void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
   if (!sync_gradients_) return;
-  torch::nn::utils::clip_grad_value_(parameters, clip_value);
+  unscale_gradients();
+  auto no_autocast = autocast(false);
+  torch::nn::utils::clip_grad_value_(grads_to_clip(parameters), clip_value);
 }
 
 at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
@@ -133,7 +165,7 @@ at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
   if (t.dim() > 0 && st.valid_rows >= 0 && st.valid_rows < st.batch_rows &&
       t.size(0) == st.batch_rows)
     t = t.narrow(0, 0, st.valid_rows);
-  return comm::gather(*pg_, t);
+  return metric_result(comm::gather(*pg_, metric_input(t)));
 }
 
 void Accelerator::set_seed(uint64_t seed, bool device_specific) {
@@ -159,13 +191,26 @@ Accelerator::MainProcessFirst::~MainProcessFirst() {
 void AcceleratedOptimizer::step() {
   skipped_ = owner_ && !owner_->sync_gradients();
   if (skipped_) return;
-  optimizer_->step();
-  if (owner_) owner_->after_optimizer_step();
+  if (owner_ && !owner_->before_optimizer_step()) {  // inf/NaN on some rank: every rank skips
+    skipped_ = true;
+    return;
+  }
+  {
+    auto span = owner_ ? owner_->timeline().scope("optimizer step", "compute")
+                       : track::Timeline::Scope();
+    auto no_autocast = owner_ ? owner_->autocast(false) : precision::AutocastGuard();
+    optimizer_->step();
+  }
+  if (owner_) {
+    owner_->after_optimizer_step_precision(*optimizer_);
+    owner_->after_optimizer_step();
+  }
 }
 
 void AcceleratedOptimizer::zero_grad() {
   if (owner_ && !owner_->sync_gradients()) return;
   optimizer_->zero_grad();
+  if (owner_) owner_->zero_model_grads_for(*optimizer_);
 }
 
 }  // namespace tandem

@@ -7,6 +7,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <chrono>
 #include <iostream>
@@ -21,7 +22,13 @@
 #include "tandem/data/loader.h"
 #include "tandem/optimizer.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/precision/autocast.h"
+#include "tandem/precision/fp8.h"
+#include "tandem/precision/grad_scaler.h"
+#include "tandem/precision/policy.h"
 #include "tandem/state.h"
+#include "tandem/track/timeline.h"
+#include "tandem/track/trackers.h"
 
 namespace tandem {
 
@@ -51,8 +58,35 @@ struct AcceleratorOptions {
   TORCH_ARG(bool, find_unused_parameters) = false;
   /// Re-broadcast buffers (e.g. BatchNorm statistics) from rank 0 after every optimizer step.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  /// no, bf16, fp16, bf16-true, fp16-true or fp8 (env TANDEM_MIXED_PRECISION, set by
+  /// `tandem launch --mixed_precision`; default no). See docs/mixed_precision.md.
+  TORCH_ARG(std::optional<std::string>, mixed_precision) = std::nullopt;
+  /// -true modes: the optimizer steps fp32 master copies of the half weights (default: on for
+  /// fp16-true, off for bf16-true).
+  TORCH_ARG(std::optional<bool>, master_weights) = std::nullopt;
+  /// bf16 modes: reduce() and gather_for_metrics() hand fp32 results back as bf16 (env
+  /// TANDEM_DOWNCAST_BF16).
+  TORCH_ARG(std::optional<bool>, downcast_bf16) = std::nullopt;
+  /// Dynamic loss scaling: unset: on for fp16 and fp16-true only; true: on in any mode.
+  TORCH_ARG(std::optional<bool>, loss_scaling) = std::nullopt;
+  /// The loss scaler of fp16 and fp16-true.
+  TORCH_ARG(precision::GradScalerOptions, grad_scaler) = {};
+  /// The fp8 recipe (unset: from TANDEM_FP8_* or the defaults).
+  TORCH_ARG(std::optional<precision::Fp8Options>, fp8) = std::nullopt;
   /// Rendezvous and collective timeout (PyTorch's default: 30 minutes).
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(30);
+  /// Where save_state() puts checkpoints/checkpoint_<n> (Accelerate's ProjectConfiguration).
+  TORCH_ARG(std::string, project_dir) = ".";
+  /// save_state() without a directory writes project_dir/checkpoints/checkpoint_<n>.
+  TORCH_ARG(bool, automatic_checkpoint_naming) = true;
+  /// Keep at most this many automatically named checkpoints (oldest removed); 0 keeps all.
+  TORCH_ARG(int, total_limit) = 0;
+  /// Trackers started by init_trackers: any of "jsonl", "csv", "tensorboard", or "all".
+  TORCH_ARG(std::vector<std::string>, log_with) = std::vector<std::string>{"all"};
+  /// Where init_trackers writes (<logging_dir>/<project_name>/); empty: project_dir/logs.
+  TORCH_ARG(std::string, logging_dir) = "";
+  /// Per-rank Chrome-trace timeline written here (env TANDEM_TIMELINE); empty: none.
+  TORCH_ARG(std::string, timeline_dir) = "";
 };
 
 /// The Accelerator. One per process; it owns the process group and the engines it creates.
@@ -103,6 +137,9 @@ class Accelerator {
   }
   /// Wraps an optimizer (create it over the prepared model's parameters).
   AcceleratedOptimizer prepare(std::shared_ptr<torch::optim::Optimizer> optimizer);
+  /// Registers a learning-rate scheduler so that save_state/load_state keep its step count.
+  std::shared_ptr<torch::optim::LRScheduler> prepare_scheduler(
+      std::shared_ptr<torch::optim::LRScheduler> scheduler);
   template <class M, class O>
   std::tuple<M, AcceleratedOptimizer> prepare(M model, std::shared_ptr<O> optimizer) {
     auto m = prepare(std::move(model));
@@ -114,9 +151,10 @@ class Accelerator {
   std::shared_ptr<data::DataLoader<Dataset>> prepare_data_loader(
       Dataset dataset, data::DataLoaderOptions options = {},
       typename data::DataLoader<Dataset>::CollateFn collate = nullptr) {
-    return std::make_shared<data::DataLoader<Dataset>>(std::move(dataset), options,
-                                                       placement(options), loader_state_,
-                                                       std::move(collate));
+    auto loader = std::make_shared<data::DataLoader<Dataset>>(
+        std::move(dataset), options, placement(options), loader_state_, std::move(collate));
+    loaders_.push_back(loader);
+    return loader;
   }
   /// This rank's loader over a stream of examples (see data::StreamLoader).
   template <class Example>
@@ -136,12 +174,17 @@ class Accelerator {
   /// boundary (every gradient_accumulation_steps micro-steps, and at the end of a loader).
   class AccumulateScope {
    public:
-    explicit AccumulateScope(Accelerator* acc) : acc_(acc) {}
-    AccumulateScope(AccumulateScope&& o) noexcept : acc_(o.acc_) { o.acc_ = nullptr; }
+    explicit AccumulateScope(Accelerator* acc, precision::AutocastGuard autocast = {})
+        : acc_(acc), autocast_(std::move(autocast)) {}
+    AccumulateScope(AccumulateScope&& o) noexcept
+        : acc_(o.acc_), autocast_(std::move(o.autocast_)) {
+      o.acc_ = nullptr;
+    }
     ~AccumulateScope() = default;
 
    private:
     Accelerator* acc_;
+    precision::AutocastGuard autocast_;  // the mixed-precision mode's autocast, for the scope
   };
   AccumulateScope accumulate();
   template <class M>
@@ -168,20 +211,50 @@ class Accelerator {
   }
 
   /// Clips the (reduced) gradients' total norm to max_norm; returns the total norm before
-  /// clipping. Does nothing off a synchronisation boundary (returns 0).
+  /// clipping. Does nothing off a synchronisation boundary (returns 0). Under fp16 the
+  /// gradients are unscaled first (unscale_gradients), so the norm is that of the true
+  /// gradients; with master weights the fp32 masters' gradients are clipped.
   double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
                          double norm_type = 2.0);
   /// Clamps every (reduced) gradient into [-clip_value, clip_value].
   void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value);
+
+  // ---- mixed precision (src/precision/accelerator_precision.cpp) -------------------------------
+  /// The validated precision policy of this run.
+  const precision::PrecisionPolicy& precision_policy() const { return precision_; }
+  /// The mode's name: no, bf16, fp16, bf16-true, fp16-true, fp8.
+  std::string mixed_precision() const { return precision_.name(); }
+  /// An autocast region for this mode on this device (nothing under no and the -true modes);
+  /// autocast(false) turns autocast off inside an enclosing region, for numerically sensitive
+  /// code. accumulate() opens one for its scope too; backward(), optimizer steps and clipping
+  /// always run with autocast off.
+  ///
+  /// Example:
+  ///   torch::NoGradGuard no_grad;
+  ///   auto ac = acc.autocast();
+  ///   auto logits = model->forward(x);
+  precision::AutocastGuard autocast(bool enabled = true);
+  /// The loss scaler (fp16 and fp16-true), nullptr otherwise.
+  precision::GradScaler* scaler() { return scaler_.get(); }
+  /// Divides the gradients by the loss scale once per synchronisation boundary (and, with
+  /// master weights, copies them up into the fp32 masters first); checks them for inf/NaN on
+  /// every rank together. Optimizer steps and clipping call it; calling it again before the
+  /// next backward does nothing.
+  void unscale_gradients();
+  /// Whether the last optimizer step was skipped because some rank's gradients held inf/NaN.
+  bool optimizer_step_was_skipped() const { return step_skipped_; }
+  /// The fp32 master copy of a prepared optimizer's parameter `p` (a -true mode with master
+  /// weights), or an undefined tensor.
+  at::Tensor master_parameter(const at::Tensor& p) const;
 
   // ---- collectives ----------------------------------------------------------------------------
   at::Tensor gather(const at::Tensor& tensor) { return comm::gather(*pg_, tensor); }
   /// gather(), dropping the rows that even-batches padding duplicated in the last batch, so
   /// that each sample of the data set is counted exactly once.
   at::Tensor gather_for_metrics(const at::Tensor& tensor);
-  at::Tensor reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kMean) {
-    return comm::reduce(*pg_, tensor, op);
-  }
+  /// Reduces across ranks. Under mixed precision a bf16/fp16 tensor is reduced in fp32 and
+  /// returned in fp32 (bf16 with downcast_bf16).
+  at::Tensor reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kMean);
   at::Tensor pad_across_processes(const at::Tensor& tensor, int64_t dim = 0, double pad_value = 0,
                                   bool pad_first = false) {
     return comm::pad_across_processes(*pg_, tensor, dim, pad_value, pad_first);
@@ -213,6 +286,47 @@ class Accelerator {
   };
   MainProcessFirst main_process_first() { return MainProcessFirst(this); }
 
+  // ---- checkpoints ----------------------------------------------------------------------------
+  /// Saves everything needed to continue exactly: models, optimizers, schedulers, the loss
+  /// scaler, step counters, the loaders' positions, every rank's RNG states and registered
+  /// objects. Atomic: written to a temporary directory, fsync'd, checksummed in manifest.json,
+  /// then renamed into place; it completes on every rank or on none. Without `dir`, writes
+  /// project_dir/checkpoints/checkpoint_<n> and keeps at most total_limit of them. Returns the
+  /// directory written.
+  std::string save_state(const std::string& dir = "");
+  /// Restores a save_state() directory (verifying every checksum first); without `dir`, the
+  /// latest complete checkpoint under project_dir/checkpoints. Prepared loaders resume at the
+  /// saved batch of the saved epoch.
+  void load_state(const std::string& dir = "");
+  /// The latest complete checkpoint under project_dir/checkpoints, or "" when there is none.
+  std::string latest_checkpoint() const;
+  /// Adds an object to save_state/load_state: `save` returns its state as bytes, `load`
+  /// restores them. Saved by the main process; loaded on every rank.
+  void register_for_checkpointing(const std::string& name, std::function<std::string()> save,
+                                  std::function<void(const std::string&)> load);
+  /// An object with `std::string state_dict() const` and `void load_state_dict(const std::string&)`.
+  template <class T>
+  void register_for_checkpointing(const std::string& name, T& object) {
+    register_for_checkpointing(
+        name, [&object] { return object.state_dict(); },
+        [&object](const std::string& s) { object.load_state_dict(s); });
+  }
+  /// Writes the model's weights as safetensors (sharded past max_shard_size, with an index) from
+  /// the main process; every rank returns when the files are complete.
+  void save_model(const torch::nn::Module& model, const std::string& dir,
+                  const std::string& max_shard_size = "10GB");
+
+  // ---- tracking (src/track/accelerator_tracking.cpp) ------------------------------------------
+  /// Starts the trackers of options.log_with on the main process and records the
+  /// hyper-parameters; other ranks do nothing.
+  void init_trackers(const std::string& project_name, const track::Hparams& config = {});
+  /// Logs scalar values at a step (main process only).
+  void log(const std::map<std::string, double>& values, int64_t step);
+  /// Finishes the trackers and writes the timeline.
+  void end_training();
+  /// The per-rank timeline (disabled unless timeline_dir or TANDEM_TIMELINE is set).
+  track::Timeline& timeline() { return *timeline_; }
+
   /// The reducers of the prepared models (for timelines and tests).
   const std::vector<std::unique_ptr<parallel::GradientReducer>>& reducers() const {
     return reducers_;
@@ -226,6 +340,16 @@ class Accelerator {
   friend class AcceleratedOptimizer;
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
   void after_optimizer_step();
+  // Mixed precision (src/precision/accelerator_precision.cpp).
+  void init_precision();
+  void cast_model_for_precision(torch::nn::Module& model);
+  void install_master_weights(torch::optim::Optimizer& optimizer);
+  bool before_optimizer_step();  // false: skip (inf/NaN somewhere)
+  void after_optimizer_step_precision(torch::optim::Optimizer& optimizer);
+  void zero_model_grads_for(torch::optim::Optimizer& optimizer);
+  std::vector<at::Tensor> grads_to_clip(const std::vector<at::Tensor>& parameters);
+  at::Tensor metric_input(const at::Tensor& t) const;   // half -> fp32 under mixed precision
+  at::Tensor metric_result(const at::Tensor& t) const;  // fp32 -> bf16 with downcast_bf16
 
   AcceleratorOptions options_;
   ProcessState state_;
@@ -238,7 +362,35 @@ class Accelerator {
   int64_t optimizer_steps_ = 0;
   std::shared_ptr<data::LoaderState> loader_state_ = std::make_shared<data::LoaderState>();
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
+  std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers_;
+  std::vector<std::shared_ptr<torch::optim::LRScheduler>> schedulers_;
+  std::vector<std::weak_ptr<data::ResumableLoader>> loaders_;
+  struct Registered {
+    std::string name;
+    std::function<std::string()> save;
+    std::function<void(const std::string&)> load;
+  };
+  std::vector<Registered> registered_;
+  int64_t checkpoints_saved_ = 0;  // numbering of automatic checkpoint_<n>
+  track::TrackerSet trackers_;
+  std::unique_ptr<track::Timeline> timeline_;
+  track::Timeline::Clock::time_point last_ready_{};  // end of the last data wait or step
+  void init_timeline();
+  void record_backward(track::Timeline::Clock::time_point begin,
+                       track::Timeline::Clock::time_point end);
   std::vector<std::unique_ptr<parallel::GradientReducer>> reducers_;
+  // Mixed precision.
+  precision::PrecisionPolicy precision_;
+  std::unique_ptr<precision::GradScaler> scaler_;
+  struct MasterSet {  // one optimizer's half parameters and their fp32 masters
+    torch::optim::Optimizer* optimizer = nullptr;
+    std::vector<at::Tensor> params, masters;
+  };
+  std::vector<MasterSet> masters_;       // every prepared optimizer, masters empty without them
+  std::map<const void*, at::Tensor> master_of_;  // half parameter's TensorImpl -> fp32 master
+  bool boundary_prepared_ = false;  // gradients unscaled/copied up since the last backward
+  bool found_inf_ = false;          // on any rank, at the last unscale
+  bool step_skipped_ = false;
 };
 
 }  // namespace tandem

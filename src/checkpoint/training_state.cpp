@@ -257,6 +257,7 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
       json custom = json::array();
       for (const auto& r : registered_) custom.push_back(r.name);
       st["custom"] = custom;
+      if (scaler_) st["scaler"] = scaler_->state_dict();
       write_file(tmp / "state.json", st.dump(2));
       add("state.json");
     }
@@ -387,6 +388,8 @@ void Accelerator::load_state(const std::string& dir_arg) {
   for (size_t i = 0; i < schedulers_.size() && i < st["schedulers"].size(); ++i)
     checkpoint::set_scheduler_step_count(*schedulers_[i], st["schedulers"][i].get<unsigned>());
   for (const auto& r : registered_) r.load(read_file(verified("custom_" + r.name + ".bin")));
+  if (scaler_ && st.contains("scaler"))
+    scaler_->load_state_dict(st["scaler"].get<std::map<std::string, double>>());
   optimizer_steps_ = st["optimizer_steps"].get<int64_t>();
   micro_step_ = st["micro_step"].get<int64_t>();
   sync_gradients_ = st["sync_gradients"].get<bool>();

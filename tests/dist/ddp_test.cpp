@@ -128,3 +128,11 @@ TEST(DataParallel, GatherForMetricsCountsEachSampleOnce) {
     EXPECT_EQ(count_of(r.output, "metrics OK"), n) << r.output;
   }
 }
+
+TEST(DataParallel, TimelineAndTrackers) {
+  const std::string dir = temp_path("tracking");
+  auto r = launch(2, {"tracking", "--out", dir});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "tracking OK"), 2) << r.output;
+  std::system(("rm -rf " + dir).c_str());
+}

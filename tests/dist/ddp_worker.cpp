@@ -14,6 +14,8 @@
 #include <torch/torch.h>
 
 #include <fstream>
+
+#include <nlohmann/json.hpp>
 #include <iostream>
 #include <set>
 
@@ -336,6 +338,60 @@ int metrics(const Args&) {
   return failures ? 1 : 0;
 }
 
+// The timeline shows every bucket's allreduce, and the first starts inside backward; the trackers
+// write once, from the main process.
+int tracking(const Args& a) {
+  const std::string dir = a.out;
+  {
+    tandem::Accelerator acc(tandem::AcceleratorOptions().timeline_dir(dir + "/timeline").project_dir(dir));
+    acc.init_trackers("run", {{"lr", 0.05}, {"model", std::string("mlp")}});
+    torch::manual_seed(5);
+    auto mlp = examples::MLP(784, 512, 10);
+    acc.prepare(mlp);
+    auto opt = acc.prepare(std::make_shared<torch::optim::SGD>(mlp->parameters(), 0.01));
+    examples::TeacherClassification data(64);
+    auto loader = acc.prepare_data_loader(data, tandem::data::DataLoaderOptions().batch_size(8));
+    int64_t step = 0;
+    for (auto& b : *loader) {
+      auto loss = torch::cross_entropy_loss(mlp->forward(b.data), b.target);
+      acc.backward(loss);
+      opt.step();
+      opt.zero_grad();
+      acc.log({{"loss", acc.reduce(loss.detach()).item<double>()}}, ++step);
+    }
+    acc.end_training();
+    acc.wait_for_everyone();
+  }
+  auto rank = tandem::ProcessState::from_environment().rank;
+  std::ifstream f(dir + "/timeline/timeline_rank" + std::to_string(rank) + ".json");
+  check(static_cast<bool>(f), "timeline file written");
+  auto doc = nlohmann::json::parse(f);
+  double first_allreduce = -1, backward_end = -1;
+  int allreduces = 0, backwards = 0;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e.value("ph", "") != "X") continue;
+    std::string name = e["name"];
+    if (name.rfind("allreduce bucket", 0) == 0) {
+      ++allreduces;
+      if (first_allreduce < 0) first_allreduce = e["ts"].get<double>();
+    }
+    if (name == "backward") {
+      ++backwards;
+      if (backward_end < 0) backward_end = e["ts"].get<double>() + e["dur"].get<double>();
+    }
+  }
+  check(backwards >= 1 && allreduces >= 2 * backwards, "allreduce spans recorded for every backward");
+  check(first_allreduce >= 0 && first_allreduce < backward_end, "first allreduce inside backward");
+  if (rank == 0) {
+    std::ifstream jl(dir + "/logs/run/metrics.jsonl");
+    int lines = 0;
+    for (std::string l; std::getline(jl, l);) ++lines;
+    check(lines == 4, "one JSONL record per logged step (4 steps), got " + std::to_string(lines));
+  }
+  std::cout << "tracking OK" << std::endl;
+  return failures ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -361,6 +417,7 @@ int main(int argc, char** argv) {
     if (a.mode == "buffers") return buffers(a);
     if (a.mode == "overlap") return overlap(a);
     if (a.mode == "metrics") return metrics(a);
+    if (a.mode == "tracking") return tracking(a);
   } catch (const std::exception& e) {
     std::cerr << "ERROR: " << e.what() << std::endl;
     return 1;

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -30,6 +31,9 @@ struct LoaderState {
   bool end_of_dataloader = false;
   int64_t batch_rows = 0;       ///< rows of the last batch
   int64_t valid_rows = -1;      ///< rows that are not padding; -1 when unknown
+  /// Called with the start and end of every wait for a batch (the Accelerator's timeline).
+  std::function<void(std::chrono::steady_clock::time_point, std::chrono::steady_clock::time_point)>
+      on_wait;
 };
 
 /// Options of a prepared loader.
@@ -93,6 +97,17 @@ template <class Data, class Target>
 int64_t batch_rows(const torch::data::Example<Data, Target>& e) {
   return batch_rows(e.data);
 }
+
+/// What checkpoints need from a prepared loader, whatever its data set type: its epoch and how
+/// many batches of the current pass were handed out, and the means to resume from there.
+class ResumableLoader {
+ public:
+  virtual ~ResumableLoader() = default;
+  virtual int64_t epoch() const = 0;
+  virtual void set_epoch(int64_t epoch) = 0;
+  virtual int64_t position() const = 0;
+  virtual void skip_first_batches(int64_t n) = 0;
+};
 
 namespace detail {
 
@@ -209,7 +224,9 @@ class EpochIterator {
  private:
   bool at_end() const { return !current_.has_value(); }
   void advance() {
+    const auto wait_begin = std::chrono::steady_clock::now();
     current_ = prefetcher_ ? prefetcher_->next() : source_();
+    if (state_ && state_->on_wait) state_->on_wait(wait_begin, std::chrono::steady_clock::now());
     if (!current_) {
       if (on_end_) on_end_();
       on_end_ = nullptr;
@@ -238,7 +255,7 @@ class EpochIterator {
 /// DistributedSampler's; each full pass advances the epoch (so the next pass reshuffles), and
 /// set_epoch sets it explicitly.
 template <class Dataset, class Example = decltype(std::declval<Dataset&>().get(size_t{}))>
-class DataLoader {
+class DataLoader : public ResumableLoader {
  public:
   using Batch = typename Collate<Example>::Batch;
   using CollateFn = std::function<Batch(std::vector<Example>&)>;
@@ -269,15 +286,15 @@ class DataLoader {
     int64_t n = sampler_->num_samples();
     return options_.drop_last() ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
   }
-  void set_epoch(int64_t epoch) { sampler_->set_epoch(epoch); }
-  int64_t epoch() const { return sampler_->epoch(); }
+  void set_epoch(int64_t epoch) override { sampler_->set_epoch(epoch); }
+  int64_t epoch() const override { return sampler_->epoch(); }
   /// The next pass starts after `n` batches (resuming mid-epoch); applies once.
-  void skip_first_batches(int64_t n) { skip_ = n; }
+  void skip_first_batches(int64_t n) override { skip_ = n; }
   /// Batches per rank per step and the sampler, for tests and checkpoints.
   int64_t batch_size() const { return batch_size_; }
   const DistributedSampler& sampler() const { return *sampler_; }
   /// Batches handed out in the current pass (including skipped ones).
-  int64_t position() const { return *position_; }
+  int64_t position() const override { return *position_; }
 
   iterator begin() {
     auto indices = std::make_shared<std::vector<int64_t>>(sampler_->indices());
