@@ -14,6 +14,7 @@
 #include "../common/subprocess.h"
 
 using tandem::testing::count_of;
+using tandem::testing::free_port;
 using tandem::testing::run_command;
 
 namespace {
@@ -26,18 +27,6 @@ std::vector<std::string> launch(int n, std::vector<std::string> args) {
                                 "--grace_period", "2", kWorker};
   argv.insert(argv.end(), args.begin(), args.end());
   return argv;
-}
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "../common/subprocess.h"
 
 using tandem::testing::count_of;
+using tandem::testing::free_port;
 using tandem::testing::run_command;
 using tandem::testing::RunResult;
 
@@ -19,18 +20,6 @@ namespace {
 
 const std::string kCli = TANDEM_CLI;
 const std::string kWorker = COLLECTIVES_WORKER;
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
 
 std::vector<std::string> machine(int rank, const std::string& ip, int port,
                                  std::vector<std::string> extra = {}) {
