@@ -6,16 +6,13 @@
 #include <cstdlib>
 #include <stdexcept>
 
+#include "detail/env.h"
+
 namespace tandem {
 namespace {
 
-std::optional<std::string> env(const char* key) {
-  const char* v = std::getenv(key);
-  if (!v || !*v) return std::nullopt;
-  return std::string(v);
-}
-
-bool env_true(const std::string& v) { return v == "1" || v == "true" || v == "True" || v == "yes"; }
+using detail::env;
+using detail::env_true;
 
 int env_positive_int(const char* key, const std::string& v) {
   try {

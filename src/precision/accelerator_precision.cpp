@@ -8,18 +8,15 @@
 #include <cstdlib>
 #include <set>
 
+#include "../detail/env.h"
+
 #include "tandem/accelerator.h"
 
 namespace tandem {
 namespace {
 
-std::optional<std::string> env(const char* key) {
-  const char* v = std::getenv(key);
-  if (!v || !*v) return std::nullopt;
-  return std::string(v);
-}
-
-bool env_true(const std::string& v) { return v == "1" || v == "true" || v == "True" || v == "yes"; }
+using detail::env;
+using detail::env_true;
 
 bool is_half(c10::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
 
