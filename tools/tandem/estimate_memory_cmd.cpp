@@ -6,15 +6,11 @@
 
 #include "tandem/track/memory_estimate.h"
 
+#include "flag_names.h"
+
 namespace tandem::cli {
 namespace {
 
-// Accelerate spells flags with underscores; accept dashes too.
-std::string flag(const std::string& name) {
-  std::string dashed = name;
-  std::replace(dashed.begin(), dashed.end(), '_', '-');
-  return dashed == name ? "--" + name : "--" + name + ",--" + dashed;
-}
 
 }  // namespace
 
@@ -31,21 +27,21 @@ EstimateMemoryCommand::EstimateMemoryCommand(CLI::App& app) {
   sub_->add_option("model", model_,
                    "A .safetensors file, a model.safetensors.index.json, or a folder with one")
       ->group("Model");
-  sub_->add_option(flag("params"), params_, "Parameter count: 125M, 7.5B, 1e9")->group("Model");
-  sub_->add_option(flag("layers"), layers_, "GPT shape: transformer blocks")->group("GPT shape");
-  sub_->add_option(flag("hidden"), hidden_, "GPT shape: hidden size")->group("GPT shape");
-  sub_->add_option(flag("vocab"), vocab_, "GPT shape: vocabulary size")->group("GPT shape");
-  sub_->add_option(flag("context"), context_, "GPT shape: context length (positions)")
+  sub_->add_option(both("params"), params_, "Parameter count: 125M, 7.5B, 1e9")->group("Model");
+  sub_->add_option(both("layers"), layers_, "GPT shape: transformer blocks")->group("GPT shape");
+  sub_->add_option(both("hidden"), hidden_, "GPT shape: hidden size")->group("GPT shape");
+  sub_->add_option(both("vocab"), vocab_, "GPT shape: vocabulary size")->group("GPT shape");
+  sub_->add_option(both("context"), context_, "GPT shape: context length (positions)")
       ->group("GPT shape");
-  sub_->add_option(flag("num_processes"), num_processes_,
+  sub_->add_option(both("num_processes"), num_processes_,
                    "Devices for the DDP / ZeRO table (default 1)")
       ->check(CLI::PositiveNumber)
       ->group("Output");
-  sub_->add_option(flag("dtypes"), dtypes_,
+  sub_->add_option(both("dtypes"), dtypes_,
                    "Rows to show among float32, float16, bfloat16, int8, int4 (default all)")
       ->delimiter(',')
       ->group("Output");
-  sub_->add_flag(flag("json"), json_, "Print JSON for scripts instead of tables")->group("Output");
+  sub_->add_flag(both("json"), json_, "Print JSON for scripts instead of tables")->group("Output");
 }
 
 int EstimateMemoryCommand::run() const {

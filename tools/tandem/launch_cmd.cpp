@@ -14,15 +14,11 @@
 #include "tandem/launch/launcher.h"
 #include "tandem/launch/resolve.h"
 
+#include "flag_names.h"
+
 namespace tandem::cli {
 namespace {
 
-// Accelerate spells flags with underscores; accept dashes too.
-std::string both(const std::string& name) {
-  std::string dashed = name;
-  std::replace(dashed.begin(), dashed.end(), '_', '-');
-  return dashed == name ? "--" + name : "--" + name + ",--" + dashed;
-}
 
 bool file_exists(const std::string& path) {
   return ::access(path.c_str(), F_OK) == 0;
