@@ -3,7 +3,8 @@
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build ccache pkg-config
       libtorch-dev libgloo-dev libyaml-cpp-dev nlohmann-json3-dev libcli11-dev libxxhash-dev
-      libgtest-dev libgmock-dev libbenchmark-dev iproute2 procps)
+      libgtest-dev libgmock-dev libbenchmark-dev iproute2 procps
+      libopenblas0-openmp)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

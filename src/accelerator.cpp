@@ -7,6 +7,8 @@
 #include <stdexcept>
 
 #include "detail/env.h"
+#include "tandem/launch/resolve.h"
+#include "tandem/runtime.h"
 
 namespace tandem {
 namespace {
@@ -28,6 +30,11 @@ int env_positive_int(const char* key, const std::string& v) {
 
 Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(options)) {
   state_ = ProcessState::from_environment();
+  if (auto type = env("TANDEM_DISTRIBUTED_TYPE")) {
+    auto msg = launch::unavailable_strategy_message(*type);
+    if (!msg.empty())
+      throw std::invalid_argument(state_.prefix() + " TANDEM_DISTRIBUTED_TYPE=" + *type + ": " + msg);
+  }
   bool cpu = options_.cpu().value_or(env("TANDEM_USE_CPU") ? env_true(*env("TANDEM_USE_CPU"))
                                                            : false);
   device_ = select_device(state_, cpu);
@@ -41,16 +48,36 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   }
   if (auto threads = env("TANDEM_NUM_CPU_THREADS"))
     torch::set_num_threads(env_positive_int("TANDEM_NUM_CPU_THREADS", *threads));
+  if (!options_.comm_hook())
+    options_.comm_hook(env("TANDEM_DDP_COMM_HOOK").value_or("none"));
+  try {
+    parallel::comm_hook_from_name(*options_.comm_hook());
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(state_.prefix() + " comm_hook: " + e.what());
+  }
+  if (!options_.gradient_as_bucket_view())
+    options_.gradient_as_bucket_view(env("TANDEM_GRADIENT_AS_BUCKET_VIEW")
+                                         ? env_true(*env("TANDEM_GRADIENT_AS_BUCKET_VIEW"))
+                                         : false);
   if (options_.bucket_cap_mb() <= 0 || options_.first_bucket_cap_mb() <= 0)
     throw std::invalid_argument(state_.prefix() + " bucket_cap_mb and first_bucket_cap_mb must be "
                                 "positive");
   init_precision();  // refuses impossible modes before joining the job
+  // Said once per job, by the main process: the slowest mistake a CPU run can make.
+  if (state_.rank == 0 && device_.is_cpu())
+    if (auto w = reference_blas_warning(cpu_runtime()); !w.empty()) std::cerr << w << std::endl;
   pg_ = ProcessGroup::create(state_, ProcessGroupOptions().timeout(options_.timeout()));
   init_timeline();
   if (options_.seed()) set_seed(*options_.seed());
 }
 
 Accelerator::~Accelerator() {
+  // Note [Accelerator lifetime]: prepared loaders and optimizers may outlive the Accelerator.
+  // They reach it only through self_ (cleared here) and the loaders' shared LoaderState (whose
+  // callback holds the timeline by shared_ptr, never the Accelerator), so that a late use is a
+  // clear error or a no-op, never a use of freed memory.
+  *self_ = nullptr;
+  loader_state_->on_wait = nullptr;
   try {
     end_training();  // finishes trackers and writes the timeline, if the user did not
   } catch (const std::exception& e) {
@@ -74,7 +101,9 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
         parallel::ReducerOptions()
             .bucket_cap_mb(options_.bucket_cap_mb())
             .first_bucket_cap_mb(options_.first_bucket_cap_mb())
-            .find_unused_parameters(options_.find_unused_parameters())));
+            .find_unused_parameters(options_.find_unused_parameters())
+            .comm_hook(parallel::comm_hook_from_name(*options_.comm_hook()))
+            .gradient_as_bucket_view(*options_.gradient_as_bucket_view())));
   }
   models_.push_back(model);
   return model;
@@ -84,7 +113,7 @@ AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimize
   TORCH_CHECK(optimizer, state_.prefix(), " prepare: the optimizer is null");
   optimizers_.push_back(optimizer);
   install_master_weights(*optimizer);
-  return AcceleratedOptimizer(std::move(optimizer), this);
+  return AcceleratedOptimizer(std::move(optimizer), self_);
 }
 
 std::shared_ptr<torch::optim::LRScheduler> Accelerator::prepare_scheduler(
@@ -101,6 +130,11 @@ data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o)
   p.device = device_;
   p.even_batches = o.even_batches().value_or(options_.even_batches());
   p.split_batches = o.split_batches().value_or(options_.split_batches());
+  // Note [True-half inputs]: under the -true modes the weights are half, and a float batch would
+  // stop at the first matmul ("mat1 and mat2 must have the same dtype").
+  if (precision_.param_dtype != at::kFloat &&
+      o.cast_floating_inputs().value_or(options_.cast_floating_inputs()))
+    p.floating_dtype = precision_.param_dtype;
   return p;
 }
 
@@ -185,29 +219,39 @@ Accelerator::MainProcessFirst::~MainProcessFirst() {
   if (acc_->is_main_process()) acc_->wait_for_everyone();
 }
 
+Accelerator* AcceleratedOptimizer::owner() const {
+  if (!owner_) return nullptr;
+  TORCH_CHECK(*owner_ != nullptr,
+              "AcceleratedOptimizer: the Accelerator that prepared this optimizer was destroyed; "
+              "keep the Accelerator alive for as long as its prepared optimizers are used (or step "
+              "the plain optimizer through optimizer())");
+  return *owner_;
+}
+
 void AcceleratedOptimizer::step() {
-  skipped_ = owner_ && !owner_->sync_gradients();
+  Accelerator* acc = owner();
+  skipped_ = acc && !acc->sync_gradients();
   if (skipped_) return;
-  if (owner_ && !owner_->before_optimizer_step()) {  // inf/NaN on some rank: every rank skips
+  if (acc && !acc->before_optimizer_step()) {  // inf/NaN on some rank: every rank skips
     skipped_ = true;
     return;
   }
   {
-    auto span = owner_ ? owner_->timeline().scope("optimizer step", "compute")
-                       : track::Timeline::Scope();
-    auto no_autocast = owner_ ? owner_->autocast(false) : precision::AutocastGuard();
+    auto span = acc ? acc->timeline().scope("optimizer step", "compute") : track::Timeline::Scope();
+    auto no_autocast = acc ? acc->autocast(false) : precision::AutocastGuard();
     optimizer_->step();
   }
-  if (owner_) {
-    owner_->after_optimizer_step_precision(*optimizer_);
-    owner_->after_optimizer_step();
+  if (acc) {
+    acc->after_optimizer_step_precision(*optimizer_);
+    acc->after_optimizer_step();
   }
 }
 
 void AcceleratedOptimizer::zero_grad() {
-  if (owner_ && !owner_->sync_gradients()) return;
+  Accelerator* acc = owner();
+  if (acc && !acc->sync_gradients()) return;
   optimizer_->zero_grad();
-  if (owner_) owner_->zero_model_grads_for(*optimizer_);
+  if (acc) acc->zero_model_grads_for(*optimizer_);
 }
 
 }  // namespace tandem

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "tandem/config/config.h"
+#include "tandem/runtime.h"
 
 namespace tandem {
 
@@ -32,7 +33,7 @@ std::string environment_report() {
   os << "NCCL: not available (LibTorch without CUDA)\n";
 #endif
   os << "Gloo: built in\n";
-  os << "CPU cores: " << std::thread::hardware_concurrency() << "\n";
+  os << cpu_runtime_report(cpu_runtime());
   long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
   os << "Memory: " << (static_cast<double>(pages) * page / (1024.0 * 1024 * 1024)) << " GiB\n";
   utsname u{};

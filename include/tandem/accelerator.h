@@ -32,6 +32,21 @@
 
 namespace tandem {
 
+namespace checkpoint {
+class SafetensorsFile;
+}
+
+namespace detail {
+// A torch::nn::ModuleHolder<Impl>, or a type derived from one (what TORCH_MODULE declares).
+template <class T, class = void>
+struct is_module_holder : std::false_type {};
+template <class T>
+struct is_module_holder<T, std::void_t<typename T::ContainedType>>
+    : std::is_base_of<torch::nn::ModuleHolder<typename T::ContainedType>, T> {};
+template <class T>
+inline constexpr bool is_module_holder_v = is_module_holder<T>::value;
+}  // namespace detail
+
 /// Options of the Accelerator. Unset options come from the launcher's environment (TANDEM_*
 /// variables written by `tandem launch`), so that a plain `Accelerator()` follows the launcher.
 ///
@@ -56,6 +71,12 @@ struct AcceleratorOptions {
   TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
   /// Allow parameters without gradient in a backward (their buckets still complete).
   TORCH_ARG(bool, find_unused_parameters) = false;
+  /// How gradient buckets travel: "none" (fp32 allreduce), "fp16" or "bf16" compression
+  /// (parallel/comm_hook.h; env TANDEM_DDP_COMM_HOOK, config key ddp_comm_hook). Default none.
+  TORCH_ARG(std::optional<std::string>, comm_hook) = std::nullopt;
+  /// Gradients live in the buckets, no copy in or out (env TANDEM_GRADIENT_AS_BUCKET_VIEW,
+  /// config key gradient_as_bucket_view). Default off, as in PyTorch.
+  TORCH_ARG(std::optional<bool>, gradient_as_bucket_view) = std::nullopt;
   /// Re-broadcast buffers (e.g. BatchNorm statistics) from rank 0 after every optimizer step.
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// no, bf16, fp16, bf16-true, fp16-true or fp8 (env TANDEM_MIXED_PRECISION, set by
@@ -67,6 +88,10 @@ struct AcceleratorOptions {
   /// bf16 modes: reduce() and gather_for_metrics() hand fp32 results back as bf16 (env
   /// TANDEM_DOWNCAST_BF16).
   TORCH_ARG(std::optional<bool>, downcast_bf16) = std::nullopt;
+  /// bf16-true / fp16-true: prepared loaders cast the floating-point tensors of each batch to
+  /// the half dtype of the weights (integer tensors untouched); a loader's own
+  /// DataLoaderOptions::cast_floating_inputs overrides this.
+  TORCH_ARG(bool, cast_floating_inputs) = true;
   /// Dynamic loss scaling: unset: on for fp16 and fp16-true only; true: on in any mode.
   TORCH_ARG(std::optional<bool>, loss_scaling) = std::nullopt;
   /// The loss scaler of fp16 and fp16-true.
@@ -125,11 +150,14 @@ class Accelerator {
   /// Moves the model to the device, broadcasts rank 0's parameters and buffers, and installs
   /// the gradient hooks of data parallel training. Returns the same module.
   std::shared_ptr<torch::nn::Module> prepare_model(std::shared_ptr<torch::nn::Module> model);
-  template <class Impl>
-  torch::nn::ModuleHolder<Impl> prepare(torch::nn::ModuleHolder<Impl> model) {
+  /// prepare_model() for a module holder (a TORCH_MODULE type such as `MLP`, or a plain
+  /// `ModuleHolder<Impl>`): returns the holder's own type, so `m = acc.prepare(m);` compiles.
+  template <class Holder, std::enable_if_t<detail::is_module_holder_v<Holder>, int> = 0>
+  Holder prepare(Holder model) {
     prepare_model(model.ptr());
     return model;
   }
+  /// prepare_model() for a `shared_ptr<Impl>`; returns the same pointer type.
   template <class Impl, std::enable_if_t<std::is_base_of_v<torch::nn::Module, Impl>, int> = 0>
   std::shared_ptr<Impl> prepare(std::shared_ptr<Impl> model) {
     prepare_model(model);
@@ -140,10 +168,13 @@ class Accelerator {
   /// Registers a learning-rate scheduler so that save_state/load_state keep its step count.
   std::shared_ptr<torch::optim::LRScheduler> prepare_scheduler(
       std::shared_ptr<torch::optim::LRScheduler> scheduler);
-  template <class M, class O>
+  /// The model and its optimizer at once: `std::tie(model, opt) = acc.prepare(model, adamw);`
+  /// returns the model's own type (holder or shared_ptr) and the wrapped optimizer.
+  template <class M, class O,
+            std::enable_if_t<std::is_base_of_v<torch::optim::Optimizer, O>, int> = 0>
   std::tuple<M, AcceleratedOptimizer> prepare(M model, std::shared_ptr<O> optimizer) {
-    auto m = prepare(std::move(model));
-    return {m, prepare(std::shared_ptr<torch::optim::Optimizer>(std::move(optimizer)))};
+    M m = prepare(std::move(model));
+    return {std::move(m), prepare(std::shared_ptr<torch::optim::Optimizer>(std::move(optimizer)))};
   }
 
   /// This rank's loader over a map-style data set (a distributed sampler is inserted).
@@ -347,11 +378,21 @@ class Accelerator {
   bool before_optimizer_step();  // false: skip (inf/NaN somewhere)
   void after_optimizer_step_precision(torch::optim::Optimizer& optimizer);
   void zero_model_grads_for(torch::optim::Optimizer& optimizer);
+  // The fp32 masters an optimizer steps, keyed "g<group>.p<index>" (empty without masters).
+  std::vector<std::pair<std::string, at::Tensor>> master_weights_of(
+      const torch::optim::Optimizer& optimizer) const;
+  // Restores the masters of `optimizer` from `file`, or rebuilds them from the (already loaded)
+  // half weights when the checkpoint has none (file == nullptr). Note [Masters on resume].
+  void load_master_weights(torch::optim::Optimizer& optimizer,
+                           const checkpoint::SafetensorsFile* file, const std::string& dir);
   std::vector<at::Tensor> grads_to_clip(const std::vector<at::Tensor>& parameters);
   at::Tensor metric_input(const at::Tensor& t) const;   // half -> fp32 under mixed precision
   at::Tensor metric_result(const at::Tensor& t) const;  // fp32 -> bf16 with downcast_bf16
 
   AcceleratorOptions options_;
+  // Cell the prepared optimizers reach this Accelerator through; null once it is destroyed
+  // (Note [Accelerator lifetime]).
+  std::shared_ptr<Accelerator*> self_ = std::make_shared<Accelerator*>(this);
   ProcessState state_;
   c10::Device device_ = c10::Device(c10::kCPU);
   std::shared_ptr<ProcessGroup> pg_;
@@ -373,8 +414,10 @@ class Accelerator {
   std::vector<Registered> registered_;
   int64_t checkpoints_saved_ = 0;  // numbering of automatic checkpoint_<n>
   track::TrackerSet trackers_;
-  std::unique_ptr<track::Timeline> timeline_;
-  track::Timeline::Clock::time_point last_ready_{};  // end of the last data wait or step
+  // Shared with the loaders' wait callback, which must not hold the Accelerator itself.
+  std::shared_ptr<track::Timeline> timeline_;
+  std::shared_ptr<track::Timeline::Clock::time_point> last_ready_ =  // end of the last wait/step
+      std::make_shared<track::Timeline::Clock::time_point>();
   void init_timeline();
   void record_backward(track::Timeline::Clock::time_point begin,
                        track::Timeline::Clock::time_point end);

@@ -16,8 +16,11 @@ class Accelerator;
 class AcceleratedOptimizer {
  public:
   AcceleratedOptimizer() = default;
-  AcceleratedOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer, Accelerator* owner)
-      : optimizer_(std::move(optimizer)), owner_(owner) {}
+  /// `owner` points at the Accelerator's liveness cell: the Accelerator while it lives, null
+  /// after its destructor ran (Note [Accelerator lifetime]).
+  AcceleratedOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer,
+                       std::shared_ptr<Accelerator* const> owner)
+      : optimizer_(std::move(optimizer)), owner_(std::move(owner)) {}
 
   /// Steps on a synchronisation boundary (unless a mixed-precision scaler skips it).
   void step();
@@ -31,8 +34,12 @@ class AcceleratedOptimizer {
   torch::optim::Optimizer* operator->() { return optimizer_.get(); }
 
  private:
+  // The Accelerator that prepared this optimizer, or null for a plain one; throws when that
+  // Accelerator was destroyed.
+  Accelerator* owner() const;
+
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
-  Accelerator* owner_ = nullptr;
+  std::shared_ptr<Accelerator* const> owner_;
   bool skipped_ = false;
 };
 

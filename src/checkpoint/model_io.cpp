@@ -93,41 +93,16 @@ struct CheckpointFiles {
 };
 
 CheckpointFiles read_index(const fs::path& index_path) {
-  std::ifstream in(index_path, std::ios::binary);
-  if (!in) {
-    throw std::runtime_error("load_model: cannot read the index '" + index_path.string() + "'");
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j;
+  SafetensorsIndex index;
   try {
-    j = json::parse(ss.str());
-  } catch (const json::exception& e) {
-    throw std::runtime_error("load_model: the index '" + index_path.string() +
-                             "' is not valid JSON: " + e.what());
-  }
-  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-    throw std::runtime_error("load_model: the index '" + index_path.string() +
-                             "' has no \"weight_map\" object (expected {\"metadata\": {...}, "
-                             "\"weight_map\": {name: file}} as transformers writes)");
+    index = read_safetensors_index(index_path.string());
+  } catch (const SafetensorsError& e) {
+    throw std::runtime_error(std::string("load_model: ") + e.what());
   }
   CheckpointFiles out;
   out.index = index_path;
-  std::set<std::string> file_names;
-  for (const auto& [name, file] : j["weight_map"].items()) {
-    if (!file.is_string()) {
-      throw std::runtime_error("load_model: the index '" + index_path.string() + "' maps '" + name +
-                               "' to " + file.dump() + " (expected a file name string)");
-    }
-    auto f = file.get<std::string>();
-    if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos) {
-      throw std::runtime_error("load_model: the index '" + index_path.string() + "' maps '" + name +
-                               "' to '" + f + "' (expected a file name in the index's directory)");
-    }
-    out.weight_map.emplace(name, f);
-    file_names.insert(f);
-  }
-  for (const auto& f : file_names) out.files.push_back(index_path.parent_path() / f);
+  out.weight_map = std::move(index.weight_map);
+  for (const auto& f : index.files) out.files.push_back(index_path.parent_path() / f);
   return out;
 }
 

@@ -5,6 +5,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -459,6 +462,91 @@ std::string encode_safetensors_header(const std::vector<TensorInfo>& entries,
   uint64_t n = j.size();
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
   return out + j;
+}
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in)
+    throw SafetensorsError("safetensors file '" + path + "': cannot be opened (" +
+                           std::strerror(errno) + "); check the path and its permissions");
+  const auto end = in.tellg();
+  if (end < 0) throw SafetensorsError("safetensors file '" + path + "': cannot find its size");
+  const uint64_t file_size = static_cast<uint64_t>(end);
+  std::string prefix(static_cast<size_t>(std::min<uint64_t>(file_size, 8)), '\0');
+  in.seekg(0);
+  in.read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
+  if (file_size >= 8) {
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(prefix[i]);
+    // Read no more than the file holds and the parser accepts; it reports what is wrong.
+    n = std::min<uint64_t>(n, std::min<uint64_t>(file_size - 8, kMaxSafetensorsHeaderSize));
+    prefix.resize(static_cast<size_t>(8 + n));
+    in.read(prefix.data() + 8, static_cast<std::streamsize>(n));
+  }
+  if (!in) throw SafetensorsError("safetensors file '" + path + "': reading its header failed");
+  return parse_safetensors_header(prefix, file_size, path);
+}
+
+SafetensorsIndex parse_safetensors_index(std::string_view text, const std::string& source) {
+  const std::string where = "safetensors index '" + source + "': ";
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw SafetensorsError(where + "expected JSON, found text that does not parse (" +
+                           std::string(e.what()) + ")");
+  }
+  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
+    throw SafetensorsError(where +
+                           "expected an object with a \"weight_map\" object mapping tensor "
+                           "names to shard files ({\"metadata\": {...}, \"weight_map\": "
+                           "{name: file}}, as transformers writes); is this a "
+                           "model.safetensors.index.json?");
+  SafetensorsIndex out;
+  if (j.contains("metadata")) {
+    const auto& m = j["metadata"];
+    if (!m.is_object() && !m.is_null())
+      throw SafetensorsError(where + "expected \"metadata\" to be an object, found " +
+                             std::string(m.type_name()));
+    if (m.is_object() && m.contains("total_size")) {
+      const auto& t = m["total_size"];
+      if (t.is_number_unsigned())
+        out.total_size = t.get<uint64_t>();
+      else if (t.is_number_integer() && t.get<int64_t>() >= 0)
+        out.total_size = static_cast<uint64_t>(t.get<int64_t>());
+      else if (t.is_number_float() && t.get<double>() >= 0 && t.get<double>() < 1.8e19 &&
+               t.get<double>() == static_cast<double>(static_cast<uint64_t>(t.get<double>())))
+        out.total_size = static_cast<uint64_t>(t.get<double>());  // Python may write 1234.0
+      else
+        throw SafetensorsError(where + "expected metadata.total_size to be a byte count, found " +
+                               t.dump());
+    }
+  }
+  std::set<std::string> files;
+  for (const auto& [name, file] : j["weight_map"].items()) {
+    if (!file.is_string())
+      throw SafetensorsError(where + "tensor '" + name + "' maps to " + file.dump() +
+                             ", expected a shard file name (a string)");
+    auto f = file.get<std::string>();
+    if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos ||
+        f.find('\\') != std::string::npos || f.find('\0') != std::string::npos)
+      throw SafetensorsError(where + "tensor '" + name + "' maps to '" + f +
+                             "', expected a plain file name in the index's directory");
+    out.weight_map.emplace(name, f);
+    files.insert(f);
+  }
+  out.files.assign(files.begin(), files.end());
+  return out;
+}
+
+SafetensorsIndex read_safetensors_index(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    throw SafetensorsError("safetensors index '" + path + "': cannot be opened (" +
+                           std::strerror(errno) + "); check the path");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) throw SafetensorsError("safetensors index '" + path + "': reading it failed");
+  return parse_safetensors_index(text, path);
 }
 
 }  // namespace tandem::checkpoint

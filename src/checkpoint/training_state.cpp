@@ -4,6 +4,8 @@
 // Layout of a checkpoint directory:
 //   model.safetensors, model_1.safetensors ...        prepared models (main process)
 //   optimizer.safetensors + optimizer.json, _1 ...    optimizer state and hyper-parameters (main)
+//   master_weights.safetensors, _1 ...                fp32 masters of the -true modes, keyed as
+//                                                     the optimizer state ("g<group>.p<index>")
 //   state.json                                        counters, loaders, schedulers, scaler (main)
 //   custom_<name>.bin                                 registered objects (main)
 //   random_states_<rank>.safetensors                  every rank's RNG states (each rank)
@@ -232,6 +234,12 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
         write_file(tmp / indexed("optimizer", i, ".json"), st.json);
         add(indexed("optimizer", i, ".safetensors"));
         add(indexed("optimizer", i, ".json"));
+        auto masters = master_weights_of(*optimizers_[i]);
+        if (!masters.empty()) {
+          checkpoint::save_safetensors((tmp / indexed("master_weights", i, ".safetensors")).string(),
+                                       masters);
+          add(indexed("master_weights", i, ".safetensors"));
+        }
       }
       for (const auto& r : registered_) {
         write_file(tmp / ("custom_" + r.name + ".bin"), r.save());
@@ -384,6 +392,13 @@ void Accelerator::load_state(const std::string& dir_arg) {
     for (const auto& n : f.names()) os.tensors.emplace_back(n, f.tensor(n));
     os.json = read_file(verified(indexed("optimizer", i, ".json")));
     checkpoint::load_optimizer_state(*optimizers_[i], os);
+    const auto masters_name = indexed("master_weights", i, ".safetensors");
+    if (manifest["files"].contains(masters_name)) {
+      checkpoint::SafetensorsFile f(verified(masters_name));
+      load_master_weights(*optimizers_[i], &f, dir.string());
+    } else {
+      load_master_weights(*optimizers_[i], nullptr, dir.string());
+    }
   }
   for (size_t i = 0; i < schedulers_.size() && i < st["schedulers"].size(); ++i)
     checkpoint::set_scheduler_step_count(*schedulers_[i], st["schedulers"][i].get<unsigned>());

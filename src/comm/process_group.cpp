@@ -169,7 +169,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
   so.waitWorkers = false;
   so.timeout = options.timeout();
   try {
-    impl->store = c10::make_intrusive<c10d::TCPStore>(st.master_addr, so);
+    // Note [Loopback rendezvous]: a job on one machine never needs the store off loopback.
+    impl->store = compat::make_tcp_store(st.master_addr, so, is_loopback(st.master_addr));
   } catch (const std::exception& e) {
     if (st.rank == 0)
       throw std::runtime_error(
@@ -258,9 +259,21 @@ void ProcessGroup::allreduce(at::Tensor& tensor, ReduceOp op) {
   allreduce_async({tensor}, op).wait();
 }
 
+namespace {
+
+// Broadcasts and all-gathers only move bytes, but Gloo refuses dtypes it has no arithmetic for
+// (bool; bf16 before LibTorch 2.x): those travel reinterpreted as a same-size dtype it knows.
+at::Tensor as_movable(const at::Tensor& t) {
+  if (t.scalar_type() == at::kBool) return t.view(at::kByte);
+  if (t.scalar_type() == at::kBFloat16 && t.is_cpu()) return t.view(at::kHalf);
+  return t;
+}
+
+}  // namespace
+
 void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
   if (impl_->size == 1) return;
-  std::vector<at::Tensor> ts{tensor};
+  std::vector<at::Tensor> ts{as_movable(tensor)};
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = impl_->options.timeout();
@@ -269,12 +282,15 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
 
 std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
   if (impl_->size == 1) return {tensor.clone()};
-  std::vector<at::Tensor> in{tensor.contiguous()};
+  const auto dtype = tensor.scalar_type();
+  std::vector<at::Tensor> in{as_movable(tensor.contiguous())};
   std::vector<std::vector<at::Tensor>> out(1);
   for (int r = 0; r < impl_->size; ++r) out[0].push_back(at::empty_like(in[0]));
   c10d::AllgatherOptions o;
   o.timeout = impl_->options.timeout();
   impl_->wrap(impl_->backend_for(tensor).allgather(out, in, o), "allgather", {}, 1.0).wait();
+  if (in[0].scalar_type() != dtype)
+    for (auto& t : out[0]) t = t.view(dtype);
   return out[0];
 }
 
@@ -285,6 +301,8 @@ void ProcessGroup::barrier() {
   auto t = at::zeros({1}, at::kInt);
   allreduce_async({t}, ReduceOp::kSum, "wait_for_everyone").wait();
 }
+
+bool rendezvous_store_can_listen_on_loopback() { return compat::kStoreCanListenOnLoopback; }
 
 int find_free_port(const std::string& host) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);

@@ -5,6 +5,16 @@
 
 #include <torch/version.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -21,5 +31,52 @@ using Backend = ::c10d::Backend;
 using Backend = ::c10d::ProcessGroup;
 #endif
 using Work = ::c10d::Work;
+
+// Whether Gloo can sum bfloat16 tensors. LibTorch 1.13's cannot ("Invalid scalar type"); later
+// versions may, but tandem sends bf16 over Gloo as fp32 on every version until a 2.x build has
+// shown it can (the fp32 sum is also the more accurate one).
+constexpr bool kGlooSumsBFloat16 = false;
+
+// Note [Loopback rendezvous]: LibTorch >= 2.4 lets the store's server take a socket the caller
+// has bound and listened on (TCPStoreOptions::masterListenFd), so a job on one machine can
+// listen on 127.0.0.1 only. LibTorch 1.13's TCPStore binds every interface and has no such
+// option: there the store is reachable from the network for as long as the job runs (see
+// docs/launching.md, "Security").
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+constexpr bool kStoreCanListenOnLoopback = true;
+#else
+constexpr bool kStoreCanListenOnLoopback = false;
+#endif
+
+/// A TCPStore; with `loopback_only` on a LibTorch that can, the server listens on 127.0.0.1
+/// only. Throws std::runtime_error with the system's reason when the port cannot be bound.
+inline c10::intrusive_ptr<::c10d::TCPStore> make_tcp_store(const std::string& host,
+                                                           ::c10d::TCPStoreOptions opts,
+                                                           bool loopback_only) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  if (opts.isServer && loopback_only) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw std::runtime_error(std::string("socket() failed: ") + std::strerror(errno));
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(opts.port);
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+        ::listen(fd, 2048) != 0) {
+      const int err = errno;
+      ::close(fd);
+      throw std::runtime_error("cannot listen on 127.0.0.1:" + std::to_string(opts.port) + ": " +
+                               std::strerror(err));
+    }
+    opts.masterListenFd = fd;  // the store's server owns it from here
+    opts.useLibUV = false;     // the classic server takes an existing socket on every 2.x
+  }
+#else
+  (void)loopback_only;
+#endif
+  return c10::make_intrusive<::c10d::TCPStore>(host, opts);
+}
 
 }  // namespace tandem::compat

@@ -108,7 +108,10 @@ const std::set<std::string> kActedOn = {"compute_environment",
                                         "fsdp_config",
                                         "deepspeed_config",
                                         "fp8_config",
-                                        "fp16"};
+                                        "fp16",
+                                        // tandem's own (LaunchConfig::ddp_comm_hook)
+                                        "ddp_comm_hook",
+                                        "gradient_as_bucket_view"};
 const std::set<std::string> kIgnoredKeys = {
     // TPU pods
     "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm",
@@ -332,7 +335,8 @@ void set_value(LaunchConfig& c, const std::string& key, const std::string& value
     if (t == "TPU") t = "XLA";
     c.distributed_type = t;
     const auto& ours = tandem_distributed_types();
-    if (std::find(ours.begin(), ours.end(), t) == ours.end())
+    // MEGATRON_LM is refused at launch (launch::check_strategy_available), not ignored.
+    if (std::find(ours.begin(), ours.end(), t) == ours.end() && t != "MEGATRON_LM")
       note_ignored(c, "distributed_type: " + t + " (runs as plain data parallel)");
   } else if (key == "mixed_precision") {
     c.mixed_precision = one_of(origin, value, mixed_precision_values(), false);
@@ -349,7 +353,6 @@ void set_value(LaunchConfig& c, const std::string& key, const std::string& value
     c.same_network = parse_bool(origin, value);
   } else if (key == "enable_cpu_affinity") {
     c.enable_cpu_affinity = parse_bool(origin, value);
-    if (c.enable_cpu_affinity) note_ignored(c, "enable_cpu_affinity: true");
   } else if (key == "main_training_function") {
     c.main_training_function = v;
     if (!unset_value(key, v)) note_ignored(c, "main_training_function: " + v);
@@ -374,6 +377,10 @@ void set_value(LaunchConfig& c, const std::string& key, const std::string& value
     c.gpu_ids = check_gpu_ids(origin, value);
   } else if (key == "rdzv_backend") {
     c.rdzv_backend = one_of(origin, value, kRdzvBackends, false);
+  } else if (key == "ddp_comm_hook") {
+    c.ddp_comm_hook = one_of(origin, value, {"none", "fp16", "bf16"}, false);
+  } else if (key == "gradient_as_bucket_view") {
+    c.gradient_as_bucket_view = parse_bool(origin, value);
   } else if (key == "gradient_accumulation_steps") {
     c.gradient_accumulation_steps =
         parse_int(origin, value, 1, 1 << 30, "an integer of at least 1");
@@ -580,6 +587,7 @@ std::string to_yaml(const LaunchConfig& c) {
   YAML::Emitter out;
   out << YAML::BeginMap;
   out << YAML::Key << "compute_environment" << YAML::Value << c.compute_environment;
+  if (c.ddp_comm_hook != "none") out << YAML::Key << "ddp_comm_hook" << YAML::Value << c.ddp_comm_hook;
   out << YAML::Key << "debug" << YAML::Value << c.debug;
   if (!ds.empty()) {
     out << YAML::Key << "deepspeed_config" << YAML::Value << YAML::BeginMap;
@@ -609,6 +617,7 @@ std::string to_yaml(const LaunchConfig& c) {
     }
     out << YAML::EndMap;
   }
+  if (c.gradient_as_bucket_view) out << YAML::Key << "gradient_as_bucket_view" << YAML::Value << true;
   if (!c.gpu_ids.empty()) {
     out << YAML::Key << "gpu_ids" << YAML::Value;
     emit_text(out, c.gpu_ids, false);

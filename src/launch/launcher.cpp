@@ -144,6 +144,17 @@ void spawn(Child& c, const LaunchOptions& opts) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
+    if (!c.plan.cpus.empty()) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int cpu : c.plan.cpus) CPU_SET(cpu, &set);
+      if (::sched_setaffinity(0, sizeof(set), &set) != 0) {
+        std::string msg = "tandem launch: cannot bind rank " + std::to_string(c.plan.rank) +
+                          " to its cores: " + std::strerror(errno) + "\n";
+        write_all(2, msg);
+        ::_exit(126);
+      }
+    }
     ::dup2(out_pipe[1], 1);
     ::dup2(err_pipe[1], 2);
     ::execvpe(argv[0], argv.data(), envp.data());
@@ -336,11 +347,37 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
                                   "machine must know where rank 0 listens");
     port = find_free_port(o.main_process_ip());
   }
+  // Note [Threads per rank]: N ranks each running an OpenMP pool as large as the machine
+  // oversubscribe the cores N times; torchrun and Intel's launcher give each rank its share.
+  const std::vector<int> cpus = usable_cpus();
   int threads = o.num_cpu_threads_per_process();
+  bool user_threads = false;
   if (threads <= 0) {
-    unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    threads = std::max(1, static_cast<int>(cores) / o.num_processes());
+    auto omp = environment.find("OMP_NUM_THREADS");
+    int n = 0;
+    if (omp != environment.end()) {
+      try {
+        size_t pos = 0;
+        n = std::stoi(omp->second, &pos);
+        if (pos != omp->second.size()) n = 0;
+      } catch (const std::exception&) {
+        n = 0;
+      }
+    }
+    if (n >= 1) {
+      threads = n;
+      user_threads = true;
+    } else {
+      threads = std::max(1, static_cast<int>(cpus.size()) / o.num_processes());
+    }
   }
+  if (o.cpu_affinity() && static_cast<int>(cpus.size()) < threads * o.num_processes())
+    throw std::invalid_argument(
+        "--enable_cpu_affinity: " + std::to_string(o.num_processes()) + " processes of " +
+        std::to_string(threads) + " thread(s) need " + std::to_string(threads * o.num_processes()) +
+        " cores, and this launcher may use " + std::to_string(cpus.size()) +
+        ": lower --num_cpu_threads_per_process (or OMP_NUM_THREADS), start fewer processes, or "
+        "leave out --enable_cpu_affinity");
   const int world = o.num_processes() * o.num_machines();
   std::vector<RankPlan> plan;
   for (int local = 0; local < o.num_processes(); ++local) {
@@ -358,13 +395,36 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
     p.env["NODE_RANK"] = std::to_string(o.machine_rank());
     p.env["MASTER_ADDR"] = o.main_process_ip();
     p.env["MASTER_PORT"] = std::to_string(port);
-    p.env["OMP_NUM_THREADS"] = std::to_string(threads);
+    if (!user_threads) p.env["OMP_NUM_THREADS"] = std::to_string(threads);
     p.env["TANDEM_NUM_CPU_THREADS"] = std::to_string(threads);
+    if (o.cpu_affinity()) {
+      std::string list;
+      for (int k = 0; k < threads; ++k) {
+        p.cpus.push_back(cpus[static_cast<size_t>(local * threads + k)]);
+        list += (k ? "," : "") + std::to_string(p.cpus.back());
+      }
+      p.env["TANDEM_CPU_AFFINITY"] = list;
+    }
     if (o.cpu()) p.env["TANDEM_USE_CPU"] = "1";
     if (!environment.count("TANDEM_RESTART_COUNT")) p.env["TANDEM_RESTART_COUNT"] = "0";
     plan.push_back(std::move(p));
   }
   return plan;
+}
+
+std::vector<int> usable_cpus() {
+  std::vector<int> out;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) out.push_back(c);
+  }
+  if (out.empty()) {
+    const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned c = 0; c < n; ++c) out.push_back(static_cast<int>(c));
+  }
+  return out;
 }
 
 std::string describe_plan(const std::vector<RankPlan>& plan) {

@@ -180,6 +180,8 @@ EnvMap program_environment(const ResolvedLaunch& r) {
   if (c.use_cpu) env["TANDEM_USE_CPU"] = "1";
   if (c.debug) env["TANDEM_DEBUG"] = "1";
   if (c.downcast_bf16) env["TANDEM_DOWNCAST_BF16"] = "1";
+  if (c.ddp_comm_hook != "none") env["TANDEM_DDP_COMM_HOOK"] = c.ddp_comm_hook;
+  if (c.gradient_as_bucket_view) env["TANDEM_GRADIENT_AS_BUCKET_VIEW"] = "1";
   if (!c.use_cpu && !c.gpu_ids.empty()) {
     env["TANDEM_GPU_IDS"] = c.gpu_ids;
     if (c.gpu_ids != "all") env["CUDA_VISIBLE_DEVICES"] = c.gpu_ids;
@@ -222,9 +224,41 @@ LaunchOptions to_launch_options(const ResolvedLaunch& r, const EnvMap& user_env,
       .main_process_ip(c.main_process_ip.empty() ? "127.0.0.1" : c.main_process_ip)
       .main_process_port(c.main_process_port)
       .cpu(c.use_cpu)
+      .cpu_affinity(c.enable_cpu_affinity)
       .rdzv_backend(c.rdzv_backend)
       .extra_env(env);
   return launcher;
+}
+
+std::string unavailable_strategy_message(const std::string& t) {
+  std::string what;
+  if (t == "FSDP")
+    what = "distributed_type FSDP (--use_fsdp, fsdp_config) asks for fully sharded data parallel";
+  else if (t == "DEEPSPEED")
+    what = "distributed_type DEEPSPEED (--use_deepspeed, deepspeed_config) asks for ZeRO sharding";
+  else if (t == "MEGATRON_LM")
+    what = "distributed_type MEGATRON_LM asks for Megatron-LM's tensor and pipeline parallelism";
+  else
+    return "";
+  return what +
+         ", which this version of tandem does not implement; it refuses rather than run "
+         "something else. Plain data parallel runs instead when you ask for it: drop the flag, "
+         "or set `distributed_type: MULTI_CPU` (MULTI_GPU on GPUs) in the config file; every "
+         "rank then holds the whole model, its gradients and the optimizer state";
+}
+
+void check_strategy_available(const ResolvedLaunch& r) {
+  const auto& c = r.config;
+  auto msg = unavailable_strategy_message(r.distributed_type);
+  if (msg.empty()) msg = unavailable_strategy_message(c.distributed_type);
+  if (msg.empty()) return;
+  auto src = c.sources.find("distributed_type");
+  std::string from;
+  if (src != c.sources.end() && src->second == Source::kCommandLine)
+    from = " (from the command line)";
+  else if (!c.path.empty())
+    from = " (from " + c.path + ")";
+  throw std::invalid_argument(msg.insert(msg.find(" asks for"), from));
 }
 
 std::string describe_resolved(const ResolvedLaunch& r) {

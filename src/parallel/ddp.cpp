@@ -28,6 +28,7 @@ at::ScalarType wire_dtype(const at::Tensor& t) {
 
 struct GradientReducer::Bucket {
   at::Tensor flat;              // the bucket's gradients, flattened
+  GradBucket grad_bucket;       // what the hook sees (buffer = flat)
   std::vector<size_t> members;  // parameter indices
   size_t pending = 0;           // gradients not yet in
   Work work;
@@ -37,7 +38,8 @@ struct GradientReducer::Bucket {
 GradientReducer::GradientReducer(
     const std::vector<std::pair<std::string, at::Tensor>>& named_parameters,
     std::shared_ptr<ProcessGroup> pg, ReducerOptions options)
-    : pg_(std::move(pg)), options_(options) {
+    : pg_(std::move(pg)), options_(options),
+      hook_(options.comm_hook() ? options.comm_hook() : allreduce_hook()) {
   // Distinct parameters that need gradients, in registration order (tied ones once).
   std::unordered_set<const void*> seen;
   for (const auto& [name, p] : named_parameters) {
@@ -70,9 +72,17 @@ GradientReducer::GradientReducer(
     const auto& first = params_[st->members.front()];
     st->flat = at::zeros({numel}, first.options().dtype(wire_dtype(first)).requires_grad(false));
     st->pending = st->members.size();
+    st->grad_bucket.index = b;
+    st->grad_bucket.buffer = st->flat;
+    st->grad_bucket.parameter_indices = st->members;
+    st->grad_bucket.is_last = b + 1 == buckets_.size();
     bucket_state_.push_back(std::move(st));
   }
   ready_.assign(params_.size(), 0);
+  view_.assign(params_.size(), 0);
+  if (options_.gradient_as_bucket_view())
+    for (size_t i = 0; i < params_.size(); ++i)
+      view_[i] = bucket_state_[bucket_of_[i]]->flat.scalar_type() == params_[i].scalar_type();
   timeline_.bucket_started.resize(buckets_.size());
   timeline_.bucket_finished.resize(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b)
@@ -120,9 +130,21 @@ void GradientReducer::on_gradient_ready(size_t i) {
   }
   ready_[i] = 1;
   Bucket& b = *bucket_state_[bucket_of_[i]];
-  const auto& grad = params_[i].grad();
+  auto& grad = params_[i].mutable_grad();
   auto slot = b.flat.narrow(0, offset_of_[i], params_[i].numel());
-  if (grad.defined()) {
+  if (view_[i]) {
+    // Note [Gradients as bucket views]: after the first step autograd accumulates straight into
+    // the bucket (zero_grad zeroes the views in place); a .grad that is not the view (the first
+    // backward, or one set to none) is copied in once and replaced by the view.
+    auto view = slot.view(params_[i].sizes());
+    if (!grad.defined()) {
+      view.zero_();
+      grad = view;
+    } else if (grad.data_ptr() != view.data_ptr()) {
+      view.copy_(grad);
+      grad = view;
+    }
+  } else if (grad.defined()) {
     slot.copy_(grad.reshape({-1}));
   } else {
     slot.zero_();
@@ -134,8 +156,7 @@ void GradientReducer::launch_ready_buckets() {
   while (next_bucket_ < bucket_state_.size() && bucket_state_[next_bucket_]->pending == 0) {
     Bucket& b = *bucket_state_[next_bucket_];
     timeline_.bucket_started[next_bucket_] = std::chrono::steady_clock::now();
-    b.work = pg_->allreduce_async({b.flat}, ReduceOp::kMean,
-                                  "gradient allreduce (bucket " + std::to_string(next_bucket_) + ")");
+    b.work = hook_->start(*pg_, b.grad_bucket);
     b.launched = true;
     ++next_bucket_;
   }
@@ -218,13 +239,16 @@ void GradientReducer::finalize() {
   try {
     for (size_t b = 0; b < bucket_state_.size(); ++b) {
       Bucket& bs = *bucket_state_[b];
-      bs.work.wait();
+      hook_->finish(bs.grad_bucket, bs.work);
       timeline_.bucket_finished[b] = std::chrono::steady_clock::now();
       for (size_t i : bs.members) {
         if (used_anywhere.defined() && used_anywhere[i].item<int>() == 0) continue;
         auto slot = bs.flat.narrow(0, offset_of_[i], params_[i].numel()).view(params_[i].sizes());
         auto& g = params_[i].mutable_grad();
-        if (g.defined()) {
+        if (view_[i] && g.defined() && g.data_ptr() == slot.data_ptr()) continue;  // in place
+        if (view_[i]) {
+          g = slot;
+        } else if (g.defined()) {
           g.copy_(slot);
         } else {
           g = slot.to(params_[i].scalar_type(), /*non_blocking=*/false, /*copy=*/true);

@@ -11,6 +11,7 @@
 #include "../detail/env.h"
 
 #include "tandem/accelerator.h"
+#include "tandem/checkpoint/safetensors.h"
 
 namespace tandem {
 namespace {
@@ -86,6 +87,73 @@ void Accelerator::install_master_weights(torch::optim::Optimizer& optimizer) {
     }
   }
   masters_.push_back(std::move(set));
+}
+
+std::vector<std::pair<std::string, at::Tensor>> Accelerator::master_weights_of(
+    const torch::optim::Optimizer& optimizer) const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (master_of_.empty()) return out;
+  std::set<const void*> masters;
+  for (const auto& kv : master_of_) masters.insert(kv.second.unsafeGetTensorImpl());
+  const auto& groups = optimizer.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (size_t i = 0; i < groups[g].params().size(); ++i) {
+      const auto& p = groups[g].params()[i];
+      if (masters.count(p.unsafeGetTensorImpl()))
+        out.emplace_back("g" + std::to_string(g) + ".p" + std::to_string(i), p.detach());
+    }
+  return out;
+}
+
+// Note [Masters on resume]: the optimizer steps the fp32 masters and copies them over the half
+// weights after every step, so a resumed run must continue from the saved masters, not from the
+// copies made at prepare() time. A checkpoint that has none (saved without master weights) gets
+// masters rebuilt from the loaded half weights: exactly what prepare() would have built had the
+// run started from those weights, so nothing stale survives; what cannot be recovered are the
+// fp32 bits below half precision that such a run never kept.
+void Accelerator::load_master_weights(torch::optim::Optimizer& optimizer,
+                                      const checkpoint::SafetensorsFile* file,
+                                      const std::string& dir) {
+  torch::NoGradGuard no_grad;
+  std::map<const void*, at::Tensor> half_of;  // master -> its half parameter
+  for (const auto& set : masters_)
+    for (size_t k = 0; k < set.params.size(); ++k)
+      half_of.emplace(set.masters[k].unsafeGetTensorImpl(), set.params[k]);
+  if (half_of.empty()) {
+    if (file && is_main_process())
+      std::cerr << state_.prefix() << " load_state: " << dir
+                << " holds fp32 master weights, but this run keeps none (mixed precision "
+                << precision_.name() << "); the saved half weights are used" << std::endl;
+    return;
+  }
+  bool rebuilt = false;
+  const auto& groups = optimizer.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (size_t i = 0; i < groups[g].params().size(); ++i) {
+      auto master = groups[g].params()[i];
+      auto it = half_of.find(master.unsafeGetTensorImpl());
+      if (it == half_of.end()) continue;
+      const std::string key = "g" + std::to_string(g) + ".p" + std::to_string(i);
+      if (file) {
+        TORCH_CHECK(file->contains(key), state_.prefix(), " load_state: ", dir,
+                    " has master weights without '", key,
+                    "': the checkpoint was saved with other parameter groups; build the "
+                    "optimizer as in the run that saved it");
+        auto t = file->tensor(key);
+        TORCH_CHECK(t.sizes() == master.sizes() && t.scalar_type() == master.scalar_type(),
+                    state_.prefix(), " load_state: master weight '", key, "' in ", dir, " is ",
+                    t.scalar_type(), t.sizes(), ", expected ", master.scalar_type(),
+                    master.sizes(), ": build the same model and optimizer before load_state");
+        master.copy_(t);
+      } else {
+        master.copy_(it->second);
+        rebuilt = true;
+      }
+    }
+  if (rebuilt && is_main_process())
+    std::cerr << state_.prefix() << " load_state: " << dir
+              << " has no fp32 master weights (it was saved without them); they are rebuilt from "
+                 "the loaded " << precision_.name() << " weights, as prepare() builds them" << std::endl;
 }
 
 at::Tensor Accelerator::master_parameter(const at::Tensor& p) const {

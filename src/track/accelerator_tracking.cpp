@@ -9,13 +9,16 @@ namespace tandem {
 void Accelerator::init_timeline() {
   auto opts = track::TimelineOptions::from_environment(state_.rank);
   if (!options_.timeline_dir().empty()) opts.enabled(true).dir(options_.timeline_dir());
-  timeline_ = std::make_unique<track::Timeline>(opts);
+  timeline_ = std::make_shared<track::Timeline>(opts);
   if (!timeline_->enabled()) return;
-  last_ready_ = track::Timeline::Clock::now();
-  loader_state_->on_wait = [this](track::Timeline::Clock::time_point a,
-                                  track::Timeline::Clock::time_point b) {
-    timeline_->record("data wait", "data", a, b);
-    last_ready_ = b;
+  *last_ready_ = track::Timeline::Clock::now();
+  // Note [Accelerator lifetime]: the callback owns what it touches; a loader that outlives the
+  // Accelerator records into a timeline nobody writes out, which is harmless.
+  loader_state_->on_wait = [timeline = timeline_, last_ready = last_ready_](
+                               track::Timeline::Clock::time_point a,
+                               track::Timeline::Clock::time_point b) {
+    timeline->record("data wait", "data", a, b);
+    *last_ready = b;
   };
 }
 
@@ -24,7 +27,7 @@ void Accelerator::record_backward(track::Timeline::Clock::time_point begin,
   if (!timeline_->enabled()) return;
   // LibTorch has no forward hooks: "forward" is the time from the last batch (or step) to the
   // start of backward, which is where the user's forward runs.
-  if (last_ready_ < begin) timeline_->record("forward", "compute", last_ready_, begin);
+  if (*last_ready_ < begin) timeline_->record("forward", "compute", *last_ready_, begin);
   timeline_->record("backward", "compute", begin, end);
   for (const auto& r : reducers_) {
     if (!r->sync()) continue;
@@ -35,7 +38,7 @@ void Accelerator::record_backward(track::Timeline::Clock::time_point begin,
                               std::to_string(t.bucket_bytes[b] / 1024) + " KiB)",
                           "comm", t.bucket_started[b], t.bucket_finished[b], 1);
   }
-  last_ready_ = end;
+  *last_ready_ = end;
 }
 
 void Accelerator::init_trackers(const std::string& project_name, const track::Hparams& config) {

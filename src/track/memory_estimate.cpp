@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tandem/checkpoint/safetensors_header.h"
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -18,8 +20,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// safetensors refuses headers above 100 MB; a bigger length means a file that is not one.
-constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 constexpr double kZeroK = 12;  // fp32 master weights (4) + Adam momentum (4) + variance (4)
 
 std::string with_commas(int64_t n) {
@@ -59,39 +59,23 @@ std::string layer_of(const std::string& name) {
   return dot == std::string::npos ? name : name.substr(0, dot);
 }
 
-void tally_header(const std::string& header_json, const std::string& source, Tally& tally) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(header_json);
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(source + ": expected a safetensors header (JSON), found text that " +
-                             "does not parse (" + e.what() + "); is this a safetensors file?");
-  }
-  if (!j.is_object()) {
-    throw std::runtime_error(source + ": expected the safetensors header to be a JSON object, "
-                             "found " + std::string(j.type_name()));
-  }
-  for (const auto& [name, info] : j.items()) {
-    if (name == "__metadata__") continue;
-    if (!info.is_object() || !info.contains("shape") || !info["shape"].is_array()) {
-      throw std::runtime_error(source + ": expected tensor '" + name +
-                               "' to have a \"shape\" array, found " + info.dump());
-    }
-    int64_t n = 1;
-    for (const auto& d : info["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0) {
-        throw std::runtime_error(source + ": expected non-negative integer dimensions for '" +
-                                 name + "', found " + info["shape"].dump());
-      }
-      n *= d.get<int64_t>();
-    }
-    std::string dtype = info.contains("dtype") && info["dtype"].is_string()
-                            ? info["dtype"].get<std::string>()
-                            : "unknown";
+// Note [One safetensors parser]: every header and index a user hands to estimate-memory goes
+// through checkpoint/'s validating, fuzzed parser (tests/fuzz), never through code of its own.
+void tally_header(const checkpoint::SafetensorsHeader& header, Tally& tally) {
+  for (const auto& [name, info] : header.tensors) {
+    const auto n = static_cast<int64_t>(info.numel());
     tally.total += n;
     tally.groups[layer_of(name)] += n;
-    tally.dtypes[dtype] += n;
+    tally.dtypes[std::string(checkpoint::dtype_name(info.dtype))] += n;
     ++tally.tensors;
+  }
+}
+
+void tally_file(const fs::path& file, Tally& tally) {
+  try {
+    tally_header(checkpoint::read_safetensors_header(file.string()), tally);
+  } catch (const checkpoint::SafetensorsError& e) {
+    throw std::runtime_error(std::string("estimate-memory: ") + e.what());
   }
 }
 
@@ -112,69 +96,25 @@ ModelSize finish_tally(const Tally& tally, const std::string& source) {
   return m;
 }
 
-std::string read_header(const fs::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) {
-    throw std::runtime_error("estimate-memory: expected a readable safetensors file at '" +
-                             file.string() + "', but it cannot be opened; check the path");
-  }
-  unsigned char len_bytes[8];
-  if (!in.read(reinterpret_cast<char*>(len_bytes), 8)) {
-    throw std::runtime_error(file.string() + ": expected a safetensors file (8-byte header "
-                             "length first), found fewer than 8 bytes");
-  }
-  uint64_t len = 0;
-  for (int i = 7; i >= 0; --i) len = (len << 8) | len_bytes[i];
-  std::error_code ec;
-  auto size = fs::file_size(file, ec);
-  if (len > kMaxHeaderBytes || (!ec && len > size - 8)) {
-    throw std::runtime_error(file.string() + ": expected a safetensors header length below " +
-                             std::to_string(kMaxHeaderBytes) + " bytes and within the file (" +
-                             std::to_string(ec ? 0 : size) + " bytes), found " +
-                             std::to_string(len) + "; is this a safetensors file?");
-  }
-  std::string header(len, '\0');
-  if (!in.read(header.data(), static_cast<std::streamsize>(len))) {
-    throw std::runtime_error(file.string() + ": the safetensors header is cut short");
-  }
-  return header;
-}
-
 ModelSize read_index(const fs::path& index) {
-  std::ifstream in(index);
-  nlohmann::json j;
+  checkpoint::SafetensorsIndex parsed;
   try {
-    in >> j;
-  } catch (const nlohmann::json::exception& e) {
-    throw std::runtime_error(index.string() + ": expected a safetensors index (JSON with a " +
-                             "\"weight_map\"), found text that does not parse (" + e.what() + ")");
-  }
-  if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-    throw std::runtime_error(index.string() + ": expected a \"weight_map\" object mapping tensor "
-                             "names to shard files; is this a model.safetensors.index.json?");
-  }
-  std::vector<std::string> shards;
-  for (const auto& [name, shard] : j["weight_map"].items()) {
-    if (!shard.is_string()) {
-      throw std::runtime_error(index.string() + ": expected a shard file name for '" + name +
-                               "', found " + shard.dump());
-    }
-    auto s = shard.get<std::string>();
-    if (std::find(shards.begin(), shards.end(), s) == shards.end()) shards.push_back(s);
+    parsed = checkpoint::read_safetensors_index(index.string());
+  } catch (const checkpoint::SafetensorsError& e) {
+    throw std::runtime_error(std::string("estimate-memory: ") + e.what());
   }
   Tally tally;
-  for (const auto& s : shards) {
+  for (const auto& s : parsed.files) {
     auto p = index.parent_path() / s;
     if (!fs::exists(p)) {
       throw std::runtime_error(index.string() + ": expected shard '" + s + "' beside the index, " +
                                "but it is missing; download every shard (only their headers " +
                                "are read)");
     }
-    tally_header(read_header(p), p.string(), tally);
+    tally_file(p, tally);
   }
-  auto m = finish_tally(tally, "safetensors index " + index.filename().string() + " (" +
-                                   std::to_string(shards.size()) + " shards)");
-  return m;
+  return finish_tally(tally, "safetensors index " + index.filename().string() + " (" +
+                                 std::to_string(parsed.files.size()) + " shards)");
 }
 
 }  // namespace
@@ -250,10 +190,10 @@ ModelSize model_size_from_count(int64_t n) {
   return m;
 }
 
-ModelSize model_size_from_safetensors_header(const std::string& header_json,
+ModelSize model_size_from_safetensors_header(const checkpoint::SafetensorsHeader& header,
                                              const std::string& source) {
   Tally tally;
-  tally_header(header_json, source, tally);
+  tally_header(header, tally);
   return finish_tally(tally, source);
 }
 
@@ -284,7 +224,7 @@ ModelSize read_safetensors_model_size(const std::string& path_text) {
       if (indexes.empty() && !files.empty()) {
         std::sort(files.begin(), files.end());
         Tally tally;
-        for (const auto& f : files) tally_header(read_header(f), f.string(), tally);
+        for (const auto& f : files) tally_file(f, tally);
         return finish_tally(tally, "safetensors: " + std::to_string(files.size()) +
                                        " files in " + path_text);
       }
@@ -300,7 +240,7 @@ ModelSize read_safetensors_model_size(const std::string& path_text) {
   return finish_tally(
       [&] {
         Tally t;
-        tally_header(read_header(path), path.string(), t);
+        tally_file(path, t);
         return t;
       }(),
       "safetensors: " + path.filename().string());

@@ -44,31 +44,72 @@ tandem::testing::RunResult launch(int n, std::vector<std::string> args,
 
 }  // namespace
 
-class Resume : public ::testing::TestWithParam<int> {};
+// (ranks, precision mode, master weights).
+class Resume : public ::testing::TestWithParam<std::tuple<int, std::string, bool>> {};
 
-// Train 2K steps straight, or K steps, save, and K more in a new process: parameters, optimizer
-// state, scheduler and a registered object are bitwise equal (the dump files are byte-identical).
-// K = 7 optimizer steps with accumulation 2 and batch 8 stops mid-epoch (150 samples).
+// Train 2K steps straight, or K steps, save, and K more in a new process: parameters, fp32
+// masters, optimizer state, scheduler and a registered object are bitwise equal (the dump files
+// are byte-identical). K = 7 optimizer steps with accumulation 2 and batch 8 stops mid-epoch
+// (150 samples). Under bf16-true the float batches reach the bf16 model through the loader's
+// input cast.
 TEST_P(Resume, ResumedEqualsUninterrupted) {
-  const int n = GetParam();
-  auto dir = fresh_dir("resume" + std::to_string(n));
+  const auto [n, precision, masters] = GetParam();
+  const std::string tag = std::to_string(n) + "-" + precision + (masters ? "-m" : "");
+  auto dir = fresh_dir("resume" + tag);
+  std::vector<std::string> mp{"--mixed-precision", precision};
+  if (masters) mp.push_back("--master-weights");
+  auto with = [&](std::vector<std::string> a) {
+    a.insert(a.end(), mp.begin(), mp.end());
+    return a;
+  };
   auto straight = dir + "/straight.safetensors", resumed = dir + "/resumed.safetensors";
-  auto a = launch(n, {"run", "--steps", "14", "--project", dir + "/a", "--out", straight});
+  auto a = launch(n, with({"run", "--steps", "14", "--project", dir + "/a", "--out", straight}));
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  auto b1 = launch(n, {"run", "--steps", "14", "--stop-at", "7", "--project", dir + "/b"});
+  auto b1 = launch(n, with({"run", "--steps", "14", "--stop-at", "7", "--project", dir + "/b"}));
   ASSERT_EQ(b1.exit_code, 0) << b1.output;
   ASSERT_NE(b1.output.find("saved at step 7"), std::string::npos) << b1.output;
   ASSERT_TRUE(fs::exists(dir + "/b/checkpoints/checkpoint_0/manifest.json"));
-  auto b2 = launch(n, {"run", "--steps", "14", "--resume", "--project", dir + "/b", "--out", resumed});
+  EXPECT_EQ(fs::exists(dir + "/b/checkpoints/checkpoint_0/master_weights.safetensors"), masters);
+  auto b2 = launch(n, with({"run", "--steps", "14", "--resume", "--project", dir + "/b", "--out",
+                            resumed}));
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
   EXPECT_NE(b2.output.find("resumed at step 7"), std::string::npos) << b2.output;
   auto x = bytes_of(straight), y = bytes_of(resumed);
-  ASSERT_GT(x.size(), 10000u);
+  ASSERT_GT(x.size(), 5000u);
   EXPECT_TRUE(x == y) << "resumed training differs from uninterrupted training";
   fs::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, Resume, ::testing::Values(1, 2));
+// A checkpoint saved without master weights, resumed with them: the masters are rebuilt from the
+// loaded bf16 weights (and said so), not left as the copies prepare() made of the initial weights,
+// which the optimizer would step and copy over the loaded weights.
+TEST(ResumeMasters, RebuiltFromLoadedWeightsWhenTheCheckpointHasNone) {
+  auto dir = fresh_dir("resume-rebuild");
+  auto b1 = launch(1, {"run", "--steps", "14", "--stop-at", "7", "--project", dir,
+                       "--mixed-precision", "bf16-true"});
+  ASSERT_EQ(b1.exit_code, 0) << b1.output;
+  auto b2 = launch(1, {"run", "--steps", "8", "--resume", "--project", dir, "--mixed-precision",
+                       "bf16-true", "--master-weights"});
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  EXPECT_NE(b2.output.find("they are rebuilt from the loaded bf16-true weights"), std::string::npos)
+      << b2.output;
+  EXPECT_NE(b2.output.find("master gap 0\n"), std::string::npos) << b2.output;
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RanksAndPrecision, Resume,
+    ::testing::Combine(::testing::Values(1, 2),
+                       ::testing::Values(std::string("no"), std::string("bf16"),
+                                         std::string("bf16-true")),
+                       ::testing::Bool()),
+    [](const auto& info) {
+      std::string p = std::get<1>(info.param);
+      for (auto& c : p)
+        if (c == '-') c = '_';
+      return std::to_string(std::get<0>(info.param)) + "ranks_" + p +
+             (std::get<2>(info.param) ? "_masters" : "");
+    });
 
 class KillDuringSave : public ::testing::TestWithParam<std::string> {};
 

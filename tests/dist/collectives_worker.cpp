@@ -8,7 +8,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 
 #include "tandem/comm/collectives.h"
 #include "tandem/comm/process_group.h"
@@ -41,6 +43,32 @@ int main(int argc, char** argv) {
   const int r = pg->rank(), w = pg->size();
   namespace comm = tandem::comm;
 
+  if (mode == "listen") {
+    // Where rank 0's rendezvous store listens: the local addresses of the listening TCP sockets
+    // on MASTER_PORT, from /proc/net/tcp and tcp6 (hex address:port; state 0A is LISTEN).
+    if (r == 0) {
+      const int port = std::atoi(std::getenv("MASTER_PORT"));
+      char want[8];
+      std::snprintf(want, sizeof(want), "%04X", port);
+      for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+        std::ifstream in(table);
+        std::string line;
+        std::getline(in, line);  // header
+        while (std::getline(in, line)) {
+          std::istringstream ls(line);
+          std::string slot, local, remote, st;
+          ls >> slot >> local >> remote >> st;
+          auto colon = local.rfind(':');
+          if (st == "0A" && local.substr(colon + 1) == want)
+            std::cout << "store listens on " << local.substr(0, colon) << std::endl;
+        }
+      }
+      std::cout << "loopback capable " << tandem::rendezvous_store_can_listen_on_loopback()
+                << std::endl;
+    }
+    pg->barrier();
+    return 0;
+  }
   if (mode == "spam") {
     // Many lines, written in pieces, to check that the launcher never interleaves two ranks.
     for (int i = 0; i < 2000; ++i) {

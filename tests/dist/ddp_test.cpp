@@ -129,6 +129,20 @@ TEST(DataParallel, GatherForMetricsCountsEachSampleOnce) {
   }
 }
 
+TEST(DataParallel, CompressionHooksEqualTheAllreduceOfRoundedGradients) {
+  auto r = launch(2, {"compress"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "compress OK"), 2) << r.output;
+}
+
+TEST(DataParallel, GradientsAsBucketViewsTrainTheSame) {
+  for (int n : {2, 3}) {
+    auto r = launch(n, {"bucketview"});
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(count_of(r.output, "bucketview OK"), n) << r.output;
+  }
+}
+
 TEST(DataParallel, TimelineAndTrackers) {
   const std::string dir = temp_path("tracking");
   auto r = launch(2, {"tracking", "--out", dir});

@@ -9,7 +9,11 @@
 //   buffers    BatchNorm buffers equal on every rank after a step;
 //   overlap    the first bucket's allreduce starts before backward ends;
 //   metrics    gather_for_metrics counts each sample of an uneven data set exactly once, for a
-//              map-style loader and a stream loader.
+//              map-style loader and a stream loader;
+//   compress   fp16 and bf16 compression hooks: the reduced gradient equals the allreduce of
+//              every rank's rounded gradients, bit for bit (2 ranks);
+//   bucketview gradient_as_bucket_view trains to the same parameters as copying, bit for bit, and
+//              the gradients stay views into the buckets.
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
@@ -392,6 +396,96 @@ int tracking(const Args& a) {
   return failures ? 1 : 0;
 }
 
+// Note [Compression hooks]: with 2 ranks the reduction is one addition per element, so the
+// expectation can be computed exactly: each rank's gradient divided by 2 and rounded to the
+// compressed dtype, the two summed (in fp32, which holds the sum of two halves exactly) and, when
+// the sum travels in the compressed dtype, rounded once more.
+int compress(const Args&) {
+  for (const std::string hook : {"fp16", "bf16"}) {
+    tandem::Accelerator acc(tandem::AcceleratorOptions().comm_hook(hook));
+    check(acc.num_processes() == 2, "compress runs on 2 ranks");
+    torch::manual_seed(9);
+    auto model = examples::MLP(32, 64, 5);
+    auto local = examples::MLP(32, 64, 5);  // the same initial weights, never reduced
+    acc.prepare(model);
+    torch::manual_seed(200 + acc.process_index());
+    auto x = torch::randn({16, 32}) * 3;
+    auto y = torch::randint(5, {16});
+    acc.backward(torch::cross_entropy_loss(model->forward(x), y));
+    torch::cross_entropy_loss(local->forward(x), y).backward();
+    const auto dtype = hook == "fp16" ? torch::kHalf : torch::kBFloat16;
+    const auto wire = tandem::parallel::compress_hook_wire_dtype(dtype, c10::DeviceType::CPU);
+    auto params = model->parameters(), mine = local->parameters();
+    bool rounded_somewhere = false;
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto all = acc.gather(mine[i].grad().unsqueeze(0));  // [2, ...] every rank's local gradient
+      auto a = (all[0] / 2.0).to(dtype).to(torch::kFloat), b = (all[1] / 2.0).to(dtype).to(torch::kFloat);
+      auto expected = a + b;
+      if (wire == dtype) expected = expected.to(dtype).to(torch::kFloat);
+      check(params[i].grad().equal(expected),
+            hook + ": parameter " + std::to_string(i) + " equals the sum of the rounded gradients");
+      rounded_somewhere = rounded_somewhere || !expected.equal(all.mean(0));
+    }
+    check(rounded_somewhere, hook + ": compression changed the gradients (the hook ran)");
+    check(acc.reducers().at(0)->comm_hook().name() == hook, hook + ": the reducer uses the hook");
+    std::cout << hook << " compression travels as " << c10::toString(wire) << std::endl;
+  }
+  std::cout << "compress OK" << std::endl;
+  return failures ? 1 : 0;
+}
+
+// Two copies of one model reduced over the same group, one with gradients as bucket views and one
+// copying them in and out: the same steps give the same parameters, bit for bit, and the views'
+// storage never moves.
+int bucketview(const Args&) {
+  auto state = tandem::ProcessState::from_environment();
+  auto pg = tandem::ProcessGroup::create(state);
+  torch::manual_seed(4);
+  auto a = examples::MLP(32, 64, 5), b = examples::MLP(32, 64, 5);
+  tandem::parallel::broadcast_module_state(*a, *pg, true, true);
+  tandem::parallel::broadcast_module_state(*b, *pg, true, true);
+  {
+    torch::NoGradGuard g;
+    for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  tandem::parallel::GradientReducer ra(a->named_parameters().pairs(), pg,
+                                       tandem::parallel::ReducerOptions()
+                                           .bucket_cap_mb(0.01)
+                                           .first_bucket_cap_mb(0.005)
+                                           .gradient_as_bucket_view(true));
+  tandem::parallel::GradientReducer rb(b->named_parameters().pairs(), pg,
+                                       tandem::parallel::ReducerOptions()
+                                           .bucket_cap_mb(0.01)
+                                           .first_bucket_cap_mb(0.005));
+  torch::optim::SGD oa(a->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD ob(b->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  std::vector<const void*> storage;
+  for (int step = 0; step < 5; ++step) {
+    torch::manual_seed(300 + 10 * step + pg->rank());
+    auto x = torch::randn({8, 32});
+    auto y = torch::randint(5, {8});
+    torch::cross_entropy_loss(a->forward(x), y).backward();
+    ra.after_backward();
+    torch::cross_entropy_loss(b->forward(x), y).backward();
+    rb.after_backward();
+    std::vector<const void*> now;
+    for (auto& p : a->parameters()) now.push_back(p.grad().data_ptr());
+    if (step == 0) storage = now;
+    check(now == storage, "step " + std::to_string(step) + ": gradients stay in the buckets");
+    oa.step();
+    ob.step();
+    oa.zero_grad();
+    ob.zero_grad();
+  }
+  for (size_t i = 0; i < a->parameters().size(); ++i) {
+    check(ra.gradient_is_bucket_view(i), "parameter " + std::to_string(i) + " is a bucket view");
+    check(a->parameters()[i].equal(b->parameters()[i]),
+          "parameter " + std::to_string(i) + " equal with and without bucket views");
+  }
+  std::cout << "bucketview OK" << std::endl;
+  return failures ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -418,6 +512,8 @@ int main(int argc, char** argv) {
     if (a.mode == "overlap") return overlap(a);
     if (a.mode == "metrics") return metrics(a);
     if (a.mode == "tracking") return tracking(a);
+    if (a.mode == "compress") return compress(a);
+    if (a.mode == "bucketview") return bucketview(a);
   } catch (const std::exception& e) {
     std::cerr << "ERROR: " << e.what() << std::endl;
     return 1;

@@ -8,6 +8,7 @@
 
 #include <fstream>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -108,6 +109,26 @@ TEST(Launch, PortInUseGivesAClearError) {
   EXPECT_NE(r.output.find("--main_process_port"), std::string::npos) << r.output;
 }
 
+// Note [Loopback rendezvous]: a job on one machine (MASTER_ADDR 127.0.0.1) hosts its store on
+// 127.0.0.1 only where LibTorch allows it; LibTorch 1.13 cannot, and its store listens on every
+// interface (documented in docs/launching.md, "Security").
+TEST(Launch, RendezvousStoreListensOnLoopbackWhereLibTorchCan) {
+  auto r = run_command(launch(2, {"listen"}), {}, 90);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const bool capable = r.output.find("loopback capable 1") != std::string::npos;
+  ASSERT_TRUE(capable || r.output.find("loopback capable 0") != std::string::npos) << r.output;
+  ASSERT_NE(r.output.find("store listens on "), std::string::npos) << r.output;
+  const bool on_any = r.output.find("store listens on 00000000\n") != std::string::npos ||
+                      r.output.find("store listens on 00000000000000000000000000000000\n") !=
+                          std::string::npos;
+  const bool on_loopback = r.output.find("store listens on 0100007F\n") != std::string::npos;
+  if (capable) {
+    EXPECT_TRUE(on_loopback && !on_any) << r.output;
+  } else {
+    EXPECT_TRUE(on_any) << r.output;
+  }
+}
+
 TEST(Launch, RendezvousTimeoutSaysHowManyRanksCame) {
   // Rank 0 of a world of 3 alone: it must give up, naming 2 missing ranks.
   auto r = run_command({kWorker, "all"},
@@ -118,6 +139,21 @@ TEST(Launch, RendezvousTimeoutSaysHowManyRanksCame) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("waited 2 s for 2 of 3 ranks at 127.0.0.1:"), std::string::npos)
       << r.output;
+}
+
+// --enable_cpu_affinity: every rank runs on its own cores (read back from /proc/self/status).
+TEST(Launch, CpuAffinityBindsEachRank) {
+  auto r = run_command({kCli, "launch", "--num_processes", "2", "--cpu", "--enable_cpu_affinity",
+                        "--num_cpu_threads_per_process", "1", "/bin/sh", "-c",
+                        "grep Cpus_allowed_list /proc/self/status; echo omp=$OMP_NUM_THREADS"},
+                       {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::regex line(R"(\[rank (\d)\] Cpus_allowed_list:\s*(\d+)\n)");
+  std::set<std::string> cores;
+  for (std::sregex_iterator it(r.output.begin(), r.output.end(), line), end; it != end; ++it)
+    cores.insert((*it)[2]);
+  EXPECT_EQ(cores.size(), 2u) << r.output;  // one core each, not the same one
+  EXPECT_EQ(count_of(r.output, "omp=1"), 2) << r.output;
 }
 
 TEST(Launch, SigtermReachesEveryRank) {

@@ -6,6 +6,8 @@
 //            injection point --point armed (the process is SIGKILLed inside the second save).
 //   verify   load the latest checkpoint and write its parameters to --out.
 //   loop     save checkpoints in a loop until killed (random-time kill test).
+// --mixed-precision MODE and --master-weights train in that precision mode; the dump then holds
+// the fp32 masters too.
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
@@ -25,9 +27,14 @@ struct Counter {  // a user object registered for checkpointing
   void load_state_dict(const std::string& s) { value = std::stoll(s); }
 };
 
-void dump(torch::nn::Module& m, torch::optim::Optimizer& opt, int64_t counter, const std::string& path) {
+void dump(tandem::Accelerator& acc, torch::nn::Module& m, torch::optim::Optimizer& opt,
+          int64_t counter, const std::string& path) {
   std::vector<std::pair<std::string, at::Tensor>> t;
-  for (auto& p : m.named_parameters()) t.emplace_back("param." + p.key(), p.value().detach());
+  for (auto& p : m.named_parameters()) {
+    t.emplace_back("param." + p.key(), p.value().detach());
+    auto master = acc.master_parameter(p.value());
+    if (master.defined()) t.emplace_back("master." + p.key(), master.detach());
+  }
   for (auto& s : tandem::checkpoint::optimizer_state(opt).tensors) t.emplace_back("optim." + s.first, s.second);
   t.emplace_back("counter", torch::tensor({counter}));
   tandem::checkpoint::save_safetensors(path, t, {{"optimizer_json", tandem::checkpoint::optimizer_state(opt).json}});
@@ -37,7 +44,8 @@ void dump(torch::nn::Module& m, torch::optim::Optimizer& opt, int64_t counter, c
 
 int main(int argc, char** argv) {
   CLI::App app{"resume_worker"};
-  std::string mode = "run", out, project = ".", point;
+  std::string mode = "run", out, project = ".", point, precision = "no";
+  bool master_weights = false;
   int64_t steps = 10, stop_at = -1, limit = 0;
   bool resume = false;
   app.add_option("mode", mode);
@@ -48,13 +56,17 @@ int main(int argc, char** argv) {
   app.add_option("--point", point);
   app.add_option("--total-limit", limit);
   app.add_flag("--resume", resume);
+  app.add_option("--mixed-precision", precision);
+  app.add_flag("--master-weights", master_weights);
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(1);
   try {
     tandem::Accelerator acc(tandem::AcceleratorOptions()
                                 .gradient_accumulation_steps(2)
                                 .project_dir(project)
-                                .total_limit(static_cast<int>(limit)));
+                                .total_limit(static_cast<int>(limit))
+                                .mixed_precision(precision)
+                                .master_weights(master_weights));
     torch::manual_seed(7);
     auto model = acc.prepare(examples::MLP(32, 64, 5));
     auto adamw = std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));
@@ -91,16 +103,24 @@ int main(int argc, char** argv) {
       if (resume) {
         acc.load_state();
         std::cout << "resumed at step " << acc.step() << std::endl;
+        // How far the fp32 masters the optimizer will step are from the loaded weights.
+        double gap = -1;
+        for (auto& p : model->parameters()) {
+          auto master = acc.master_parameter(p);
+          if (master.defined())
+            gap = std::max(gap, (master - p.to(torch::kFloat)).abs().max().item<double>());
+        }
+        if (gap >= 0) std::cout << "master gap " << gap << std::endl;
       }
       if (!train_steps(steps)) return 0;
-      if (acc.is_main_process() && !out.empty()) dump(*model, *adamw, counter.value, out);
+      if (acc.is_main_process() && !out.empty()) dump(acc, *model, *adamw, counter.value, out);
       std::cout << "finished " << acc.step() << " steps" << std::endl;
       return 0;
     }
     if (mode == "crash") {
       train_steps(3);
       acc.save_state();
-      if (acc.is_main_process()) dump(*model, *adamw, counter.value, out);
+      if (acc.is_main_process()) dump(acc, *model, *adamw, counter.value, out);
       train_steps(5);
       ::setenv("TANDEM_CHECKPOINT_CRASH", point.c_str(), 1);
       acc.save_state();
@@ -109,7 +129,7 @@ int main(int argc, char** argv) {
     }
     if (mode == "verify") {
       acc.load_state();
-      if (acc.is_main_process()) dump(*model, *adamw, counter.value, out);
+      if (acc.is_main_process()) dump(acc, *model, *adamw, counter.value, out);
       std::cout << "loaded " << acc.latest_checkpoint() << " at step " << acc.step() << std::endl;
       return 0;
     }

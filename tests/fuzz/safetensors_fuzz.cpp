@@ -1,4 +1,5 @@
-// libFuzzer target: the safetensors header parser on arbitrary bytes taken as a whole file.
+// libFuzzer target: the safetensors header parser on arbitrary bytes taken as a whole file, and
+// the index parser on the same bytes taken as an index's text.
 // A malformed input must end in SafetensorsError, never in a crash, an out-of-range read (ASan)
 // or another exception; an accepted header must satisfy the invariants that readers rely on,
 // and re-encoding it must give a header that parses to the same entries.
@@ -22,8 +23,27 @@ void check(bool ok) {
 
 }  // namespace
 
+namespace {
+
+void fuzz_index(std::string_view text) {
+  SafetensorsIndex index;
+  try {
+    index = parse_safetensors_index(text, "fuzz-index");
+  } catch (const SafetensorsError&) {
+    return;
+  }
+  for (const auto& [name, file] : index.weight_map) {
+    check(!file.empty() && file != "." && file != ".." && file.find('/') == std::string::npos);
+    check(std::binary_search(index.files.begin(), index.files.end(), file));
+  }
+  check(index.files.size() <= index.weight_map.size());
+}
+
+}  // namespace
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view bytes(reinterpret_cast<const char*>(data), size);
+  fuzz_index(bytes);
   SafetensorsHeader h;
   try {
     h = parse_safetensors_header(bytes, size, "fuzz-input");

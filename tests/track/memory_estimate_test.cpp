@@ -151,9 +151,14 @@ TEST(MemoryEstimate, SafetensorsHeaderFile) {
   EXPECT_EQ(m.stored_dtypes.at("F32"), 32'768 + 49'152 + 384 + 128);
   // The folder works too.
   EXPECT_EQ(read_safetensors_model_size(dir.str()).num_parameters, m.num_parameters);
-  // And the header text alone.
+  // And a header validated by the checkpoint parser.
+  std::string json =
+      R"({"a.weight": {"dtype": "F16", "shape": [3, 4], "data_offsets": [0, 24]}, "b": {"dtype": "F16", "shape": [], "data_offsets": [24, 26]}})";
+  std::string file(8, '\0');
+  for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((json.size() >> (8 * i)) & 0xFF);
+  file += json + std::string(26, '\0');
   auto from_text = model_size_from_safetensors_header(
-      R"({"a.weight": {"dtype": "F16", "shape": [3, 4], "data_offsets": [0, 24]}, "b": {"dtype": "F16", "shape": [], "data_offsets": [24, 26]}})");
+      tandem::checkpoint::parse_safetensors_header(file, file.size(), "t"));
   EXPECT_EQ(from_text.num_parameters, 13);
   EXPECT_EQ(from_text.largest_layer_name, "a");
 }
@@ -189,6 +194,56 @@ TEST(MemoryEstimate, SafetensorsIndexWithShards) {
     EXPECT_NE(std::string(e.what()).find("model-00002-of-00002.safetensors"), std::string::npos)
         << e.what();
   }
+}
+
+// Note [One safetensors parser]: files that only the validating parser refuses (overlapping
+// tensors, offsets past the end, a byte count that does not match the shape, an index entry with
+// a path) are refused by estimate-memory too, with the parser's message.
+TEST(MemoryEstimate, MalformedFilesGoThroughTheCheckpointParser) {
+  TempDir dir;
+  auto write_raw = [&](const std::string& name, const std::string& json, size_t data) {
+    std::string text = json;
+    while (text.size() % 8) text += ' ';
+    std::ofstream out(dir.path / name, std::ios::binary);
+    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((text.size() >> (8 * i)) & 0xFF));
+    out << text << std::string(data, '\0');
+  };
+  auto error_of = [&](const std::string& name) -> std::string {
+    try {
+      read_safetensors_model_size((dir.path / name).string());
+    } catch (const std::runtime_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  write_raw("overlap.safetensors",
+            R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},)"
+            R"( "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}})",
+            24);
+  write_raw("past_end.safetensors",
+            R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 8);
+  write_raw("bad_size.safetensors",
+            R"({"a": {"dtype": "F32", "shape": [5], "data_offsets": [0, 16]}})", 16);
+  write_raw("bad_dtype.safetensors",
+            R"({"a": {"dtype": "F33", "shape": [4], "data_offsets": [0, 16]}})", 16);
+  for (const char* f : {"overlap.safetensors", "past_end.safetensors", "bad_size.safetensors",
+                        "bad_dtype.safetensors"}) {
+    auto e = error_of(f);
+    EXPECT_NE(e.find("safetensors file '"), std::string::npos) << f << ": " << e;
+    EXPECT_NE(e.find(f), std::string::npos) << e;
+  }
+  write_raw("ok.safetensors", R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})",
+            16);
+  std::ofstream(dir.path / "escape.index.json")
+      << R"({"weight_map": {"a": "../ok.safetensors"}})";
+  auto e = error_of("escape.index.json");
+  EXPECT_NE(e.find("safetensors index '"), std::string::npos) << e;
+  EXPECT_NE(e.find("plain file name"), std::string::npos) << e;
+  std::ofstream(dir.path / "list.index.json") << R"({"weight_map": ["ok.safetensors"]})";
+  EXPECT_NE(error_of("list.index.json").find("\"weight_map\" object"), std::string::npos);
+  std::ofstream(dir.path / "good.index.json")
+      << R"({"metadata": {"total_size": 16}, "weight_map": {"a": "ok.safetensors"}})";
+  EXPECT_EQ(read_safetensors_model_size((dir.path / "good.index.json").string()).num_parameters, 4);
 }
 
 TEST(MemoryEstimate, NotASafetensorsFile) {

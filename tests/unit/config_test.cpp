@@ -124,9 +124,11 @@ TEST(ConfigFile, IgnoredSettingsGiveOneWarningNamingThem) {
       "megatron_lm_tp_degree: 2\nipex_config:\n  ipex: true\n"
       "mpirun_config:\n  mpirun_hostfile: /h\nmain_training_function: go\n");
   w = tandem::config::ignored_warning(others);
-  for (const char* k : {"MEGATRON_LM", "megatron_lm_config", "ipex_config", "mpirun_config",
+  for (const char* k : {"megatron_lm_config", "ipex_config", "mpirun_config",
                         "main_training_function"})
     EXPECT_TRUE(contains(w, k)) << k << " in " << w;
+  // MEGATRON_LM is a strategy: refused at launch (check_strategy_available), never "ignored".
+  EXPECT_FALSE(contains(w, "MEGATRON_LM")) << w;
   EXPECT_EQ(tandem::config::ignored_warning(parse_config("distributed_type: NO\n")), "");
 }
 

@@ -52,3 +52,46 @@ TEST(LaunchPlan, RejectsBadOptions) {
   EXPECT_THROW(make_plan(LaunchOptions().main_process_port(70000), {"p"}, {}),
                std::invalid_argument);
 }
+
+// Note [Threads per rank]: each local rank gets its share of the launcher's cores, unless the
+// user chose OMP_NUM_THREADS (kept as it is) or --num_cpu_threads_per_process.
+TEST(LaunchPlan, ThreadsPerRank) {
+  const int cores = static_cast<int>(tandem::launch::usable_cpus().size());
+  ASSERT_GE(cores, 1);
+  auto plan = make_plan(LaunchOptions().num_processes(2).main_process_port(1), {"p"}, {});
+  const std::string share = std::to_string(std::max(1, cores / 2));
+  EXPECT_EQ(plan[0].env.at("OMP_NUM_THREADS"), share);
+  EXPECT_EQ(plan[1].env.at("TANDEM_NUM_CPU_THREADS"), share);
+  EXPECT_TRUE(plan[0].cpus.empty());
+  // The user's OMP_NUM_THREADS stays theirs (not overwritten) and sizes LibTorch's pool.
+  plan = make_plan(LaunchOptions().num_processes(2).main_process_port(1), {"p"},
+                   {{"OMP_NUM_THREADS", "3"}});
+  EXPECT_EQ(plan[0].env.count("OMP_NUM_THREADS"), 0u);
+  EXPECT_EQ(plan[0].env.at("TANDEM_NUM_CPU_THREADS"), "3");
+  // The flag wins over the environment.
+  plan = make_plan(LaunchOptions().num_processes(2).main_process_port(1).num_cpu_threads_per_process(1),
+                   {"p"}, {{"OMP_NUM_THREADS", "3"}});
+  EXPECT_EQ(plan[1].env.at("OMP_NUM_THREADS"), "1");
+}
+
+TEST(LaunchPlan, CpuAffinityGivesEachRankItsOwnCores) {
+  const auto cpus = tandem::launch::usable_cpus();
+  const int n = static_cast<int>(cpus.size());
+  auto plan = make_plan(LaunchOptions().num_processes(n).main_process_port(1).cpu_affinity(true),
+                        {"p"}, {});
+  ASSERT_EQ(plan.size(), static_cast<size_t>(n));
+  std::vector<int> seen;
+  for (const auto& p : plan) {
+    ASSERT_EQ(p.cpus.size(), 1u);
+    seen.push_back(p.cpus[0]);
+    EXPECT_EQ(p.env.at("TANDEM_CPU_AFFINITY"), std::to_string(p.cpus[0]));
+  }
+  EXPECT_EQ(seen, cpus);  // every core once, in order
+  try {
+    make_plan(LaunchOptions().num_processes(n + 1).main_process_port(1).cpu_affinity(true), {"p"},
+              {});
+    FAIL() << "more processes than cores cannot be bound";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--enable_cpu_affinity"), std::string::npos) << e.what();
+  }
+}

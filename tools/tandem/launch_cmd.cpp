@@ -72,6 +72,8 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
   sub_->add_option(both("num_cpu_threads_per_process"), threads_,
                    "OMP and LibTorch threads per process (default: cores / processes)")
       ->group(res);
+  flag(both("enable_cpu_affinity"), "enable_cpu_affinity", "true",
+       "Bind each local process to its own cores (threads-per-process cores each)", res);
   sub_->add_option(both("env"), env_kv_, "KEY=VALUE for every rank (repeatable)")
       ->allow_extra_args(false)  // one value per --env: the program's name never becomes one
       ->group(res);
@@ -96,6 +98,10 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
   value("mixed_precision", "mixed_precision", "no, fp16, bf16, fp8, bf16-true or fp16-true", prec);
   flag(both("downcast_bf16"), "downcast_bf16", "true", "Store fp32 tensors as bf16 (bf16 runs)",
        prec);
+  value("ddp_comm_hook", "ddp_comm_hook",
+        "Gradient buckets travel as: none (fp32), fp16 or bf16 (compression)", dist);
+  flag(both("gradient_as_bucket_view"), "gradient_as_bucket_view", "true",
+       "Gradients live in the communication buckets (no copies)", dist);
   value("gradient_accumulation_steps", "gradient_accumulation_steps", "Batches per optimizer step",
         prec);
 
@@ -181,6 +187,7 @@ int LaunchCommand::run() {
     if (auto it = environment.find("CUDA_VISIBLE_DEVICES"); it != environment.end())
       machine.cuda_visible_devices = it->second;
     auto resolved = launch::resolve_launch(base, flags, machine);
+    launch::check_strategy_available(resolved);
     if (!quiet_)
       for (const auto& n : resolved.notes) std::cerr << "tandem launch: note: " << n << "\n";
 
@@ -302,6 +309,9 @@ int ConfigCommand::run() {
                   << ", num_processes " << cfg.num_processes << ", num_machines "
                   << cfg.num_machines << ", mixed_precision " << cfg.mixed_precision
                   << (cfg.use_cpu ? ", CPU" : "") << "\n";
+        if (auto m = launch::unavailable_strategy_message(cfg.distributed_type); !m.empty())
+          std::cerr << "tandem config validate: warning: tandem launch refuses this file: " << m
+                    << "\n";
         return 0;
       } catch (const std::invalid_argument& e) {
         std::cerr << "tandem config validate: " << e.what() << "\n";

@@ -79,6 +79,31 @@ constexpr uint64_t kMaxSafetensorsHeaderSize = 100'000'000;
 SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t file_size,
                                            const std::string& source);
 
+/// Reads and validates the header of the safetensors file at `path` (only its first 8 + N
+/// bytes), with parse_safetensors_header against the file's real size. Throws SafetensorsError
+/// naming the file when it cannot be read or breaks the format.
+SafetensorsHeader read_safetensors_header(const std::string& path);
+
+/// A validated sharded-checkpoint index (`model.safetensors.index.json`, as transformers and
+/// tandem write it): {"metadata": {...}, "weight_map": {tensor name: shard file name}}.
+struct SafetensorsIndex {
+  /// Tensor name -> shard file name (a plain name in the index's directory).
+  std::map<std::string, std::string> weight_map;
+  /// The distinct shard file names, sorted.
+  std::vector<std::string> files;
+  /// "metadata"."total_size" when present (bytes of all tensors), else nullopt.
+  std::optional<uint64_t> total_size;
+};
+
+/// Parses and validates an index's text: a JSON object with a "weight_map" object whose values
+/// are plain file names (no directories, not "." or ".."), an optional "metadata" object whose
+/// "total_size", when given, is a non-negative integer. Throws SafetensorsError whose message
+/// starts with "safetensors index '<source>'" and says what was expected and found.
+SafetensorsIndex parse_safetensors_index(std::string_view text, const std::string& source);
+
+/// Reads `path` and parse_safetensors_index()es it (SafetensorsError when unreadable).
+SafetensorsIndex read_safetensors_index(const std::string& path);
+
 /// Orders entries as tandem writes them and assigns their data offsets: by element size,
 /// largest first, then by name. The reference writer orders by dtype (largest alignment first)
 /// then name; ordering within one element size by name alone keeps every tensor aligned to its

@@ -101,6 +101,11 @@ class ProcessGroup {
 /// The free TCP port the OS hands out on `host` right now (used when none is given).
 int find_free_port(const std::string& host = "127.0.0.1");
 
+/// Whether this LibTorch lets rank 0's rendezvous store listen on 127.0.0.1 only, which tandem
+/// then does for every job whose MASTER_ADDR is a loopback address (LibTorch >= 2.4; 1.13's
+/// store listens on every interface). Note [Loopback rendezvous].
+bool rendezvous_store_can_listen_on_loopback();
+
 /// ProcessGroups of more than one rank alive in this process (tandem::launch::launch refuses to
 /// fork while there are any).
 int live_process_groups();

@@ -44,6 +44,11 @@ struct LaunchConfig {
   bool downcast_bf16 = false;
   bool enable_cpu_affinity = false;
   std::string main_training_function = "main";
+  /// tandem's own keys (Accelerate's loader rejects a file that has them, so `tandem config`
+  /// writes them only when they differ from the default): how gradient buckets travel (none,
+  /// fp16, bf16) and whether gradients live in the buckets.
+  std::string ddp_comm_hook = "none";
+  bool gradient_as_bucket_view = false;
   /// deepspeed_config.gradient_accumulation_steps in the file (where Accelerate keeps it).
   int gradient_accumulation_steps = 1;
   /// fsdp_config, every key with its fsdp_ prefix (as Accelerate's launcher adds it).

@@ -59,6 +59,12 @@ struct DataLoaderOptions {
   TORCH_ARG(int64_t, prefetch) = 2;
   /// Move batches to the Accelerator's device.
   TORCH_ARG(bool, device_placement) = true;
+  /// Under bf16-true and fp16-true, cast the floating-point tensors of every batch to the
+  /// mode's half dtype (integer and bool tensors, such as class labels or token ids, are left
+  /// as they are), as Lightning's true-half precision converts inputs. Unset: the Accelerator's
+  /// setting (AcceleratorOptions::cast_floating_inputs, default true); false keeps batches as
+  /// the data set produces them. Other modes never cast.
+  TORCH_ARG(std::optional<bool>, cast_floating_inputs) = std::nullopt;
 };
 
 /// Stacks examples into a batch. Specialise for your own example types, or pass a collate
@@ -85,11 +91,23 @@ struct Collate<at::Tensor> {
   static Batch apply(std::vector<at::Tensor>& items) { return at::stack(items); }
 };
 
-inline at::Tensor to_device(const at::Tensor& t, c10::Device d) { return t.to(d); }
+/// Places a batch tensor: moved to `device` when given, and cast to `floating` when given and
+/// the tensor is floating-point (one copy at most: device and dtype change together). A batch
+/// type of your own gets an overload of this function next to its Collate.
+inline at::Tensor to_device(const at::Tensor& t, std::optional<c10::Device> device,
+                            std::optional<c10::ScalarType> floating = std::nullopt) {
+  if (!t.defined()) return t;
+  const bool cast = floating && t.is_floating_point();
+  if (device && cast) return t.to(*device, *floating);
+  if (device) return t.to(*device);
+  if (cast) return t.to(*floating);
+  return t;
+}
 template <class Data, class Target>
 torch::data::Example<Data, Target> to_device(const torch::data::Example<Data, Target>& e,
-                                             c10::Device d) {
-  return {e.data.to(d), e.target.to(d)};
+                                             std::optional<c10::Device> device,
+                                             std::optional<c10::ScalarType> floating = std::nullopt) {
+  return {to_device(e.data, device, floating), to_device(e.target, device, floating)};
 }
 /// Row count of a batch (first dim of its data).
 inline int64_t batch_rows(const at::Tensor& t) { return t.dim() ? t.size(0) : 1; }
@@ -183,6 +201,8 @@ struct Placement {
   c10::Device device = c10::Device(c10::kCPU);
   bool even_batches = true;
   bool split_batches = false;
+  /// The dtype floating-point batch tensors are cast to (the -true modes), or none.
+  std::optional<c10::ScalarType> floating_dtype;
 };
 
 int64_t per_rank_batch_size(const DataLoaderOptions& o, const Placement& p);
@@ -308,6 +328,7 @@ class DataLoader : public ResumableLoader {
     auto collate = collate_;
     const int64_t bs = batch_size_;
     const auto device = placement_.device;
+    const auto floating = placement_.floating_dtype;
     const bool place = options_.device_placement();
     auto source = [=]() -> std::optional<detail::Produced<Batch>> {
       if (*next >= total) return std::nullopt;
@@ -321,7 +342,8 @@ class DataLoader : public ResumableLoader {
       }
       ++*next;
       Batch b = collate(items);
-      if (place) b = to_device(b, device);
+      if (place || floating)
+        b = to_device(b, place ? std::optional<c10::Device>(device) : std::nullopt, floating);
       return detail::Produced<Batch>{std::move(b), valid};
     };
     auto pos = position_;
@@ -374,6 +396,7 @@ class StreamLoader {
     const int64_t bs = batch_size_, world = placement_.world, rank = placement_.rank;
     const bool drop_last = options_.drop_last();
     const auto device = placement_.device;
+    const auto floating = placement_.floating_dtype;
     const bool place = options_.device_placement();
     auto lookahead = std::make_shared<std::optional<Example>>();
     auto source = [=]() -> std::optional<detail::Produced<Batch>> {
@@ -396,7 +419,8 @@ class StreamLoader {
       std::vector<Example> mine(round.begin() + rank * bs, round.begin() + (rank + 1) * bs);
       int64_t valid = std::clamp<int64_t>(got - rank * bs, 0, bs);
       Batch b = Collate<Example>::apply(mine);
-      if (place) b = to_device(b, device);
+      if (place || floating)
+        b = to_device(b, place ? std::optional<c10::Device>(device) : std::nullopt, floating);
       return detail::Produced<Batch>{std::move(b), valid};
     };
     // The end of a stream is known only when it is reached: a batch is the last when the

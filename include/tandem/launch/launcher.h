@@ -25,8 +25,14 @@ struct LaunchOptions {
   TORCH_ARG(std::string, main_process_ip) = "127.0.0.1";
   TORCH_ARG(int, main_process_port) = 0;  ///< 0: pick a free port (single machine only)
   TORCH_ARG(bool, cpu) = false;
-  /// OMP_NUM_THREADS and LibTorch's intra-op threads per rank; 0: cores / local processes.
+  /// OMP_NUM_THREADS and LibTorch's intra-op threads per rank. 0: OMP_NUM_THREADS when the
+  /// launcher's environment sets it (the user's choice is kept), else the cores this launcher may
+  /// use (its affinity mask) divided by the local processes, at least 1 (as torchrun does).
   TORCH_ARG(int, num_cpu_threads_per_process) = 0;
+  /// Bind each local rank to its own cores (sched_setaffinity before exec): local rank k gets
+  /// the k-th run of threads-per-process cores of the launcher's affinity mask, so that the
+  /// ranks' OpenMP pools never share a core (--enable_cpu_affinity, config enable_cpu_affinity).
+  TORCH_ARG(bool, cpu_affinity) = false;
   /// Extra environment for every rank (--env KEY=VALUE), and settings handed to the program as
   /// TANDEM_* variables (mixed precision, gradient accumulation, sharding, ...).
   TORCH_ARG(EnvMap, extra_env) = {};
@@ -46,7 +52,11 @@ struct RankPlan {
   int local_rank = 0;
   std::vector<std::string> argv;
   EnvMap env;  ///< set on top of the launcher's own environment
+  std::vector<int> cpus;  ///< cores the rank is bound to; empty: not bound
 };
+
+/// The cores this process may run on (its affinity mask), ascending.
+std::vector<int> usable_cpus();
 
 /// The plan for this machine's ranks. Pure: no process is started. Throws std::invalid_argument
 /// on inconsistent options (machine_rank >= num_machines, no program, ...).

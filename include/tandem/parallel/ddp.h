@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tandem/comm/process_group.h"
+#include "tandem/parallel/comm_hook.h"
 
 namespace torch::nn {
 class Module;
@@ -35,6 +36,13 @@ struct ReducerOptions {
   /// Parameters that get no gradient in a backward still complete their bucket (as zeros);
   /// a parameter that no rank used keeps its .grad untouched.
   TORCH_ARG(bool, find_unused_parameters) = false;
+  /// How each bucket is reduced (comm_hook.h); null: allreduce_hook().
+  TORCH_ARG(std::shared_ptr<CommHook>, comm_hook) = nullptr;
+  /// Gradients live in the buckets: after the first synchronised backward every .grad is a
+  /// view into its bucket, so gradients are neither copied in nor out (PyTorch's
+  /// gradient_as_bucket_view). Parameters whose bucket travels in another dtype (bf16 on Gloo)
+  /// keep their own .grad. With find_unused_parameters, a parameter no rank used gets zeros.
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
 };
 
 /// When each bucket's allreduce started and ended in the last synchronised backward, and when
@@ -80,6 +88,10 @@ class GradientReducer {
   ReductionTimeline last_timeline() const;
   /// Number of synchronised backward passes completed.
   int64_t reductions() const { return reductions_; }
+  /// The hook that reduces the buckets.
+  const CommHook& comm_hook() const { return *hook_; }
+  /// Whether parameter `index`'s .grad is (to be) a view into its bucket.
+  bool gradient_is_bucket_view(size_t index) const { return view_[index] != 0; }
 
  private:
   struct Bucket;
@@ -98,6 +110,8 @@ class GradientReducer {
   std::vector<size_t> bucket_of_;   // param -> bucket
   std::vector<int64_t> offset_of_;  // param -> offset in its bucket (elements)
   std::vector<char> ready_;
+  std::vector<char> view_;  // param -> .grad is a view into its bucket
+  std::shared_ptr<CommHook> hook_;
   std::vector<std::string> twice_;
   size_t next_bucket_ = 0;
   bool callback_queued_ = false;

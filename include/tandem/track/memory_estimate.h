@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include "tandem/checkpoint/safetensors_header.h"
+
 namespace tandem::track {
 
 /// What a memory estimate starts from: the parameter count and the largest single layer.
@@ -53,11 +55,12 @@ int64_t parse_parameter_count(const std::string& text);
 /// A model known only by its parameter count (the largest layer is unknown and reported as 0).
 ModelSize model_size_from_count(int64_t num_parameters);
 
-/// Counts the tensors described by a safetensors header (its JSON text). Layers are grouped by
+/// Counts the tensors of a validated safetensors header (checkpoint::parse_safetensors_header or
+/// read_safetensors_header: the one, fuzzed parser of untrusted files). Layers are grouped by
 /// name: up to and including the first numeric component ("model.layers.3.mlp.up.weight" ->
 /// "model.layers.3"), otherwise the module ("lm_head.weight" -> "lm_head"). Every tensor
 /// counts, buffers included, since the format does not tell them apart.
-ModelSize model_size_from_safetensors_header(const std::string& header_json,
+ModelSize model_size_from_safetensors_header(const checkpoint::SafetensorsHeader& header,
                                              const std::string& source = "safetensors");
 
 /// Reads a safetensors checkpoint's header only (never its tensors): a `.safetensors` file, a

@@ -1,0 +1,53 @@
+// What a process actually runs its CPU math on: the BLAS and LAPACK libraries loaded (not the
+// ones installed), the OpenMP runtime, LibTorch's thread counts and oneDNN. CPU training speed
+// is decided mostly here: Debian's reference BLAS is 10-15x slower than OpenBLAS on every matmul.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace tandem {
+
+/// The CPU math libraries of this process.
+struct CpuRuntime {
+  /// The library LibTorch's BLAS calls bind to (the provider of sgemm_), resolved through
+  /// Debian's alternatives symlinks; "" when none is loaded.
+  std::string blas_path;
+  /// "openblas", "mkl", "blis", "reference" (Debian's netlib libblas3) or "unknown".
+  std::string blas_kind;
+  /// OpenBLAS: its configuration string (version, architecture, threading); else "".
+  std::string blas_config;
+  /// OpenBLAS: "sequential", "pthreads" or "openmp"; else "".
+  std::string blas_threading;
+  /// The provider of LAPACK's sgetrf_, resolved; "" when none is loaded.
+  std::string lapack_path;
+  /// Loaded OpenMP runtimes (libgomp, libiomp5, libomp), resolved paths.
+  std::vector<std::string> openmp;
+  /// LibTorch's intra-op and inter-op thread pools.
+  int intra_op_threads = 0;
+  int inter_op_threads = 0;
+  /// OMP_NUM_THREADS as set in the environment, or "" when unset.
+  std::string omp_num_threads;
+  /// Whether LibTorch was built with oneDNN (MKLDNN), and the loaded libdnnl path.
+  bool onednn = false;
+  std::string onednn_path;
+  /// CPU cores this process may run on (its affinity mask) and cores online.
+  int usable_cores = 0;
+  int online_cores = 0;
+
+  /// True when matrix products run on Debian's reference BLAS.
+  bool reference_blas() const { return blas_kind == "reference"; }
+};
+
+/// Reads the CpuRuntime of this process (/proc/self, the loaded libraries' own symbols and
+/// LibTorch's thread settings). Cheap: no computation.
+CpuRuntime cpu_runtime();
+
+/// Lines "BLAS: ...", "LAPACK: ...", "OpenMP: ...", "threads: ...", "oneDNN: ...", "CPU cores: ...".
+std::string cpu_runtime_report(const CpuRuntime& runtime);
+
+/// When this process runs on the reference BLAS, the warning that says so and how to fix it;
+/// "" otherwise.
+std::string reference_blas_warning(const CpuRuntime& runtime);
+
+}  // namespace tandem

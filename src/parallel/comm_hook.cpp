@@ -1,0 +1,80 @@
+// The communication hooks of the gradient reducer (see comm_hook.h).
+#include "tandem/parallel/comm_hook.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <stdexcept>
+
+#include "../compat/c10d.h"
+
+namespace tandem::parallel {
+namespace {
+
+class AllreduceHook : public CommHook {
+ public:
+  Work start(ProcessGroup& pg, GradBucket& b) override {
+    return pg.allreduce_async({b.buffer}, ReduceOp::kMean,
+                              "gradient allreduce (bucket " + std::to_string(b.index) + ")");
+  }
+  void finish(GradBucket&, Work& work) override { work.wait(); }
+  std::string name() const override { return "allreduce"; }
+};
+
+// Note [Compression hooks]: as PyTorch's fp16/bf16_compress_hook, each rank divides by the world
+// size before rounding (so that the sum cannot overflow fp16 where the mean would not), the sum
+// runs in the compressed dtype, and the result is copied back up into the fp32 bucket. The
+// compressed buffers are kept per bucket: no allocation per step.
+class CompressHook : public CommHook {
+ public:
+  explicit CompressHook(at::ScalarType dtype) : dtype_(dtype) {}
+  Work start(ProcessGroup& pg, GradBucket& b) override {
+    const auto wire = compress_hook_wire_dtype(dtype_, b.buffer.device().type());
+    at::Tensor& c = compressed_[b.index];
+    if (!c.defined() || c.numel() != b.buffer.numel() || c.scalar_type() != wire ||
+        c.device() != b.buffer.device())
+      c = at::empty({b.buffer.numel()}, b.buffer.options().dtype(wire));
+    if (wire == dtype_) {
+      c.copy_(b.buffer.div(static_cast<double>(pg.size())));  // rounds to the wire dtype
+    } else {
+      // The backend cannot sum dtype_: round each contribution as dtype_ would, sum as fp32.
+      c.copy_(b.buffer.div(static_cast<double>(pg.size())).to(dtype_));
+    }
+    return pg.allreduce_async({c}, ReduceOp::kSum,
+                              name() + " gradient allreduce (bucket " + std::to_string(b.index) + ")");
+  }
+  void finish(GradBucket& b, Work& work) override {
+    work.wait();
+    b.buffer.copy_(compressed_.at(b.index));
+  }
+  std::string name() const override { return dtype_ == at::kHalf ? "fp16" : "bf16"; }
+
+ private:
+  at::ScalarType dtype_;
+  std::map<size_t, at::Tensor> compressed_;
+};
+
+}  // namespace
+
+std::shared_ptr<CommHook> allreduce_hook() { return std::make_shared<AllreduceHook>(); }
+std::shared_ptr<CommHook> fp16_compress_hook() { return std::make_shared<CompressHook>(at::kHalf); }
+std::shared_ptr<CommHook> bf16_compress_hook() {
+  return std::make_shared<CompressHook>(at::kBFloat16);
+}
+
+at::ScalarType compress_hook_wire_dtype(at::ScalarType dtype, c10::DeviceType device) {
+  if (dtype == at::kBFloat16 && device == c10::DeviceType::CPU && !compat::kGlooSumsBFloat16)
+    return at::kFloat;
+  return dtype;
+}
+
+std::shared_ptr<CommHook> comm_hook_from_name(const std::string& name) {
+  if (name.empty() || name == "none" || name == "no" || name == "allreduce")
+    return allreduce_hook();
+  if (name == "fp16") return fp16_compress_hook();
+  if (name == "bf16") return bf16_compress_hook();
+  throw std::invalid_argument("communication hook '" + name +
+                              "' is unknown; expected none, fp16 or bf16");
+}
+
+}  // namespace tandem::parallel

@@ -1,0 +1,137 @@
+// The CPU math libraries a process has loaded (see runtime.h).
+#include "tandem/runtime.h"
+
+#include <dlfcn.h>
+#include <link.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <ATen/Context.h>
+#include <ATen/Parallel.h>
+
+#include <climits>
+#include <cstdlib>
+#include <sstream>
+
+namespace tandem {
+namespace {
+
+std::string resolved(const char* path) {
+  char buf[PATH_MAX];
+  if (path && *path && ::realpath(path, buf)) return buf;
+  return path ? path : "";
+}
+
+std::string base_name(const std::string& path) {
+  auto slash = path.rfind('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+bool starts_with(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// Every shared object mapped into this process, resolved.
+std::vector<std::string> loaded_objects() {
+  std::vector<std::string> out;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) {
+        if (info->dlpi_name && *info->dlpi_name)
+          static_cast<std::vector<std::string>*>(data)->push_back(resolved(info->dlpi_name));
+        return 0;
+      },
+      &out);
+  return out;
+}
+
+}  // namespace
+
+CpuRuntime cpu_runtime() {
+  CpuRuntime r;
+  for (const auto& path : loaded_objects()) {
+    const auto name = base_name(path);
+    if (starts_with(name, "libgomp.so") || starts_with(name, "libiomp5") ||
+               starts_with(name, "libomp.so")) {
+      r.openmp.push_back(path);
+    } else if (starts_with(name, "libdnnl") || starts_with(name, "libmkldnn")) {
+      r.onednn_path = path;
+    }
+  }
+  // Note [Which BLAS runs]: several BLAS libraries can be mapped at once (LAPACK from OpenBLAS
+  // pulls libopenblas in beside a reference libblas), so the one that runs is the one LibTorch's
+  // calls bind to: the first definition of sgemm_ in the global scope.
+  if (void* sgemm = ::dlsym(RTLD_DEFAULT, "sgemm_")) {
+    Dl_info info{};
+    if (::dladdr(sgemm, &info) && info.dli_fname) r.blas_path = resolved(info.dli_fname);
+  }
+  if (void* getrf = ::dlsym(RTLD_DEFAULT, "sgetrf_")) {
+    Dl_info info{};
+    if (::dladdr(getrf, &info) && info.dli_fname) r.lapack_path = resolved(info.dli_fname);
+  }
+  const auto& b = r.blas_path;
+  using ConfigFn = char* (*)();
+  using ParallelFn = int (*)();
+  if (b.empty()) {
+    r.blas_kind = "none loaded";
+  } else if (b.find("openblas") != std::string::npos) {
+    r.blas_kind = "openblas";
+    // The provider's own configuration (not another OpenBLAS that happens to be mapped).
+    if (void* h = ::dlopen(b.c_str(), RTLD_NOW | RTLD_NOLOAD)) {
+      if (auto config = reinterpret_cast<ConfigFn>(::dlsym(h, "openblas_get_config")))
+        r.blas_config = config();
+      if (auto par = reinterpret_cast<ParallelFn>(::dlsym(h, "openblas_get_parallel"))) {
+        const int p = par();
+        r.blas_threading = p == 0 ? "sequential" : p == 1 ? "pthreads" : p == 2 ? "openmp" : "?";
+      }
+      ::dlclose(h);
+    }
+  } else if (b.find("mkl") != std::string::npos) {
+    r.blas_kind = "mkl";
+  } else if (b.find("blis") != std::string::npos) {
+    r.blas_kind = "blis";
+  } else if (b.find("/blas/libblas.so") != std::string::npos) {
+    r.blas_kind = "reference";  // Debian's libblas3 (netlib), under .../blas/
+  } else {
+    r.blas_kind = "unknown";
+  }
+  r.intra_op_threads = at::get_num_threads();
+  r.inter_op_threads = at::get_num_interop_threads();
+  if (const char* omp = std::getenv("OMP_NUM_THREADS")) r.omp_num_threads = omp;
+  r.onednn = at::hasMKLDNN();
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  r.usable_cores = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
+  r.online_cores = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
+  return r;
+}
+
+std::string cpu_runtime_report(const CpuRuntime& r) {
+  std::ostringstream os;
+  os << "BLAS: " << r.blas_kind;
+  if (!r.blas_path.empty()) os << " (" << r.blas_path << ")";
+  os << "\n";
+  if (!r.blas_config.empty())
+    os << "BLAS config: " << r.blas_config
+       << (r.blas_threading.empty() ? "" : ", threading " + r.blas_threading) << "\n";
+  os << "LAPACK: " << (r.lapack_path.empty() ? "none loaded" : r.lapack_path) << "\n";
+  os << "OpenMP runtime: ";
+  if (r.openmp.empty()) os << "none loaded";
+  for (size_t i = 0; i < r.openmp.size(); ++i) os << (i ? ", " : "") << r.openmp[i];
+  os << "\n";
+  os << "LibTorch threads: intra-op " << r.intra_op_threads << ", inter-op " << r.inter_op_threads
+     << " (OMP_NUM_THREADS " << (r.omp_num_threads.empty() ? "unset" : r.omp_num_threads) << ")\n";
+  os << "oneDNN: " << (r.onednn ? "yes" : "no");
+  if (!r.onednn_path.empty()) os << " (" << r.onednn_path << ")";
+  os << "\n";
+  os << "CPU cores: " << r.usable_cores << " usable of " << r.online_cores << " online\n";
+  return os.str();
+}
+
+std::string reference_blas_warning(const CpuRuntime& r) {
+  if (!r.reference_blas()) return "";
+  return "tandem: warning: LibTorch's matrix products run on the reference BLAS (" + r.blas_path +
+         "), 10-15x slower than an optimized BLAS on every matmul. Install OpenBLAS: `apt-get "
+         "install libopenblas0-openmp` (Debian's alternatives then select it; "
+         "scripts/install-deps.sh does this), or put another BLAS first on LD_LIBRARY_PATH. "
+         "`tandem env` shows what a process loads.";
+}
+
+}  // namespace tandem
