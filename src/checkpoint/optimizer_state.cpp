@@ -102,7 +102,13 @@ struct Codec {
         auto it = tensors.find(name);
         if (it == tensors.end())
           throw std::runtime_error("optimizer state tensor " + name + " is missing");
-        *field(*st, field_name) = it->second.to(p.device()).clone();
+        // As PyTorch's Optimizer.load_state_dict: floating state follows the parameter's dtype
+        // (a bf16 run's moments stepping fp32 masters after a resume with master weights).
+        const auto& saved_t = it->second;
+        *field(*st, field_name) =
+            saved_t.is_floating_point()
+                ? saved_t.to(p.device(), p.scalar_type(), /*non_blocking=*/false, /*copy=*/true)
+                : saved_t.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
       }
       opt.state()[key_of(p)] = std::move(st);
     }

@@ -233,9 +233,9 @@ LaunchOptions to_launch_options(const ResolvedLaunch& r, const EnvMap& user_env,
 std::string unavailable_strategy_message(const std::string& t) {
   std::string what;
   if (t == "FSDP")
-    what = "distributed_type FSDP (--use_fsdp, fsdp_config) asks for fully sharded data parallel";
+    what = "distributed_type FSDP asks for fully sharded data parallel (--use_fsdp, fsdp_config)";
   else if (t == "DEEPSPEED")
-    what = "distributed_type DEEPSPEED (--use_deepspeed, deepspeed_config) asks for ZeRO sharding";
+    what = "distributed_type DEEPSPEED asks for ZeRO sharding (--use_deepspeed, deepspeed_config)";
   else if (t == "MEGATRON_LM")
     what = "distributed_type MEGATRON_LM asks for Megatron-LM's tensor and pipeline parallelism";
   else

@@ -406,8 +406,13 @@ int compress(const Args&) {
     check(acc.num_processes() == 2, "compress runs on 2 ranks");
     torch::manual_seed(9);
     auto model = examples::MLP(32, 64, 5);
-    auto local = examples::MLP(32, 64, 5);  // the same initial weights, never reduced
+    auto local = examples::MLP(32, 64, 5);  // never reduced
     acc.prepare(model);
+    {
+      torch::NoGradGuard g;  // the same weights as the prepared model
+      for (size_t i = 0; i < model->parameters().size(); ++i)
+        local->parameters()[i].copy_(model->parameters()[i]);
+    }
     torch::manual_seed(200 + acc.process_index());
     auto x = torch::randn({16, 32}) * 3;
     auto y = torch::randint(5, {16});

@@ -61,12 +61,13 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(1);
   try {
-    tandem::Accelerator acc(tandem::AcceleratorOptions()
-                                .gradient_accumulation_steps(2)
-                                .project_dir(project)
-                                .total_limit(static_cast<int>(limit))
-                                .mixed_precision(precision)
-                                .master_weights(master_weights));
+    auto options = tandem::AcceleratorOptions()
+                       .gradient_accumulation_steps(2)
+                       .project_dir(project)
+                       .total_limit(static_cast<int>(limit))
+                       .mixed_precision(precision);
+    if (master_weights) options.master_weights(true);
+    tandem::Accelerator acc(options);
     torch::manual_seed(7);
     auto model = acc.prepare(examples::MLP(32, 64, 5));
     auto adamw = std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(1e-3));

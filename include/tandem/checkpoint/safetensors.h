@@ -78,8 +78,10 @@ class SafetensorsFile {
   /// cannot represent (F8 before LibTorch 2.1).
   at::Tensor tensor(const std::string& name) const;
   /// Copies `name`'s values into `dst` (same shape; any device; the dtype is converted as by
-  /// Tensor::copy_), without an intermediate copy when `dst` is a contiguous CPU tensor of the
-  /// same dtype. Throws std::invalid_argument when the shapes differ.
+  /// Tensor::copy_). When `dst` is a contiguous CPU tensor of the same dtype the bytes are read
+  /// from the file straight into its storage (pread: one copy out of the page cache, no page
+  /// faults on a mapping, nothing resident beyond `dst`). Throws std::invalid_argument when the
+  /// shapes differ, std::runtime_error when reading fails.
   void read_into(const std::string& name, at::Tensor& dst) const;
 
  private:
@@ -87,6 +89,7 @@ class SafetensorsFile {
   void unmap() noexcept;
 
   std::string path_;
+  int fd_ = -1;  // kept open for read_into's pread
   void* map_ = nullptr;
   std::size_t map_size_ = 0;
   SafetensorsHeader header_;
