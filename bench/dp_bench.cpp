@@ -66,14 +66,21 @@ int main(int argc, char** argv) {
   app.add_option("mode", mode);
   app.add_option("--model", model);
   app.add_option("--batch", batch, "per process (default: 64 for the MLP, 8 for the GPT)");
-  app.add_option("--steps", steps, "timed steps (default: 200 MLP, 20 GPT)");
+  app.add_option("--steps", steps, "timed steps (default: 600 MLP, 60 GPT)");
+  std::string hook = "none";
+  bool bucket_view = false;
+  app.add_option("--comm-hook", hook, "tandem: none, fp16 or bf16 gradient compression");
+  app.add_flag("--bucket-view", bucket_view, "tandem: gradients as bucket views");
   app.add_option("--warmup", warmup);
   bool local = false;
   app.add_flag("--local", local, "tandem: skip gradient communication (the machine's ceiling)");
   CLI11_PARSE(app, argc, argv);
   if (!batch) batch = model == "gpt" ? 8 : 64;
-  if (!steps) steps = model == "gpt" ? 20 : 200;
-  torch::set_num_threads(1);
+  if (!steps) steps = model == "gpt" ? 60 : 600;
+  // One intra-op thread unless the launcher says otherwise (TANDEM_NUM_CPU_THREADS).
+  torch::set_num_threads(std::getenv("TANDEM_NUM_CPU_THREADS")
+                             ? std::max(1, std::atoi(std::getenv("TANDEM_NUM_CPU_THREADS")))
+                             : 1);
   const int64_t total = warmup + steps;
   auto s = make(model, batch * total * 2 + batch);
 
@@ -94,7 +101,8 @@ int main(int argc, char** argv) {
     return 0;
   }
 
-  tandem::Accelerator acc(tandem::AcceleratorOptions().cpu(true));
+  tandem::Accelerator acc(
+      tandem::AcceleratorOptions().cpu(true).comm_hook(hook).gradient_as_bucket_view(bucket_view));
   acc.prepare_model(s.module);
   auto opt = acc.prepare(s.optimizer);
   InMemory data;
@@ -122,7 +130,8 @@ int main(int argc, char** argv) {
   acc.wait_for_everyone();
   double secs = std::chrono::duration<double>(Clock::now() - start).count();
   if (acc.is_main_process())
-    std::cout << "RESULT " << (local ? "local " : "tandem ") << model << " world=" << acc.num_processes()
+    std::cout << "RESULT " << (local ? "local" : hook == "none" ? "tandem" : "tandem_" + hook)
+              << (bucket_view ? "_view " : " ") << model << " world=" << acc.num_processes()
               << " samples_per_s=" << steps * batch * acc.num_processes() / secs << std::endl;
   return 0;
 }

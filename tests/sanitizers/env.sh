@@ -4,7 +4,7 @@
 _tandem_san_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # ASan: stop at the first error with a full report; leaks are checked at exit (LSan), with the
 # suppressions of lsan.supp for LibTorch's own process-lifetime allocations.
-export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1:detect_stack_use_after_return=0:check_initialization_order=1:strict_init_order=0:detect_odr_violation=0:print_summary=1"
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:halt_on_error=1:detect_stack_use_after_return=0:check_initialization_order=1:strict_init_order=0:print_summary=1"
 export LSAN_OPTIONS="suppressions=${_tandem_san_dir}/lsan.supp:print_suppressions=0"
 # UBSan: every finding is fatal (the build also passes -fno-sanitize-recover=undefined).
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"

@@ -42,7 +42,7 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
       "processes of all machines, as in Accelerate. The program gets them as TANDEM_* "
       "variables (see docs/launching.md).\nExamples:\n"
       "  tandem launch --num_processes 4 --cpu ./train --epochs 3\n"
-      "  tandem launch --config_file fsdp.yaml --mixed_precision bf16 ./train\n"
+      "  tandem launch --config_file multi_cpu.yaml --mixed_precision bf16 ./train\n"
       "  tandem launch --num_machines 2 --machine_rank 1 --num_processes 8 \\\n"
       "      --main_process_ip 10.0.0.1 --main_process_port 29500 ./train");
   // A value option that sets config `key` when given.
