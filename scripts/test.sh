@@ -21,4 +21,5 @@ if [ -n "$sanitize" ]; then
 fi
 "$root/scripts/build.sh" -DTANDEM_SANITIZE="$sanitize"
 cd "$TANDEM_BUILD_DIR"
-ctest --output-on-failure "$@"
+# One test per core: the multi-process tests spend most of their time waiting on each other.
+ctest --output-on-failure -j "$(nproc)" "$@"
