@@ -1,9 +1,10 @@
 // The CPU math libraries a process has loaded (see runtime.h).
 #include "tandem/runtime.h"
 
+#include "tandem/launch/launcher.h"
+
 #include <dlfcn.h>
 #include <link.h>
-#include <sched.h>
 #include <unistd.h>
 
 #include <ATen/Context.h>
@@ -49,7 +50,7 @@ CpuRuntime cpu_runtime() {
   for (const auto& path : loaded_objects()) {
     const auto name = base_name(path);
     if (starts_with(name, "libgomp.so") || starts_with(name, "libiomp5") ||
-               starts_with(name, "libomp.so")) {
+        starts_with(name, "libomp.so")) {
       r.openmp.push_back(path);
     } else if (starts_with(name, "libdnnl") || starts_with(name, "libmkldnn")) {
       r.onednn_path = path;
@@ -96,9 +97,7 @@ CpuRuntime cpu_runtime() {
   r.inter_op_threads = at::get_num_interop_threads();
   if (const char* omp = std::getenv("OMP_NUM_THREADS")) r.omp_num_threads = omp;
   r.onednn = at::hasMKLDNN();
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  r.usable_cores = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
+  r.usable_cores = static_cast<int>(launch::usable_cpus().size());
   r.online_cores = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
   return r;
 }

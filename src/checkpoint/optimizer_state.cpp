@@ -48,7 +48,7 @@ struct Codec {
         auto it = opt.state().find(key_of(groups[g].params()[i]));
         if (it == opt.state().end()) continue;  // no step taken for this parameter yet
         auto& st = static_cast<State&>(*it->second);
-        const std::string prefix = "g" + std::to_string(g) + ".p" + std::to_string(i);
+        const std::string prefix = optimizer_param_key(g, i);
         json entry = json::object();
         if (step) entry["step"] = *step(st);
         json present = json::array();
@@ -233,6 +233,10 @@ void load_optimizer_state(optim::Optimizer& optimizer, const OptimizerState& sta
                                codec.name + ": build the same optimizer before load_state");
     codec.load(optimizer, doc, tensors);
   });
+}
+
+std::string optimizer_param_key(size_t group, size_t index) {
+  return "g" + std::to_string(group) + ".p" + std::to_string(index);
 }
 
 unsigned scheduler_step_count(const optim::LRScheduler& scheduler) {

@@ -227,13 +227,13 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     header_ = parse_safetensors_header(std::string_view(static_cast<const char*>(map_), map_size_),
                                        file_size, path);
   } catch (...) {
-    unmap();
+    close_file();
     throw;
   }
 }
 
 SafetensorsFile::~SafetensorsFile() {
-  unmap();
+  close_file();
 }
 
 SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
@@ -245,7 +245,7 @@ SafetensorsFile::SafetensorsFile(SafetensorsFile&& other) noexcept
 
 SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
   if (this != &other) {
-    unmap();
+    close_file();
     path_ = std::move(other.path_);
     fd_ = std::exchange(other.fd_, -1);
     map_ = std::exchange(other.map_, nullptr);
@@ -255,7 +255,7 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& other) noexcept {
   return *this;
 }
 
-void SafetensorsFile::unmap() noexcept {
+void SafetensorsFile::close_file() noexcept {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
   if (map_ != nullptr) ::munmap(map_, map_size_);

@@ -69,6 +69,13 @@ constexpr const char* kCorruptFix =
     "weights";
 
 // Errors of one file: "safetensors file '<source>': <what>".
+// N, the little-endian u64 at the start of a file (at least 8 bytes given).
+uint64_t header_length(std::string_view prefix) {
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(prefix[i]);
+  return n;
+}
+
 class Fail {
  public:
   explicit Fail(const std::string& source) : prefix_("safetensors file '" + source + "': ") {}
@@ -328,8 +335,7 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
                                 " bytes given for a file of " + std::to_string(file_size) +
                                 " (expected at least the 8-byte length, at most the file)");
   }
-  uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(prefix[i]);
+  const uint64_t n = header_length(prefix);
   if (n > kMaxSafetensorsHeaderSize) {
     fail("the header length is " + std::to_string(n) + " bytes, more than the limit of " +
          std::to_string(kMaxSafetensorsHeaderSize) +
@@ -476,8 +482,7 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
   in.seekg(0);
   in.read(prefix.data(), static_cast<std::streamsize>(prefix.size()));
   if (file_size >= 8) {
-    uint64_t n = 0;
-    for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(prefix[i]);
+    uint64_t n = header_length(prefix);
     // Read no more than the file holds and the parser accepts; it reports what is wrong.
     n = std::min<uint64_t>(n, std::min<uint64_t>(file_size - 8, kMaxSafetensorsHeaderSize));
     prefix.resize(static_cast<size_t>(8 + n));

@@ -34,12 +34,10 @@ class CompressHook : public CommHook {
     if (!c.defined() || c.numel() != b.buffer.numel() || c.scalar_type() != wire ||
         c.device() != b.buffer.device())
       c = at::empty({b.buffer.numel()}, b.buffer.options().dtype(wire));
-    if (wire == dtype_) {
-      c.copy_(b.buffer.div(static_cast<double>(pg.size())));  // rounds to the wire dtype
-    } else {
-      // The backend cannot sum dtype_: round each contribution as dtype_ would, sum as fp32.
-      c.copy_(b.buffer.div(static_cast<double>(pg.size())).to(dtype_));
-    }
+    // Rounds to dtype_: by the copy itself when dtype_ travels, else explicitly before the
+    // fp32 copy (the backend cannot sum dtype_: each contribution rounded, the sum fp32).
+    auto scaled = b.buffer.div(static_cast<double>(pg.size()));
+    c.copy_(wire == dtype_ ? scaled : scaled.to(dtype_));
     return pg.allreduce_async({c}, ReduceOp::kSum,
                               name() + " gradient allreduce (bucket " + std::to_string(b.index) + ")");
   }

@@ -39,12 +39,12 @@ at::Tensor bucket_alias(const at::Tensor& flat, int64_t offset, const at::Tensor
 }  // namespace
 
 struct GradientReducer::Bucket {
-  at::Tensor flat;              // the bucket's gradients, flattened
-  GradBucket grad_bucket;       // what the hook sees (buffer = flat)
-  std::vector<size_t> members;  // parameter indices
-  size_t pending = 0;           // gradients not yet in
+  GradBucket grad_bucket;  // the flat gradients (buffer) and parameter indices the hook sees
+  size_t pending = 0;      // gradients not yet in
   Work work;
   bool launched = false;
+  at::Tensor& flat() { return grad_bucket.buffer; }
+  const std::vector<size_t>& members() const { return grad_bucket.parameter_indices; }
 };
 
 GradientReducer::GradientReducer(
@@ -74,19 +74,18 @@ GradientReducer::GradientReducer(
   offset_of_.assign(params_.size(), 0);
   for (size_t b = 0; b < buckets_.size(); ++b) {
     auto st = std::make_unique<Bucket>();
-    st->members = buckets_[b];
+    st->grad_bucket.parameter_indices = buckets_[b];
     int64_t numel = 0;
-    for (size_t i : st->members) {
+    for (size_t i : st->members()) {
       bucket_of_[i] = b;
       offset_of_[i] = numel;
       numel += params_[i].numel();
     }
-    const auto& first = params_[st->members.front()];
-    st->flat = at::zeros({numel}, first.options().dtype(wire_dtype(first)).requires_grad(false));
-    st->pending = st->members.size();
+    const auto& first = params_[st->members().front()];
+    st->grad_bucket.buffer =
+        at::zeros({numel}, first.options().dtype(wire_dtype(first)).requires_grad(false));
+    st->pending = st->members().size();
     st->grad_bucket.index = b;
-    st->grad_bucket.buffer = st->flat;
-    st->grad_bucket.parameter_indices = st->members;
     st->grad_bucket.is_last = b + 1 == buckets_.size();
     bucket_state_.push_back(std::move(st));
   }
@@ -94,12 +93,12 @@ GradientReducer::GradientReducer(
   view_.assign(params_.size(), 0);
   if (options_.gradient_as_bucket_view())
     for (size_t i = 0; i < params_.size(); ++i)
-      view_[i] = bucket_state_[bucket_of_[i]]->flat.scalar_type() == params_[i].scalar_type();
+      view_[i] = bucket_state_[bucket_of_[i]]->flat().scalar_type() == params_[i].scalar_type();
   timeline_.bucket_started.resize(buckets_.size());
   timeline_.bucket_finished.resize(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b)
-    timeline_.bucket_bytes.push_back(bucket_state_[b]->flat.numel() *
-                                     static_cast<int64_t>(bucket_state_[b]->flat.element_size()));
+    timeline_.bucket_bytes.push_back(bucket_state_[b]->flat().numel() *
+                                     static_cast<int64_t>(bucket_state_[b]->flat().element_size()));
   // Hooks on the gradient accumulators: they run after .grad was written.
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
@@ -143,12 +142,11 @@ void GradientReducer::on_gradient_ready(size_t i) {
   ready_[i] = 1;
   Bucket& b = *bucket_state_[bucket_of_[i]];
   auto& grad = params_[i].mutable_grad();
-  auto slot = b.flat.narrow(0, offset_of_[i], params_[i].numel());
   if (view_[i]) {
     // Note [Gradients as bucket views]: after the first step autograd accumulates straight into
     // the bucket (zero_grad zeroes the views in place); a .grad that is not the view (the first
     // backward, or one set to none) is copied in once and replaced by the view.
-    auto view = bucket_alias(b.flat, offset_of_[i], params_[i]);
+    auto view = bucket_alias(b.flat(), offset_of_[i], params_[i]);
     if (!grad.defined()) {
       view.zero_();
       grad = view;
@@ -156,10 +154,12 @@ void GradientReducer::on_gradient_ready(size_t i) {
       view.copy_(grad);
       grad = view;
     }
-  } else if (grad.defined()) {
-    slot.copy_(grad.reshape({-1}));
   } else {
-    slot.zero_();
+    auto slot = b.flat().narrow(0, offset_of_[i], params_[i].numel());
+    if (grad.defined())
+      slot.copy_(grad.reshape({-1}));
+    else
+      slot.zero_();
   }
   if (--b.pending == 0) launch_ready_buckets();
 }
@@ -192,7 +192,7 @@ void GradientReducer::finalize() {
   finalized_since_check_ = true;
   auto reset = [&] {
     for (auto& b : bucket_state_) {
-      b->pending = b->members.size();
+      b->pending = b->members().size();
       b->launched = false;
       b->work = Work();
     }
@@ -240,7 +240,7 @@ void GradientReducer::finalize() {
     for (size_t i : unused) {
       ready_[i] = 1;
       Bucket& b = *bucket_state_[bucket_of_[i]];
-      b.flat.narrow(0, offset_of_[i], params_[i].numel()).zero_();
+      b.flat().narrow(0, offset_of_[i], params_[i].numel()).zero_();
       --b.pending;
     }
     launch_ready_buckets();
@@ -253,13 +253,13 @@ void GradientReducer::finalize() {
       Bucket& bs = *bucket_state_[b];
       hook_->finish(bs.grad_bucket, bs.work);
       timeline_.bucket_finished[b] = std::chrono::steady_clock::now();
-      for (size_t i : bs.members) {
+      for (size_t i : bs.members()) {
         if (used_anywhere.defined() && used_anywhere[i].item<int>() == 0) continue;
-        auto slot = bs.flat.narrow(0, offset_of_[i], params_[i].numel()).view(params_[i].sizes());
+        auto slot = bs.flat().narrow(0, offset_of_[i], params_[i].numel()).view(params_[i].sizes());
         auto& g = params_[i].mutable_grad();
         if (view_[i] && g.defined() && g.data_ptr() == slot.data_ptr()) continue;  // in place
         if (view_[i]) {
-          g = bucket_alias(bs.flat, offset_of_[i], params_[i]);
+          g = bucket_alias(bs.flat(), offset_of_[i], params_[i]);
         } else if (g.defined()) {
           g.copy_(slot);
         } else {

@@ -11,6 +11,7 @@
 #include "../detail/env.h"
 
 #include "tandem/accelerator.h"
+#include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
 
 namespace tandem {
@@ -100,7 +101,7 @@ std::vector<std::pair<std::string, at::Tensor>> Accelerator::master_weights_of(
     for (size_t i = 0; i < groups[g].params().size(); ++i) {
       const auto& p = groups[g].params()[i];
       if (masters.count(p.unsafeGetTensorImpl()))
-        out.emplace_back("g" + std::to_string(g) + ".p" + std::to_string(i), p.detach());
+        out.emplace_back(checkpoint::optimizer_param_key(g, i), p.detach());
     }
   return out;
 }
@@ -133,7 +134,7 @@ void Accelerator::load_master_weights(torch::optim::Optimizer& optimizer,
       auto master = groups[g].params()[i];
       auto it = half_of.find(master.unsafeGetTensorImpl());
       if (it == half_of.end()) continue;
-      const std::string key = "g" + std::to_string(g) + ".p" + std::to_string(i);
+      const std::string key = checkpoint::optimizer_param_key(g, i);
       if (file) {
         TORCH_CHECK(file->contains(key), state_.prefix(), " load_state: ", dir,
                     " has master weights without '", key,

@@ -22,6 +22,10 @@ struct OptimizerState {
   std::string json;
 };
 
+/// The key of parameter `index` of parameter group `group` in checkpoint files ("g<group>.p<index>"):
+/// the optimizer state's tensors ("g0.p3.exp_avg") and the fp32 master weights ("g0.p3").
+std::string optimizer_param_key(size_t group, size_t index);
+
 /// Reads the state of SGD, Adam, AdamW, Adagrad or RMSprop. Other optimizers: an error that
 /// suggests register_for_checkpointing.
 OptimizerState optimizer_state(const torch::optim::Optimizer& optimizer);

@@ -86,7 +86,7 @@ class SafetensorsFile {
 
  private:
   const void* data_of(const TensorInfo& info) const;
-  void unmap() noexcept;
+  void close_file() noexcept;
 
   std::string path_;
   int fd_ = -1;  // kept open for read_into's pread

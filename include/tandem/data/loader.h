@@ -207,6 +207,11 @@ struct Placement {
 
 int64_t per_rank_batch_size(const DataLoaderOptions& o, const Placement& p);
 
+/// Where a loader's batches go: the Accelerator's device, or nowhere (device_placement off).
+inline std::optional<c10::Device> batch_device(const DataLoaderOptions& o, const Placement& p) {
+  return o.device_placement() ? std::optional<c10::Device>(p.device) : std::nullopt;
+}
+
 /// One batch as produced: the collated batch and how many of its rows are real.
 template <class Batch>
 struct Produced {
@@ -327,9 +332,8 @@ class DataLoader : public ResumableLoader {
     auto ds = dataset_;
     auto collate = collate_;
     const int64_t bs = batch_size_;
-    const auto device = placement_.device;
+    const auto device = detail::batch_device(options_, placement_);
     const auto floating = placement_.floating_dtype;
-    const bool place = options_.device_placement();
     auto source = [=]() -> std::optional<detail::Produced<Batch>> {
       if (*next >= total) return std::nullopt;
       const int64_t begin = *next * bs;
@@ -341,9 +345,7 @@ class DataLoader : public ResumableLoader {
         if (static_cast<size_t>(k) >= mask->size() || !(*mask)[static_cast<size_t>(k)]) ++valid;
       }
       ++*next;
-      Batch b = collate(items);
-      if (place || floating)
-        b = to_device(b, place ? std::optional<c10::Device>(device) : std::nullopt, floating);
+      Batch b = to_device(collate(items), device, floating);
       return detail::Produced<Batch>{std::move(b), valid};
     };
     auto pos = position_;
@@ -395,9 +397,8 @@ class StreamLoader {
     auto finished = std::make_shared<bool>(false);
     const int64_t bs = batch_size_, world = placement_.world, rank = placement_.rank;
     const bool drop_last = options_.drop_last();
-    const auto device = placement_.device;
+    const auto device = detail::batch_device(options_, placement_);
     const auto floating = placement_.floating_dtype;
-    const bool place = options_.device_placement();
     auto lookahead = std::make_shared<std::optional<Example>>();
     auto source = [=]() -> std::optional<detail::Produced<Batch>> {
       if (*finished) return std::nullopt;
@@ -418,9 +419,7 @@ class StreamLoader {
         round.push_back((*head)[k % head->size()]);
       std::vector<Example> mine(round.begin() + rank * bs, round.begin() + (rank + 1) * bs);
       int64_t valid = std::clamp<int64_t>(got - rank * bs, 0, bs);
-      Batch b = Collate<Example>::apply(mine);
-      if (place || floating)
-        b = to_device(b, place ? std::optional<c10::Device>(device) : std::nullopt, floating);
+      Batch b = to_device(Collate<Example>::apply(mine), device, floating);
       return detail::Produced<Batch>{std::move(b), valid};
     };
     // The end of a stream is known only when it is reached: a batch is the last when the
