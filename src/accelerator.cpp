@@ -64,8 +64,11 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
                                 "positive");
   init_precision();  // refuses impossible modes before joining the job
   // Said once per job, by the main process: the slowest mistake a CPU run can make.
-  if (state_.rank == 0 && device_.is_cpu())
-    if (auto w = reference_blas_warning(cpu_runtime()); !w.empty()) std::cerr << w << std::endl;
+  if (state_.rank == 0 && device_.is_cpu()) {
+    const auto runtime = cpu_runtime();
+    for (const auto& w : {reference_blas_warning(runtime), blas_kernels_warning(runtime)})
+      if (!w.empty()) std::cerr << w << std::endl;
+  }
   pg_ = ProcessGroup::create(state_, ProcessGroupOptions().timeout(options_.timeout()));
   init_timeline();
   if (options_.seed()) set_seed(*options_.seed());

@@ -10,8 +10,12 @@
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 
+#include <cctype>
 #include <climits>
 #include <cstdlib>
+#include <fstream>
+#include <map>
+#include <set>
 #include <sstream>
 
 namespace tandem {
@@ -43,7 +47,56 @@ std::vector<std::string> loaded_objects() {
   return out;
 }
 
+// The widest x86 vector ISA a core's kernels use: 1 SSE, 2 AVX, 3 AVX2, 4 AVX-512; 0 unknown.
+int isa_level(const std::string& core) {
+  static const std::map<std::string, int> levels = {
+      {"katmai", 1},      {"coppermine", 1},  {"northwood", 1},  {"prescott", 1},
+      {"banias", 1},      {"core2", 1},       {"penryn", 1},     {"dunnington", 1},
+      {"nehalem", 1},     {"atom", 1},        {"opteron", 1},    {"opteron_sse3", 1},
+      {"barcelona", 1},   {"bobcat", 1},      {"nano", 1},       {"sandybridge", 2},
+      {"bulldozer", 2},   {"piledriver", 2},  {"steamroller", 3}, {"excavator", 3},
+      {"haswell", 3},     {"zen", 3},         {"skylakex", 4},   {"cooperlake", 4},
+      {"sapphirerapids", 4}};
+  std::string lower;
+  for (char c : core) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  auto it = levels.find(lower);
+  return it == levels.end() ? 0 : it->second;
+}
+
 }  // namespace
+
+std::string openblas_better_coretype(const std::string& chosen_core,
+                                     const std::vector<std::string>& cpu_flags) {
+  std::set<std::string> f(cpu_flags.begin(), cpu_flags.end());
+  auto has = [&](std::initializer_list<const char*> names) {
+    for (const char* n : names)
+      if (!f.count(n)) return false;
+    return true;
+  };
+  std::string best;
+  if (has({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}))
+    best = "SkylakeX";  // Cooperlake's sgemm is SkylakeX's, and OpenBLAS 0.3.21 cannot force it
+  else if (has({"avx2", "fma"}))
+    best = "Haswell";
+  else if (has({"avx"}))
+    best = "Sandybridge";
+  const int chosen = isa_level(chosen_core);
+  if (best.empty() || chosen == 0 || chosen >= isa_level(best)) return "";
+  return best;
+}
+
+std::vector<std::string> cpu_flags() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  std::vector<std::string> flags;
+  while (std::getline(in, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    for (std::string w; words >> w;) flags.push_back(w);
+    break;
+  }
+  return flags;
+}
 
 CpuRuntime cpu_runtime() {
   CpuRuntime r;
@@ -78,6 +131,12 @@ CpuRuntime cpu_runtime() {
     if (void* h = ::dlopen(b.c_str(), RTLD_NOW | RTLD_NOLOAD)) {
       if (auto config = reinterpret_cast<ConfigFn>(::dlsym(h, "openblas_get_config")))
         r.blas_config = config();
+      if (auto core = reinterpret_cast<ConfigFn>(::dlsym(h, "openblas_get_corename"))) {
+        r.blas_core = core();
+        const char* forced = std::getenv("OPENBLAS_CORETYPE");
+        if (!forced || !*forced)  // a user's choice stands
+          r.blas_core_better = openblas_better_coretype(r.blas_core, cpu_flags());
+      }
       if (auto par = reinterpret_cast<ParallelFn>(::dlsym(h, "openblas_get_parallel"))) {
         const int p = par();
         r.blas_threading = p == 0 ? "sequential" : p == 1 ? "pthreads" : p == 2 ? "openmp" : "?";
@@ -110,6 +169,15 @@ std::string cpu_runtime_report(const CpuRuntime& r) {
   if (!r.blas_config.empty())
     os << "BLAS config: " << r.blas_config
        << (r.blas_threading.empty() ? "" : ", threading " + r.blas_threading) << "\n";
+  if (!r.blas_core.empty()) {
+    os << "BLAS kernels: " << r.blas_core;
+    if (const char* forced = std::getenv("OPENBLAS_CORETYPE"); forced && *forced)
+      os << " (OPENBLAS_CORETYPE=" << forced << ")";
+    if (!r.blas_core_better.empty())
+      os << " (narrower than this CPU: OPENBLAS_CORETYPE=" << r.blas_core_better
+         << " selects its kernels; tandem launch sets it for its ranks)";
+    os << "\n";
+  }
   os << "LAPACK: " << (r.lapack_path.empty() ? "none loaded" : r.lapack_path) << "\n";
   os << "OpenMP runtime: ";
   if (r.openmp.empty()) os << "none loaded";
@@ -122,6 +190,13 @@ std::string cpu_runtime_report(const CpuRuntime& r) {
   os << "\n";
   os << "CPU cores: " << r.usable_cores << " usable of " << r.online_cores << " online\n";
   return os.str();
+}
+
+std::string blas_kernels_warning(const CpuRuntime& r) {
+  if (r.blas_core_better.empty()) return "";
+  return "tandem: warning: OpenBLAS does not know this CPU and runs its " + r.blas_core +
+         " kernels, 2-3x slower than the CPU's own on every matmul. Set OPENBLAS_CORETYPE=" +
+         r.blas_core_better + " in the environment (tandem launch does it for its ranks).";
 }
 
 std::string reference_blas_warning(const CpuRuntime& r) {

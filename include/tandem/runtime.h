@@ -19,6 +19,12 @@ struct CpuRuntime {
   std::string blas_config;
   /// OpenBLAS: "sequential", "pthreads" or "openmp"; else "".
   std::string blas_threading;
+  /// OpenBLAS: the kernels it chose for this CPU (openblas_get_corename(): "Haswell",
+  /// "SkylakeX", ... or a generic fallback such as "Prescott" when it does not know the CPU).
+  std::string blas_core;
+  /// OpenBLAS: the OPENBLAS_CORETYPE that would give this CPU wider vector kernels than
+  /// blas_core (Note [OpenBLAS kernels]); "" when blas_core already fits.
+  std::string blas_core_better;
   /// The provider of LAPACK's sgetrf_, resolved; "" when none is loaded.
   std::string lapack_path;
   /// Loaded OpenMP runtimes (libgomp, libiomp5, libomp), resolved paths.
@@ -49,5 +55,20 @@ std::string cpu_runtime_report(const CpuRuntime& runtime);
 /// When this process runs on the reference BLAS, the warning that says so and how to fix it;
 /// "" otherwise.
 std::string reference_blas_warning(const CpuRuntime& runtime);
+
+/// When OpenBLAS runs kernels narrower than the CPU (blas_core_better), the warning that says
+/// so and how to fix it; "" otherwise.
+std::string blas_kernels_warning(const CpuRuntime& runtime);
+
+/// Note [OpenBLAS kernels]: OpenBLAS picks its kernels from the CPU model; a release older than
+/// the CPU does not know it and falls back to SSE3 kernels ("Prescott"), 2-3x slower than the
+/// AVX-512 ones the CPU runs. Given the core OpenBLAS chose and the CPU's feature flags (as
+/// /proc/cpuinfo names them), the OPENBLAS_CORETYPE of the widest kernels the CPU supports when
+/// they are wider than the chosen ones, else "". `tandem launch` sets it for its ranks.
+std::string openblas_better_coretype(const std::string& chosen_core,
+                                     const std::vector<std::string>& cpu_flags);
+
+/// The CPU feature flags of this machine (/proc/cpuinfo's first "flags" line).
+std::vector<std::string> cpu_flags();
 
 }  // namespace tandem

@@ -1,5 +1,6 @@
 // tandem's local supervisor: fork/exec each rank, prefix its output, fail fast, forward signals.
 #include "tandem/launch/launcher.h"
+#include "tandem/runtime.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -379,6 +380,9 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
         ": lower --num_cpu_threads_per_process (or OMP_NUM_THREADS), start fewer processes, or "
         "leave out --enable_cpu_affinity");
   const int world = o.num_processes() * o.num_machines();
+  // Note [OpenBLAS kernels]: the ranks get the kernels this CPU runs, unless the user chose.
+  std::string blas_core;
+  if (!environment.count("OPENBLAS_CORETYPE")) blas_core = cpu_runtime().blas_core_better;
   std::vector<RankPlan> plan;
   for (int local = 0; local < o.num_processes(); ++local) {
     RankPlan p;
@@ -397,6 +401,8 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
     p.env["MASTER_PORT"] = std::to_string(port);
     if (!user_threads) p.env["OMP_NUM_THREADS"] = std::to_string(threads);
     p.env["TANDEM_NUM_CPU_THREADS"] = std::to_string(threads);
+    if (!blas_core.empty() && !p.env.count("OPENBLAS_CORETYPE"))
+      p.env["OPENBLAS_CORETYPE"] = blas_core;
     if (o.cpu_affinity()) {
       std::string list;
       for (int k = 0; k < threads; ++k) {

@@ -14,11 +14,12 @@ namespace {
 class AllreduceHook : public CommHook {
  public:
   Work start(ProcessGroup& pg, GradBucket& b) override {
-    return pg.allreduce_async({b.buffer}, ReduceOp::kMean,
+    return pg.allreduce_async({b.buffer}, ReduceOp::kSum,
                               "gradient allreduce (bucket " + std::to_string(b.index) + ")");
   }
   void finish(GradBucket&, Work& work) override { work.wait(); }
   std::string name() const override { return "allreduce"; }
+  bool reducer_divides() const override { return true; }
 };
 
 // Note [Compression hooks]: as PyTorch's fp16/bf16_compress_hook, each rank divides by the world

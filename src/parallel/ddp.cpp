@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 
 #include <ATen/ATen.h>
+#include <ATen/ScalarOps.h>
 
 #include <map>
 #include <set>
@@ -51,7 +52,8 @@ GradientReducer::GradientReducer(
     const std::vector<std::pair<std::string, at::Tensor>>& named_parameters,
     std::shared_ptr<ProcessGroup> pg, ReducerOptions options)
     : pg_(std::move(pg)), options_(options),
-      hook_(options.comm_hook() ? options.comm_hook() : allreduce_hook()) {
+      hook_(options.comm_hook() ? options.comm_hook() : allreduce_hook()),
+      divide_(hook_->reducer_divides() && pg_->size() > 1) {
   // Distinct parameters that need gradients, in registration order (tied ones once).
   std::unordered_set<const void*> seen;
   for (const auto& [name, p] : named_parameters) {
@@ -151,17 +153,38 @@ void GradientReducer::on_gradient_ready(size_t i) {
       view.zero_();
       grad = view;
     } else if (grad.data_ptr() != view.data_ptr()) {
-      view.copy_(grad);
+      copy_into_bucket(view, grad);
       grad = view;
+    } else if (divide_) {
+      view.mul_(at::native::wrapped_scalar_tensor(1.0 / pg_->size()));
     }
   } else {
     auto slot = b.flat().narrow(0, offset_of_[i], params_[i].numel());
     if (grad.defined())
-      slot.copy_(grad.reshape({-1}));
+      copy_into_bucket(slot, grad.reshape({-1}));
     else
       slot.zero_();
   }
   if (--b.pending == 0) launch_ready_buckets();
+}
+
+// Note [Division on the way in]: with the default hook the mean's division is fused into the
+// copy that brings a gradient into its bucket (slot = grad * (1 / world size), c10d's
+// copy_grad_to_bucket), and a gradient that already is the bucket's view is multiplied in place
+// by the same reciprocal; the bucket is then summed. One pass over the gradients fewer than
+// summing and dividing after, the arithmetic of PyTorch's DDP (so results agree bitwise for any
+// world size), and the same bits with and without gradient_as_bucket_view (PyTorch divides
+// views by the world size instead, which can differ in the last bit when it is not a power of 2).
+void GradientReducer::copy_into_bucket(at::Tensor& slot, const at::Tensor& grad) {
+  if (!divide_) {
+    slot.copy_(grad);
+  } else if (slot.scalar_type() == grad.scalar_type()) {
+    at::mul_out(slot, grad, at::native::wrapped_scalar_tensor(1.0 / pg_->size()));
+  } else {
+    // bf16 gradients in an fp32 bucket: divide in fp32, not in the gradient's dtype.
+    slot.copy_(grad);
+    slot.div_(static_cast<double>(pg_->size()));
+  }
 }
 
 void GradientReducer::launch_ready_buckets() {

@@ -53,3 +53,56 @@ TEST(CpuRuntime, ReferenceBlasIsReportedAndWarnedOnce) {
   ASSERT_EQ(fast.exit_code, 0) << fast.output;
   EXPECT_EQ(count_of(fast.output, "reference BLAS"), 0) << fast.output;
 }
+
+// Note [OpenBLAS kernels]: which OPENBLAS_CORETYPE gives a CPU wider kernels than OpenBLAS chose.
+TEST(OpenBlasKernels, BetterCoretypeFollowsTheCpuFlags) {
+  const std::vector<std::string> avx512 = {"sse4_2", "avx", "avx2", "fma", "avx512f",
+                                           "avx512cd", "avx512bw", "avx512dq", "avx512vl"};
+  auto with_bf16 = avx512;
+  with_bf16.push_back("avx512_bf16");
+  // An unknown CPU model: OpenBLAS fell back to its SSE3 kernels.
+  EXPECT_EQ(tandem::openblas_better_coretype("Prescott", avx512), "SkylakeX");
+  EXPECT_EQ(tandem::openblas_better_coretype("Prescott", with_bf16), "SkylakeX");
+  EXPECT_EQ(tandem::openblas_better_coretype("Nehalem", {"avx", "avx2", "fma"}), "Haswell");
+  EXPECT_EQ(tandem::openblas_better_coretype("Core2", {"avx"}), "Sandybridge");
+  EXPECT_EQ(tandem::openblas_better_coretype("Sandybridge", with_bf16), "SkylakeX");
+  // Kernels that already fit, a CPU without wider units, and names it does not know: left alone.
+  EXPECT_EQ(tandem::openblas_better_coretype("SkylakeX", with_bf16), "");
+  EXPECT_EQ(tandem::openblas_better_coretype("Haswell", {"avx", "avx2", "fma"}), "");
+  EXPECT_EQ(tandem::openblas_better_coretype("Prescott", {"sse3", "sse4_2"}), "");
+  EXPECT_EQ(tandem::openblas_better_coretype("Haswell", {"avx", "avx512f"}), "");
+  EXPECT_EQ(tandem::openblas_better_coretype("SomeFutureCore", with_bf16), "");
+  EXPECT_EQ(tandem::openblas_better_coretype("", with_bf16), "");
+}
+
+// A rank started by `tandem launch` runs the widest kernels of this CPU: either OpenBLAS knew the
+// CPU, or the launcher set OPENBLAS_CORETYPE (to what this process's own OpenBLAS lacks). A user's
+// OPENBLAS_CORETYPE is left as it is.
+TEST(OpenBlasKernels, LaunchedRanksRunTheCpusKernels) {
+  const auto here = tandem::cpu_runtime();
+  ASSERT_FALSE(here.blas_core.empty()) << tandem::cpu_runtime_report(here);
+  auto direct = run_command({TANDEM_CLI, "env"});
+  ASSERT_EQ(direct.exit_code, 0) << direct.output;
+  EXPECT_NE(direct.output.find("BLAS kernels: " + here.blas_core), std::string::npos)
+      << direct.output;
+  EXPECT_EQ(direct.output.find("narrower than this CPU") != std::string::npos,
+            !here.blas_core_better.empty())
+      << direct.output;
+  auto launched = run_command({TANDEM_CLI, "launch", "--num_processes", "1", "--cpu", TANDEM_CLI,
+                               "env"});
+  ASSERT_EQ(launched.exit_code, 0) << launched.output;
+  EXPECT_EQ(launched.output.find("narrower than this CPU"), std::string::npos) << launched.output;
+  if (!here.blas_core_better.empty()) {
+    EXPECT_NE(launched.output.find("BLAS kernels: " + here.blas_core_better +
+                                   " (OPENBLAS_CORETYPE=" + here.blas_core_better + ")"),
+              std::string::npos)
+        << launched.output;
+  }
+  auto chosen = run_command({TANDEM_CLI, "launch", "--num_processes", "1", "--cpu", TANDEM_CLI,
+                             "env"},
+                            {{"OPENBLAS_CORETYPE", "Nehalem"}});
+  ASSERT_EQ(chosen.exit_code, 0) << chosen.output;
+  EXPECT_NE(chosen.output.find("BLAS kernels: Nehalem (OPENBLAS_CORETYPE=Nehalem)"),
+            std::string::npos)
+      << chosen.output;
+}

@@ -41,9 +41,15 @@ class CommHook {
   virtual Work start(ProcessGroup& pg, GradBucket& bucket) = 0;
   virtual void finish(GradBucket& bucket, Work& work) = 0;
   virtual std::string name() const = 0;
+  /// true: the reducer divides each gradient by the world size as it enters the bucket (fused
+  /// with the copy, as c10d's reducer does for its default hook), so start() receives the
+  /// gradients already divided and finish() leaves their sum. false: the bucket holds the
+  /// gradients as they are and the hook divides itself.
+  virtual bool reducer_divides() const { return false; }
 };
 
-/// The default: allreduce of the bucket as it is, divided by the world size (PyTorch's DDP).
+/// The default, as PyTorch's DDP: each gradient is divided by the world size as the reducer
+/// copies it into the bucket (reducer_divides()), and the bucket is summed across ranks.
 std::shared_ptr<CommHook> allreduce_hook();
 
 /// Gradient compression (PyTorch's fp16_compress_hook / bf16_compress_hook): each rank's

@@ -97,6 +97,7 @@ class GradientReducer {
   struct Bucket;
   void on_gradient_ready(size_t index);
   void launch_ready_buckets();  // caller holds mu_
+  void copy_into_bucket(at::Tensor& slot, const at::Tensor& grad);
   void finalize();
 
   std::shared_ptr<ProcessGroup> pg_;
@@ -112,6 +113,7 @@ class GradientReducer {
   std::vector<char> ready_;
   std::vector<char> view_;  // param -> .grad is a view into its bucket
   std::shared_ptr<CommHook> hook_;
+  bool divide_;  // Note [Division on the way in]
   std::vector<std::string> twice_;
   size_t next_bucket_ = 0;
   bool callback_queued_ = false;
