@@ -6,6 +6,10 @@ both sides use the same LibTorch 1.13 and the same BLAS.
     tandem launch --num_processes 2 --cpu /usr/bin/python3 bench/ddp_peer.py --model mlp
 
 Prints "RESULT pytorch_ddp <model> world=<n> samples_per_s=<x>" from rank 0.
+
+With --accelerate the same loop runs through Hugging Face Accelerate (Accelerator.prepare and
+accelerator.backward), launched by `accelerate launch --cpu --multi_gpu --num_processes N`; it
+prints "RESULT accelerate ...".
 """
 import argparse
 import math
@@ -39,7 +43,7 @@ class Attention(nn.Module):  # examples/common/gpt.h, CausalSelfAttention
         hd = C // self.heads
         q, k, v = (t.view(B, T, self.heads, hd).transpose(1, 2) for t in self.qkv(x).split(C, 2))
         att = q.matmul(k.transpose(-2, -1)) / math.sqrt(hd)
-        mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+        mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         att = torch.softmax(att.masked_fill(mask, float("-inf")), -1)
         return self.proj(att.matmul(v).transpose(1, 2).contiguous().view(B, T, C))
 
@@ -63,7 +67,7 @@ class GPT(nn.Module):  # ctx 128, 4 layers, 4 heads, width 128, head tied to the
         self.ln_f = nn.LayerNorm(width)
 
     def forward(self, idx, targets):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1)))
+        x = self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
         for b in self.blocks:
             x = b(x)
         logits = self.ln_f(x).matmul(self.wte.weight.t())
@@ -77,12 +81,19 @@ def main():
     ap.add_argument("--steps", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--comm-hook", default="none", choices=["none", "fp16", "bf16"])
+    ap.add_argument("--accelerate", action="store_true")
     a = ap.parse_args()
     batch = a.batch or (8 if a.model == "gpt" else 64)
     steps = a.steps or (60 if a.model == "gpt" else 600)
     torch.set_num_threads(int(os.environ.get("TANDEM_NUM_CPU_THREADS", "1")))
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    if a.accelerate:
+        import accelerate
+        acc = accelerate.Accelerator(cpu=True)
+        rank, world = acc.process_index, acc.num_processes
+    else:
+        acc = None
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     total = a.warmup + steps
     n = batch * total
@@ -96,7 +107,9 @@ def main():
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         x, y = torch.randn(n, 784), torch.randint(10, (n,))
         loss_fn = lambda m, xb, yb: F.cross_entropy(m(xb), yb)
-    if world > 1:
+    if acc is not None:
+        model, opt = acc.prepare(model, opt)
+    elif world > 1:
         model = nn.parallel.DistributedDataParallel(model)
         if a.comm_hook == "fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -106,16 +119,24 @@ def main():
     start = None
     for k in range(total):
         if k == a.warmup:
-            dist.barrier()
+            if world > 1 or acc is None:
+                dist.barrier()
             start = time.perf_counter()
         idx = order[k * batch:(k + 1) * batch]
         opt.zero_grad()
-        loss_fn(model, x[idx], y[idx]).backward()
+        loss = loss_fn(model, x[idx], y[idx])
+        if acc is not None:
+            acc.backward(loss)
+        else:
+            loss.backward()
         opt.step()
-    dist.barrier()
+    if world > 1 or acc is None:
+        dist.barrier()
     secs = time.perf_counter() - start
     if rank == 0:
         tag = "pytorch_ddp" if a.comm_hook == "none" else "pytorch_ddp_" + a.comm_hook
+        if acc is not None:
+            tag = "accelerate"
         print(f"RESULT {tag} {a.model} world={world} samples_per_s={steps * batch * world / secs:.2f}", flush=True)
 
 

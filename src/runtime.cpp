@@ -145,6 +145,13 @@ CpuRuntime cpu_runtime() {
     }
   } else if (b.find("mkl") != std::string::npos) {
     r.blas_kind = "mkl";
+  } else if (auto mkl = reinterpret_cast<void (*)(char*, int)>(
+                 ::dlsym(RTLD_DEFAULT, "MKL_Get_Version_String"))) {
+    // PyPI's torch wheels link MKL statically into libtorch_cpu.
+    r.blas_kind = "mkl";
+    char version[256] = {0};
+    mkl(version, sizeof(version) - 1);
+    r.blas_config = std::string(version) + ", linked into " + base_name(b);
   } else if (b.find("blis") != std::string::npos) {
     r.blas_kind = "blis";
   } else if (b.find("/blas/libblas.so") != std::string::npos) {

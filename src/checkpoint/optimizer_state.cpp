@@ -8,13 +8,15 @@
 #include <map>
 #include <stdexcept>
 
+#include "../compat/optimizer.h"
+
 namespace tandem::checkpoint {
 namespace {
 
 using json = nlohmann::json;
 namespace optim = torch::optim;
 
-std::string key_of(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+auto key_of(const at::Tensor& p) { return compat::optimizer_state_key(p); }
 
 json betas(const std::tuple<double, double>& b) { return {std::get<0>(b), std::get<1>(b)}; }
 std::tuple<double, double> betas(const json& j) { return {j.at(0).get<double>(), j.at(1).get<double>()}; }

@@ -9,6 +9,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "../compat/autocast.h"
 #include "tandem/precision/fp8.h"
 
 namespace tandem::precision {
@@ -51,13 +52,13 @@ Capabilities Capabilities::detect(c10::DeviceType device) {
   // CPU autocast refuses float16 where it has no float16 kernels (1.13: "AutocastCPU only
   // support Bfloat16"); asking is the most reliable test across versions.
   {
-    auto previous = at::autocast::get_autocast_cpu_dtype();
+    auto previous = compat::autocast_dtype(c10::kCPU);
     try {
-      at::autocast::set_autocast_cpu_dtype(at::kHalf);
+      compat::set_autocast_dtype(c10::kCPU, at::kHalf);
       c.cpu_autocast_fp16 = true;
     } catch (const std::exception&) {
     }
-    at::autocast::set_autocast_cpu_dtype(previous);
+    compat::set_autocast_dtype(c10::kCPU, previous);
   }
   try {
     auto h = at::ones({2, 2}, at::TensorOptions().dtype(at::kHalf));

@@ -302,13 +302,24 @@ TEST(Fp8, OptionsValidateAndKernelsSkipWhereAbsent) {
   EXPECT_THROW(Fp8Options().fp8_format("E5M2X").validate(), std::invalid_argument);
   EXPECT_THROW(Fp8Options().amax_compute_algo("mean").validate(), std::invalid_argument);
   EXPECT_THROW(Fp8Options().amax_history_len(0).validate(), std::invalid_argument);
-  if (!fp8_available()) {
+  if (!fp8_compiled()) {
+    // No fp8 in this build (no CUDA, or LibTorch < 2.1): the module says what to use instead.
     try {
       Fp8Linear(torch::nn::LinearOptions(16, 16));
       FAIL();
     } catch (const std::exception& e) {
       EXPECT_TRUE(has(e.what(), "bf16")) << e.what();
     }
-    GTEST_SKIP() << "no fp8 kernels or no GPU with fp8 arithmetic here";
+  } else if (!fp8_available()) {
+    // Compiled, but no GPU with fp8 here: the module is built (to be moved to a GPU later);
+    // a forward on the CPU is refused, naming CUDA.
+    Fp8Linear l(torch::nn::LinearOptions(16, 16));
+    try {
+      l(torch::ones({2, 16}));
+      FAIL();
+    } catch (const std::exception& e) {
+      EXPECT_TRUE(has(e.what(), "CUDA")) << e.what();
+    }
   }
+  if (!fp8_available()) GTEST_SKIP() << "no fp8 kernels or no GPU with fp8 arithmetic here";
 }

@@ -48,6 +48,16 @@ def main(path):
         dtype = e["dtype"]
         if dtype == "BF16":
             arr = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view("<f4")
+        elif dtype == "F8_E5M2":  # the top byte of an IEEE half
+            arr = (np.frombuffer(raw, "u1").astype(np.uint16) << 8).view("<f2")
+        elif dtype == "F8_E4M3":  # E4M3FN: bias 7, no infinities, S.1111.111 is NaN
+            b = np.frombuffer(raw, "u1").astype(np.int32)
+            sign = np.where(b & 0x80, -1.0, 1.0)
+            exp, man = (b >> 3) & 0xF, b & 0x7
+            normal = (1.0 + man / 8.0) * np.exp2(exp - 7.0)
+            sub = (man / 8.0) * np.exp2(-6.0)
+            arr = sign * np.where(exp == 0, sub, normal)
+            arr = np.where((exp == 15) & (man == 7), np.nan, arr)
         elif dtype in NUMPY:
             arr = np.frombuffer(raw, NUMPY[dtype])
         else:

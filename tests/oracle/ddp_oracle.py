@@ -1,0 +1,75 @@
+"""PyTorch's DistributedDataParallel and tandem train the same model from the same weights on the
+same data and batches, on 2 processes over Gloo; the final weights agree.
+
+Usage: ddp_oracle.py ORACLE_TOOL TANDEM_CLI WORK_DIR
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from common import fresh_dir, fail, free_port, run
+
+STEPS, WORLD, BATCH = 8, 2, 8
+
+
+class Net(torch.nn.Module):  # oracle_tool's Net
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(10, 16)
+        self.fc2 = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def worker(rank, work, port):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    net = Net()
+    net.load_state_dict(load_file(os.path.join(work, "init.safetensors")))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    data = load_file(os.path.join(work, "data.safetensors"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for s in range(STEPS):
+        rows = torch.arange(s * BATCH + rank, (s + 1) * BATCH, WORLD)
+        opt.zero_grad()
+        F.cross_entropy(model(data["x"][rows]), data["y"][rows]).backward()
+        opt.step()
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in net.state_dict().items()},
+                  os.path.join(work, "pytorch.safetensors"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    tool, cli, work = sys.argv[1], sys.argv[2], fresh_dir(sys.argv[3])
+    torch.manual_seed(1)
+    save_file(Net().state_dict(), os.path.join(work, "init.safetensors"))
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(STEPS * BATCH, 10, generator=g)
+    save_file({"x": x, "y": torch.randint(0, 3, (STEPS * BATCH,), generator=g)},
+              os.path.join(work, "data.safetensors"))
+    mp.spawn(worker, args=(work, free_port()), nprocs=WORLD, join=True)
+    run([cli, "launch", "--num_processes", str(WORLD), "--cpu", "--num_cpu_threads_per_process", "1",
+         tool, "train-ddp", work, str(STEPS)])
+    ours = load_file(os.path.join(work, "tandem", "model.safetensors"))
+    theirs = load_file(os.path.join(work, "pytorch.safetensors"))
+    init = load_file(os.path.join(work, "init.safetensors"))
+    if set(ours) != set(theirs):
+        fail(f"tandem saved {sorted(ours)}, PyTorch {sorted(theirs)}")
+    worst = 0.0
+    for name in theirs:
+        if torch.equal(theirs[name], init[name]):
+            fail(f"PyTorch's {name} did not train")
+        diff = (ours[name] - theirs[name]).abs().max().item()
+        worst = max(worst, diff)
+        if not torch.allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6):
+            fail(f"{name}: tandem and PyTorch DDP differ by up to {diff}")
+    print(f"tandem == PyTorch {torch.__version__} DDP after {STEPS} steps on {WORLD} processes "
+          f"(largest difference {worst:.3g})")
