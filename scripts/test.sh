@@ -1,9 +1,14 @@
 #!/bin/bash
-# Installs what is needed, builds, and runs every test. By default the build is instrumented with
-# AddressSanitizer + UndefinedBehaviorSanitizer (TANDEM_SANITIZE=address, in build-asan/), so
-# that every unit and multi-process test also checks tandem's memory and arithmetic; set
-# TANDEM_SANITIZE= (empty) for a plain build in build/, or thread for ThreadSanitizer (build-tsan/).
-# Extra arguments go to ctest (e.g. -L unit, -R Resume).
+# Installs what is needed, builds, and runs every test, against both LibTorch builds:
+#  1. Debian's LibTorch 1.13 (CPU), instrumented with AddressSanitizer + UndefinedBehaviorSanitizer
+#     (TANDEM_SANITIZE=address, in build-asan/), so that every unit and multi-process test also
+#     checks tandem's memory and arithmetic; TANDEM_SANITIZE= (empty) for a plain build in
+#     build/, or thread for ThreadSanitizer (build-tsan/).
+#  2. LibTorch 2.12 with CUDA from PyPI's torch wheel (scripts/build-torch2.sh, build-torch2/):
+#     the whole tree compiles and links with CUDA and NCCL, and every test runs on the CPU.
+#     TANDEM_TORCH2=0 leaves this part out.
+# Both run the tests against the Python tools (tests/oracle), with the Python environment of
+# scripts/install-torch2.sh. Extra arguments go to ctest (e.g. -L unit, -R Resume).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 sanitize=${TANDEM_SANITIZE-address}
@@ -13,13 +18,30 @@ case "$sanitize" in
   "") default_dir=$root/build ;;
   *) echo "TANDEM_SANITIZE=$sanitize: expected address, thread or empty" >&2; exit 2 ;;
 esac
-export TANDEM_BUILD_DIR=${TANDEM_BUILD_DIR:-$default_dir}
+build=${TANDEM_BUILD_DIR:-$default_dir}
 "$root/scripts/install-deps.sh"
-if [ -n "$sanitize" ]; then
-  # shellcheck source=../tests/sanitizers/env.sh
-  source "$root/tests/sanitizers/env.sh"
+venv=$("$root/scripts/install-torch2.sh")
+status=0
+
+echo "== tandem tests: LibTorch 1.13 (Debian), sanitizers: ${sanitize:-none}, in $build" >&2
+(
+  if [ -n "$sanitize" ]; then
+    # shellcheck source=../tests/sanitizers/env.sh
+    source "$root/tests/sanitizers/env.sh"
+  fi
+  TANDEM_BUILD_DIR=$build "$root/scripts/build.sh" -DTANDEM_SANITIZE="$sanitize" \
+    -DTANDEM_PYTHON="$venv/bin/python"
+  cd "$build"
+  # One test per core: the multi-process tests spend most of their time waiting on each other.
+  ctest --output-on-failure -j "$(nproc)" "$@"
+) || status=1
+
+if [ "${TANDEM_TORCH2:-1}" != 0 ]; then
+  echo "== tandem tests: LibTorch 2.12 with CUDA (PyPI's wheel), in $root/build-torch2" >&2
+  (
+    TANDEM_BUILD_DIR=$root/build-torch2 "$root/scripts/build-torch2.sh"
+    cd "$root/build-torch2"
+    ctest --output-on-failure -j "$(nproc)" "$@"
+  ) || status=1
 fi
-"$root/scripts/build.sh" -DTANDEM_SANITIZE="$sanitize"
-cd "$TANDEM_BUILD_DIR"
-# One test per core: the multi-process tests spend most of their time waiting on each other.
-ctest --output-on-failure -j "$(nproc)" "$@"
+exit $status

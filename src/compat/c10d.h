@@ -32,10 +32,14 @@ using Backend = ::c10d::ProcessGroup;
 #endif
 using Work = ::c10d::Work;
 
-// Whether Gloo can sum bfloat16 tensors. LibTorch 1.13's cannot ("Invalid scalar type"); later
-// versions may, but tandem sends bf16 over Gloo as fp32 on every version until a 2.x build has
-// shown it can (the fp32 sum is also the more accurate one).
+// Whether Gloo can sum bfloat16 tensors. LibTorch 1.13's cannot ("Invalid scalar type"), so
+// there bf16 travels as fp32; 2.x's can (seen on 2.12: an allreduce of bf16 CPU tensors over
+// Gloo sums them), so bf16 buckets and the bf16 compression hook send 2 bytes per value.
+#if TORCH_VERSION_MAJOR >= 2 && TORCH_VERSION_MINOR >= 1
+constexpr bool kGlooSumsBFloat16 = true;
+#else
 constexpr bool kGlooSumsBFloat16 = false;
+#endif
 
 // Note [Loopback rendezvous]: LibTorch >= 2.4 lets the store's server take a socket the caller
 // has bound and listened on (TCPStoreOptions::masterListenFd), so a job on one machine can

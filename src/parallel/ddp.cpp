@@ -14,15 +14,18 @@
 #include <unordered_set>
 
 #include "../compat/autograd_hooks.h"
+#include "../compat/c10d.h"
 #include "tandem/parallel/buckets.h"
 
 namespace tandem::parallel {
 namespace {
 
-// Gloo (LibTorch 1.13) has no bfloat16 reductions: bf16 CPU tensors travel as fp32 (whose sums
-// are also more accurate); copy_ converts on the way in and out.
+// Gloo in LibTorch 1.13 has no bfloat16 reductions: there bf16 CPU tensors travel as fp32
+// (whose sums are also more accurate); copy_ converts on the way in and out.
 at::ScalarType wire_dtype(const at::Tensor& t) {
-  return t.is_cpu() && t.scalar_type() == at::kBFloat16 ? at::kFloat : t.scalar_type();
+  return t.is_cpu() && t.scalar_type() == at::kBFloat16 && !compat::kGlooSumsBFloat16
+             ? at::kFloat
+             : t.scalar_type();
 }
 
 // Note [Gradients as bucket views]: the .grad of a parameter aliases its slot of the bucket's

@@ -73,7 +73,7 @@ struct MixedImpl : torch::nn::Module {
     emb = register_module("emb", torch::nn::Embedding(11, 3));
     half = register_parameter("half", torch::linspace(-3, 3, 12).reshape({3, 4}).to(at::kHalf));
     bf16 = register_parameter("bf16", torch::linspace(-1, 2, 6).to(at::kBFloat16));
-    count = register_buffer("count", torch::arange(5, at::kLong) * 1000000007LL);
+    count = register_buffer("count", torch::arange(5, at::kLong) * static_cast<int64_t>(1000000007));
     mask = register_buffer("mask", torch::tensor({true, false, true}));
     bytes = register_buffer("bytes", torch::arange(4, at::kByte));
     wide = register_buffer("wide", torch::tensor({1.0 / 3.0, 1e-300}, at::kDouble));
