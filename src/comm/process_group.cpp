@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -292,6 +293,68 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
   if (in[0].scalar_type() != dtype)
     for (auto& t : out[0]) t = t.view(dtype);
   return out[0];
+}
+
+int64_t ProcessGroup::shard_numel(int64_t numel) const {
+  TORCH_CHECK(numel >= 0, prefix(), " shard_numel: negative element count ", numel);
+  return std::max<int64_t>(1, (numel + impl_->size - 1) / impl_->size);
+}
+
+// Note [Reduce-scatter on Gloo]: Gloo in LibTorch 1.13 has no reduce_scatter (and neither
+// _reduce_scatter_base nor _allgather_base): the alltoall algorithm sends chunk k of the padded
+// input to rank k with one alltoall_base and sums the n received chunks locally; the allreduce
+// algorithm reduces everything and keeps this rank's slice. Both run on every version, so that
+// results do not depend on the LibTorch. bf16 on a Gloo that cannot sum it is summed as fp32.
+void ProcessGroup::reduce_scatter(const at::Tensor& input, at::Tensor& output, ReduceOp op,
+                                  ReduceScatterAlgorithm algorithm) {
+  TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kMean, prefix(),
+              " reduce_scatter: only sum and mean are supported");
+  const int n = impl_->size;
+  const int64_t chunk = shard_numel(input.numel());
+  TORCH_CHECK(output.numel() == chunk, prefix(), " reduce_scatter: the output holds ",
+              output.numel(), " elements; a ", input.numel(), "-element input over ", n,
+              " ranks gives each ", chunk, " (ProcessGroup::shard_numel)");
+  auto flat = input.reshape({-1});
+  const auto wire = flat.is_cpu() && flat.scalar_type() == at::kBFloat16 && !compat::kGlooSumsBFloat16
+                        ? at::kFloat
+                        : flat.scalar_type();
+  // The padded input, in the dtype that travels.
+  at::Tensor padded = at::zeros({chunk * n}, flat.options().dtype(wire));
+  padded.narrow(0, 0, flat.numel()).copy_(flat);
+  at::Tensor mine;
+  if (n == 1) {
+    mine = padded;
+  } else if (algorithm == ReduceScatterAlgorithm::kAllreduceSlice) {
+    allreduce_async({padded}, ReduceOp::kSum, "reduce_scatter (allreduce)").wait();
+    mine = padded.narrow(0, static_cast<int64_t>(rank()) * chunk, chunk);
+  } else {
+    at::Tensor received = at::empty_like(padded);
+    c10d::AllToAllOptions o;
+    o.timeout = impl_->options.timeout();
+    std::vector<int64_t> splits;  // equal splits
+    auto moved_in = as_movable(padded), moved_out = as_movable(received);
+    impl_->wrap(impl_->backend_for(padded).alltoall_base(moved_out, moved_in, splits, splits, o),
+                "reduce_scatter (alltoall)", {}, 1.0)
+        .wait();
+    // Sum the n chunks in rank order: the same order on every rank, whatever the arrival.
+    auto parts = received.view({n, chunk});
+    mine = parts[0].clone();
+    for (int k = 1; k < n; ++k) mine.add_(parts[k]);
+  }
+  if (op == ReduceOp::kMean) mine = mine.div(static_cast<double>(n));
+  output.copy_(mine.view(output.sizes()));
+}
+
+void ProcessGroup::all_gather_into(const at::Tensor& shard, at::Tensor& output) {
+  const int n = impl_->size;
+  TORCH_CHECK(output.numel() == shard.numel() * n, prefix(), " all_gather_into: the output holds ",
+              output.numel(), " elements, expected ", n, " x ", shard.numel());
+  TORCH_CHECK(shard.numel() > 0, prefix(), " all_gather_into: empty shards cannot travel over "
+              "Gloo; pad them to at least one element (ProcessGroup::shard_numel)");
+  // LibTorch 1.13's Gloo has no _allgather_base: the list form, then one copy per rank.
+  auto parts = allgather(shard.reshape({-1}));
+  auto flat = output.view({n, shard.numel()});
+  for (int k = 0; k < n; ++k) flat[k].copy_(parts[static_cast<size_t>(k)]);
 }
 
 void ProcessGroup::barrier() {

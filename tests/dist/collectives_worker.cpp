@@ -6,6 +6,9 @@
 
 #include <torch/torch.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -154,6 +157,62 @@ int main(int argc, char** argv) {
   check(all_padded.size(0) == w && all_padded.eq(1).sum().item<int64_t>() == 2 * sum + 2 * w,
         "gather after pad");
   std::cout << "pad_across_processes width " << padded.size(1) << std::endl;
+
+  // reduce_scatter (both algorithms, sum and mean, uneven and tiny sizes, bf16) and
+  // all_gather_into: each rank checks its chunk against the full reduction it computes itself.
+  using Algo = tandem::ProcessGroup::ReduceScatterAlgorithm;
+  for (int64_t numel : {int64_t{1}, int64_t{3}, int64_t{7 * 15}, int64_t{101}}) {
+    const int64_t chunk = pg->shard_numel(numel);
+    check(chunk >= 1 && chunk * w >= numel && (chunk - 1) * w < std::max<int64_t>(numel, 1),
+          "shard_numel " + std::to_string(numel));
+    auto input_of = [&](int k) { return torch::arange(numel, torch::kFloat) * (k + 1) + k; };
+    auto total = torch::zeros({chunk * w});
+    for (int k = 0; k < w; ++k) total.narrow(0, 0, numel).add_(input_of(k));
+    auto want = total.narrow(0, static_cast<int64_t>(r) * chunk, chunk);
+    for (auto algo : {Algo::kAlltoall, Algo::kAllreduceSlice}) {
+      const std::string name = std::string(algo == Algo::kAlltoall ? "alltoall" : "allreduce") +
+                               " numel " + std::to_string(numel);
+      auto out = torch::full({chunk}, -7.0f);
+      pg->reduce_scatter(input_of(r), out, tandem::ReduceOp::kSum, algo);
+      check(same(out, want), "reduce_scatter sum " + name);
+      pg->reduce_scatter(input_of(r), out, tandem::ReduceOp::kMean, algo);
+      check(torch::allclose(out, want / w), "reduce_scatter mean " + name);
+      auto half = torch::empty({chunk}, torch::kBFloat16);
+      pg->reduce_scatter(input_of(r).to(torch::kBFloat16), half, tandem::ReduceOp::kSum, algo);
+      check(torch::allclose(half.to(torch::kFloat), want, 0.02, 0.5), "reduce_scatter bf16 " + name);
+    }
+    // The allreduce algorithm gives bitwise the chunk of an allreduce (what DDP sees); the
+    // alltoall one agrees to rounding.
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + r);
+    auto noisy = torch::randn({numel}, gen);
+    auto reduced = noisy.clone();
+    pg->allreduce(reduced, tandem::ReduceOp::kSum);
+    auto padded = torch::zeros({chunk * w});
+    padded.narrow(0, 0, numel).copy_(reduced);
+    auto slice = torch::empty({chunk}), a2a = torch::empty({chunk});
+    pg->reduce_scatter(noisy, slice, tandem::ReduceOp::kSum, Algo::kAllreduceSlice);
+    pg->reduce_scatter(noisy, a2a, tandem::ReduceOp::kSum, Algo::kAlltoall);
+    auto mine = padded.narrow(0, static_cast<int64_t>(r) * chunk, chunk);
+    check(torch::equal(slice, mine), "reduce_scatter allreduce algorithm is bitwise an allreduce");
+    check(torch::allclose(a2a, mine, 1e-6, 1e-6), "reduce_scatter alltoall agrees to rounding");
+    // all_gather_into: every rank's shard, in rank order.
+    auto shard = torch::full({chunk}, static_cast<float>(r)) + torch::arange(chunk, torch::kFloat);
+    auto gathered = torch::empty({chunk * w});
+    pg->all_gather_into(shard, gathered);
+    for (int k = 0; k < w; ++k)
+      check(same(gathered.narrow(0, k * chunk, chunk),
+                 torch::full({chunk}, static_cast<float>(k)) + torch::arange(chunk, torch::kFloat)),
+            "all_gather_into block " + std::to_string(k));
+  }
+  try {
+    auto wrong = torch::empty({100});
+    pg->reduce_scatter(torch::ones({8}), wrong, tandem::ReduceOp::kSum);
+    check(false, "reduce_scatter accepted a wrongly sized output");
+  } catch (const std::exception& e) {
+    check(std::string(e.what()).find("shard_numel") != std::string::npos,
+          std::string("reduce_scatter size error names the fix: ") + e.what());
+  }
+  std::cout << "reduce_scatter and all_gather_into checked" << std::endl;
 
   // Subgroup of the even ranks.
   std::vector<int> evens;

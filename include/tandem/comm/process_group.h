@@ -90,6 +90,26 @@ class ProcessGroup {
   /// Returns when every rank of the group has reached it.
   void barrier();
 
+  /// How reduce_scatter moves the bytes. kAlltoall: every rank sends each peer only the chunk
+  /// it owns and sums what it receives ((n-1)/n of the tensor out and in: the optimal bytes).
+  /// kAllreduceSlice: an allreduce of the whole tensor, then this rank's chunk (twice the bytes,
+  /// and bitwise the chunk of what an allreduce gives, so sharded training can equal DDP exactly).
+  enum class ReduceScatterAlgorithm { kAlltoall, kAllreduceSlice };
+
+  /// Reduce-scatter of the flat tensor `input` (same numel and dtype on every rank): group rank
+  /// r receives chunk r of the elementwise reduction into `output`, where the chunks are
+  /// shard_numel(input.numel()) elements each; the last chunks are padded (never empty: Gloo
+  /// aborts on empty messages), and the padding of `output` is zero-filled reduced padding.
+  /// kSum and kMean. `output` must hold shard_numel(input.numel()) elements.
+  void reduce_scatter(const at::Tensor& input, at::Tensor& output, ReduceOp op,
+                      ReduceScatterAlgorithm algorithm = ReduceScatterAlgorithm::kAlltoall);
+  /// All-gather into one flat tensor: `output` (size() x shard.numel() elements) gets every
+  /// rank's `shard` in rank order.
+  void all_gather_into(const at::Tensor& shard, at::Tensor& output);
+  /// Elements per rank when `numel` elements are split into size() equal, padded chunks: at
+  /// least 1, so that no rank's chunk is empty.
+  int64_t shard_numel(int64_t numel) const;
+
   /// Internals for tandem's own engines (src/); not part of the public API.
   Impl& impl() { return *impl_; }
 
