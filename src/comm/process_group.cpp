@@ -317,9 +317,7 @@ void ProcessGroup::reduce_scatter(const at::Tensor& input, at::Tensor& output, R
               output.numel(), " elements; a ", input.numel(), "-element input over ", n,
               " ranks gives each ", chunk, " (ProcessGroup::shard_numel)");
   auto flat = input.reshape({-1});
-  const auto wire = flat.is_cpu() && flat.scalar_type() == at::kBFloat16 && !compat::kGlooSumsBFloat16
-                        ? at::kFloat
-                        : flat.scalar_type();
+  const auto wire = compat::gloo_sum_dtype(flat.scalar_type(), flat.device().type());
   // The padded input, in the dtype that travels.
   at::Tensor padded = at::zeros({chunk * n}, flat.options().dtype(wire));
   padded.narrow(0, 0, flat.numel()).copy_(flat);

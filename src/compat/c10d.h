@@ -41,6 +41,14 @@ constexpr bool kGlooSumsBFloat16 = true;
 constexpr bool kGlooSumsBFloat16 = false;
 #endif
 
+/// The dtype in which tensors of `dtype` on `device` are summed by a collective: `dtype`
+/// itself, or fp32 for bf16 CPU tensors where Gloo cannot sum bf16 (kGlooSumsBFloat16).
+inline c10::ScalarType gloo_sum_dtype(c10::ScalarType dtype, c10::DeviceType device) {
+  return dtype == c10::kBFloat16 && device == c10::DeviceType::CPU && !kGlooSumsBFloat16
+             ? c10::kFloat
+             : dtype;
+}
+
 // Note [Loopback rendezvous]: LibTorch >= 2.4 lets the store's server take a socket the caller
 // has bound and listened on (TCPStoreOptions::masterListenFd), so a job on one machine can
 // listen on 127.0.0.1 only. LibTorch 1.13's TCPStore binds every interface and has no such

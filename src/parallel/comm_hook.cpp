@@ -62,9 +62,7 @@ std::shared_ptr<CommHook> bf16_compress_hook() {
 }
 
 at::ScalarType compress_hook_wire_dtype(at::ScalarType dtype, c10::DeviceType device) {
-  if (dtype == at::kBFloat16 && device == c10::DeviceType::CPU && !compat::kGlooSumsBFloat16)
-    return at::kFloat;
-  return dtype;
+  return compat::gloo_sum_dtype(dtype, device);
 }
 
 std::shared_ptr<CommHook> comm_hook_from_name(const std::string& name) {

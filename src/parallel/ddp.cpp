@@ -20,12 +20,11 @@
 namespace tandem::parallel {
 namespace {
 
-// Gloo in LibTorch 1.13 has no bfloat16 reductions: there bf16 CPU tensors travel as fp32
-// (whose sums are also more accurate); copy_ converts on the way in and out.
+// Buckets hold gradients in the dtype collectives can sum (compat::gloo_sum_dtype: fp32 for bf16
+// on LibTorch 1.13's Gloo, whose fp32 sums are also more accurate); copy_ converts on the way in
+// and out.
 at::ScalarType wire_dtype(const at::Tensor& t) {
-  return t.is_cpu() && t.scalar_type() == at::kBFloat16 && !compat::kGlooSumsBFloat16
-             ? at::kFloat
-             : t.scalar_type();
+  return compat::gloo_sum_dtype(t.scalar_type(), t.device().type());
 }
 
 // Note [Gradients as bucket views]: the .grad of a parameter aliases its slot of the bucket's
@@ -56,7 +55,9 @@ GradientReducer::GradientReducer(
     std::shared_ptr<ProcessGroup> pg, ReducerOptions options)
     : pg_(std::move(pg)), options_(options),
       hook_(options.comm_hook() ? options.comm_hook() : allreduce_hook()),
-      divide_(hook_->reducer_divides() && pg_->size() > 1) {
+      inv_world_(hook_->reducer_divides() && pg_->size() > 1
+                     ? at::native::wrapped_scalar_tensor(1.0 / pg_->size())
+                     : at::Tensor()) {
   // Distinct parameters that need gradients, in registration order (tied ones once).
   std::unordered_set<const void*> seen;
   for (const auto& [name, p] : named_parameters) {
@@ -158,8 +159,8 @@ void GradientReducer::on_gradient_ready(size_t i) {
     } else if (grad.data_ptr() != view.data_ptr()) {
       copy_into_bucket(view, grad);
       grad = view;
-    } else if (divide_) {
-      view.mul_(at::native::wrapped_scalar_tensor(1.0 / pg_->size()));
+    } else if (inv_world_.defined()) {
+      view.mul_(inv_world_);
     }
   } else {
     auto slot = b.flat().narrow(0, offset_of_[i], params_[i].numel());
@@ -179,10 +180,10 @@ void GradientReducer::on_gradient_ready(size_t i) {
 // world size), and the same bits with and without gradient_as_bucket_view (PyTorch divides
 // views by the world size instead, which can differ in the last bit when it is not a power of 2).
 void GradientReducer::copy_into_bucket(at::Tensor& slot, const at::Tensor& grad) {
-  if (!divide_) {
+  if (!inv_world_.defined()) {
     slot.copy_(grad);
   } else if (slot.scalar_type() == grad.scalar_type()) {
-    at::mul_out(slot, grad, at::native::wrapped_scalar_tensor(1.0 / pg_->size()));
+    at::mul_out(slot, grad, inv_world_);
   } else {
     // bf16 gradients in an fp32 bucket: divide in fp32, not in the gradient's dtype.
     slot.copy_(grad);

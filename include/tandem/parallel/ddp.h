@@ -113,7 +113,9 @@ class GradientReducer {
   std::vector<char> ready_;
   std::vector<char> view_;  // param -> .grad is a view into its bucket
   std::shared_ptr<CommHook> hook_;
-  bool divide_;  // Note [Division on the way in]
+  // Note [Division on the way in]: 1 / world size as a wrapped scalar (made once, not per
+  // gradient); undefined when the hook divides itself or the world is one process.
+  at::Tensor inv_world_;
   std::vector<std::string> twice_;
   size_t next_bucket_ = 0;
   bool callback_queued_ = false;
