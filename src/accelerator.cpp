@@ -34,6 +34,22 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
     auto msg = launch::unavailable_strategy_message(*type);
     if (!msg.empty())
       throw std::invalid_argument(state_.prefix() + " TANDEM_DISTRIBUTED_TYPE=" + *type + ": " + msg);
+    try {
+      distributed_type_ = parallel::distributed_type_from_name(*type);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(state_.prefix() + " TANDEM_DISTRIBUTED_TYPE: " + e.what());
+    }
+  }
+  if (!options_.sharding()) {
+    try {
+      options_.sharding(parallel::sharding_from_environment(current_environment()));
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(state_.prefix() + " " + e.what());
+    }
+  }
+  if (options_.sharding()) {
+    auto msg = parallel::unsupported_sharding_message(*options_.sharding());
+    if (!msg.empty()) throw std::invalid_argument(state_.prefix() + " " + msg);
   }
   bool cpu = options_.cpu().value_or(env("TANDEM_USE_CPU") ? env_true(*env("TANDEM_USE_CPU"))
                                                            : false);
@@ -70,6 +86,17 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
       if (!w.empty()) std::cerr << w << std::endl;
   }
   pg_ = ProcessGroup::create(state_, ProcessGroupOptions().timeout(options_.timeout()));
+  parallel::StrategyContext ctx;
+  ctx.pg = pg_;
+  ctx.device = device_;
+  ctx.master_weights = precision_.master_weights;
+  ctx.reducer = parallel::ReducerOptions()
+                    .bucket_cap_mb(options_.bucket_cap_mb())
+                    .first_bucket_cap_mb(options_.first_bucket_cap_mb())
+                    .find_unused_parameters(options_.find_unused_parameters())
+                    .comm_hook(parallel::comm_hook_from_name(*options_.comm_hook()))
+                    .gradient_as_bucket_view(*options_.gradient_as_bucket_view());
+  strategy_ = parallel::make_strategy(distributed_type_, options_.sharding(), std::move(ctx));
   init_timeline();
   if (options_.seed()) set_seed(*options_.seed());
 }
@@ -98,16 +125,7 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
   model->to(device_);
   cast_model_for_precision(*model);
   parallel::broadcast_module_state(*model, *pg_, true, true);
-  if (pg_->size() > 1) {
-    reducers_.push_back(std::make_unique<parallel::GradientReducer>(
-        model->named_parameters().pairs(), pg_,
-        parallel::ReducerOptions()
-            .bucket_cap_mb(options_.bucket_cap_mb())
-            .first_bucket_cap_mb(options_.first_bucket_cap_mb())
-            .find_unused_parameters(options_.find_unused_parameters())
-            .comm_hook(parallel::comm_hook_from_name(*options_.comm_hook()))
-            .gradient_as_bucket_view(*options_.gradient_as_bucket_view())));
-  }
+  strategy_->prepare_model(model);
   models_.push_back(model);
   return model;
 }
@@ -115,7 +133,8 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
 AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimizer> optimizer) {
   TORCH_CHECK(optimizer, state_.prefix(), " prepare: the optimizer is null");
   optimizers_.push_back(optimizer);
-  install_master_weights(*optimizer);
+  // A sharding strategy makes the optimizer step its shards (fp32 ones for master weights).
+  install_master_weights(*optimizer, strategy_->prepare_optimizer(*optimizer));
   return AcceleratedOptimizer(std::move(optimizer), self_);
 }
 
@@ -153,7 +172,7 @@ void Accelerator::backward(const at::Tensor& loss) {
     l.backward();
   }
   boundary_prepared_ = false;
-  for (auto& r : reducers_) r->after_backward();
+  strategy_->after_backward();
   record_backward(begin, track::Timeline::Clock::now());
 }
 
@@ -161,19 +180,16 @@ Accelerator::AccumulateScope Accelerator::accumulate() {
   ++micro_step_;
   sync_gradients_ = micro_step_ % accumulation_steps_ == 0 || loader_state_->end_of_dataloader;
   if (sync_gradients_) micro_step_ = 0;
-  if (no_sync_depth_ == 0)
-    for (auto& r : reducers_) r->set_sync(sync_gradients_);
+  if (no_sync_depth_ == 0) strategy_->set_sync(sync_gradients_);
   return AccumulateScope(this, autocast());
 }
 
 Accelerator::NoSyncScope::NoSyncScope(Accelerator* acc) : acc_(acc) {
-  if (acc_->no_sync_depth_++ == 0)
-    for (auto& r : acc_->reducers_) r->set_sync(false);
+  if (acc_->no_sync_depth_++ == 0) acc_->strategy_->set_sync(false);
 }
 
 Accelerator::NoSyncScope::~NoSyncScope() {
-  if (acc_ && --acc_->no_sync_depth_ == 0)
-    for (auto& r : acc_->reducers_) r->set_sync(acc_->sync_gradients_);
+  if (acc_ && --acc_->no_sync_depth_ == 0) acc_->strategy_->set_sync(acc_->sync_gradients_);
 }
 
 Accelerator::NoSyncScope Accelerator::no_sync() { return NoSyncScope(this); }
@@ -183,6 +199,9 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
   if (!sync_gradients_) return 0.0;
   unscale_gradients();
   auto no_autocast = autocast(false);
+  // Sharded gradients: the norm of every rank's shards together (as FSDP's clip_grad_norm_,
+  // the whole model's).
+  if (auto norm = strategy_->clip_grad_norm(max_norm, norm_type)) return *norm;
   return torch::nn::utils::clip_grad_norm_(grads_to_clip(parameters), max_norm, norm_type);
 }
 
@@ -190,6 +209,7 @@ void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, do
   if (!sync_gradients_) return;
   unscale_gradients();
   auto no_autocast = autocast(false);
+  if (strategy_->clip_grad_value(clip_value)) return;
   torch::nn::utils::clip_grad_value_(grads_to_clip(parameters), clip_value);
 }
 
@@ -246,6 +266,7 @@ void AcceleratedOptimizer::step() {
   }
   if (acc) {
     acc->after_optimizer_step_precision(*optimizer_);
+    acc->strategy_->after_step(*optimizer_);
     acc->after_optimizer_step();
   }
 }
@@ -254,7 +275,10 @@ void AcceleratedOptimizer::zero_grad() {
   Accelerator* acc = owner();
   if (acc && !acc->sync_gradients()) return;
   optimizer_->zero_grad();
-  if (acc) acc->zero_model_grads_for(*optimizer_);
+  if (acc) {
+    acc->zero_model_grads_for(*optimizer_);
+    acc->strategy_->zero_grad(*optimizer_);
+  }
 }
 
 }  // namespace tandem

@@ -22,6 +22,7 @@
 #include "tandem/data/loader.h"
 #include "tandem/optimizer.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/strategy.h"
 #include "tandem/precision/autocast.h"
 #include "tandem/precision/fp8.h"
 #include "tandem/precision/grad_scaler.h"
@@ -77,6 +78,10 @@ struct AcceleratorOptions {
   /// Gradients live in the buckets, no copy in or out (env TANDEM_GRADIENT_AS_BUCKET_VIEW,
   /// config key gradient_as_bucket_view). Default off, as in PyTorch.
   TORCH_ARG(std::optional<bool>, gradient_as_bucket_view) = std::nullopt;
+  /// Sharded data parallel (ZeRO stages 1-2; docs/sharding.md). Unset: from the launcher's
+  /// environment (distributed_type DEEPSPEED with deepspeed_config, or FSDP with fsdp_config),
+  /// else plain data parallel.
+  TORCH_ARG(std::optional<parallel::ShardingOptions>, sharding) = std::nullopt;
   /// Re-broadcast buffers (e.g. BatchNorm statistics) from rank 0 after every optimizer step.
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// no, bf16, fp16, bf16-true, fp16-true or fp8 (env TANDEM_MIXED_PRECISION, set by
@@ -358,10 +363,12 @@ class Accelerator {
   /// The per-rank timeline (disabled unless timeline_dir or TANDEM_TIMELINE is set).
   track::Timeline& timeline() { return *timeline_; }
 
-  /// The reducers of the prepared models (for timelines and tests).
-  const std::vector<std::unique_ptr<parallel::GradientReducer>>& reducers() const {
-    return reducers_;
-  }
+  /// The gradient reducers of the strategy (for timelines and tests).
+  std::vector<const parallel::GradientReducer*> reducers() const { return strategy_->reducers(); }
+  /// The strategy of this run (data parallel, or a ZeRO stage).
+  const parallel::Strategy& strategy() const { return *strategy_; }
+  /// The distributed type this run was started with.
+  parallel::DistributedType distributed_type() const { return distributed_type_; }
   /// The shared state of the prepared loaders.
   const data::LoaderState& loader_state() const { return *loader_state_; }
   /// Number of optimizer steps taken (on boundaries).
@@ -374,7 +381,9 @@ class Accelerator {
   // Mixed precision (src/precision/accelerator_precision.cpp).
   void init_precision();
   void cast_model_for_precision(torch::nn::Module& model);
-  void install_master_weights(torch::optim::Optimizer& optimizer);
+  // Registers `optimizer` with the precision component; `strategy_owns_masters`: a sharding
+  // strategy already made it step fp32 shards, so no masters are installed here.
+  void install_master_weights(torch::optim::Optimizer& optimizer, bool strategy_owns_masters);
   bool before_optimizer_step();  // false: skip (inf/NaN somewhere)
   void after_optimizer_step_precision(torch::optim::Optimizer& optimizer);
   void zero_model_grads_for(torch::optim::Optimizer& optimizer);
@@ -421,7 +430,8 @@ class Accelerator {
   void init_timeline();
   void record_backward(track::Timeline::Clock::time_point begin,
                        track::Timeline::Clock::time_point end);
-  std::vector<std::unique_ptr<parallel::GradientReducer>> reducers_;
+  parallel::DistributedType distributed_type_ = parallel::DistributedType::kNo;
+  std::unique_ptr<parallel::Strategy> strategy_;
   // Mixed precision.
   precision::PrecisionPolicy precision_;
   std::unique_ptr<precision::GradScaler> scaler_;

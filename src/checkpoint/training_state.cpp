@@ -6,6 +6,9 @@
 //   optimizer.safetensors + optimizer.json, _1 ...    optimizer state and hyper-parameters (main)
 //   master_weights.safetensors, _1 ...                fp32 masters of the -true modes, keyed as
 //                                                     the optimizer state ("g<group>.p<index>")
+//   optimizer.rank<r>.safetensors + .json, _1 ...     a sharded optimizer (ZeRO): every rank's
+//                                                     shards, with the layout in the JSON, so
+//                                                     that any number of ranks can resume
 //   state.json                                        counters, loaders, schedulers, scaler (main)
 //   custom_<name>.bin                                 registered objects (main)
 //   random_states_<rank>.safetensors                  every rank's RNG states (each rank)
@@ -27,6 +30,8 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <map>
+#include <memory>
 #include <fstream>
 #include <regex>
 #include <sstream>
@@ -229,6 +234,7 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
         add(name);
       }
       for (size_t i = 0; i < optimizers_.size(); ++i) {
+        if (strategy_->shards_optimizer(*optimizers_[i])) continue;  // every rank, below
         auto st = checkpoint::optimizer_state(*optimizers_[i]);
         checkpoint::save_safetensors((tmp / indexed("optimizer", i, ".safetensors")).string(), st.tensors);
         write_file(tmp / indexed("optimizer", i, ".json"), st.json);
@@ -268,6 +274,15 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
       if (scaler_) st["scaler"] = scaler_->state_dict();
       write_file(tmp / "state.json", st.dump(2));
       add("state.json");
+    }
+    for (size_t i = 0; i < optimizers_.size(); ++i) {
+      if (!strategy_->shards_optimizer(*optimizers_[i])) continue;
+      auto st = strategy_->optimizer_shard_state(*optimizers_[i]);
+      const auto stem = indexed("optimizer", i, "") + ".rank" + std::to_string(rank);
+      checkpoint::save_safetensors((tmp / (stem + ".safetensors")).string(), st.tensors);
+      write_file(tmp / (stem + ".json"), st.json);
+      add(stem + ".safetensors");
+      add(stem + ".json");
     }
     const auto rng = "random_states_" + std::to_string(rank) + ".safetensors";
     checkpoint::save_safetensors((tmp / rng).string(), rng_states());
@@ -386,7 +401,34 @@ void Accelerator::load_state(const std::string& dir_arg) {
     auto report = checkpoint::load_model(*models_[i], verified(indexed("model", i, ".safetensors")));
     (void)report;
   }
+  const int saved_world = st["world_size"].get<int>();
   for (size_t i = 0; i < optimizers_.size(); ++i) {
+    const auto stem = indexed("optimizer", i, "");
+    const bool saved_sharded = manifest["files"].contains(stem + ".rank0.json");
+    const bool sharded = strategy_->shards_optimizer(*optimizers_[i]);
+    if (saved_sharded != sharded)
+      throw std::runtime_error(
+          state_.prefix() + " load_state: " + dir.string() + " holds " +
+          (saved_sharded ? "sharded" : "whole") + " optimizer state, but this run " +
+          (sharded ? "shards it (" + strategy_->name() + ")" : "does not shard it") +
+          "; resume with the strategy the checkpoint was saved with (a ZeRO stage reloads on "
+          "any number of ranks and from stage 1 to 2 and back)");
+    if (sharded) {
+      // Rank r's files, verified once and opened on first use.
+      std::map<int, std::unique_ptr<checkpoint::SafetensorsFile>> open;
+      auto file = [&](int r) -> checkpoint::SafetensorsFile& {
+        auto& f = open[r];
+        if (!f)
+          f = std::make_unique<checkpoint::SafetensorsFile>(
+              verified(stem + ".rank" + std::to_string(r) + ".safetensors"));
+        return *f;
+      };
+      strategy_->load_optimizer_shards(
+          *optimizers_[i], saved_world,
+          [&](int r) { return read_file(verified(stem + ".rank" + std::to_string(r) + ".json")); },
+          [&](int r, const std::string& name) { return file(r).tensor(name); });
+      continue;
+    }
     checkpoint::OptimizerState os;
     checkpoint::SafetensorsFile f(verified(indexed("optimizer", i, ".safetensors")));
     for (const auto& n : f.names()) os.tensors.emplace_back(n, f.tensor(n));

@@ -89,6 +89,11 @@ void Work::wait() {
   if (impl_->divide_by != 1.0)
     for (auto& t : impl_->tensors) t.div_(impl_->divide_by);
   impl_->done = true;
+  if (impl_->then) {
+    auto then = std::move(impl_->then);
+    impl_->then = nullptr;
+    then();
+  }
 }
 
 bool Work::completed() const { return !impl_ || impl_->done || impl_->work->isCompleted(); }
@@ -309,6 +314,11 @@ int64_t ProcessGroup::shard_numel(int64_t numel) const {
 // results do not depend on the LibTorch. bf16 on a Gloo that cannot sum it is summed as fp32.
 void ProcessGroup::reduce_scatter(const at::Tensor& input, at::Tensor& output, ReduceOp op,
                                   ReduceScatterAlgorithm algorithm) {
+  reduce_scatter_async(input, output, op, algorithm).wait();
+}
+
+Work ProcessGroup::reduce_scatter_async(const at::Tensor& input, at::Tensor output, ReduceOp op,
+                                        ReduceScatterAlgorithm algorithm) {
   TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kMean, prefix(),
               " reduce_scatter: only sum and mean are supported");
   const int n = impl_->size;
@@ -318,31 +328,51 @@ void ProcessGroup::reduce_scatter(const at::Tensor& input, at::Tensor& output, R
               " ranks gives each ", chunk, " (ProcessGroup::shard_numel)");
   auto flat = input.reshape({-1});
   const auto wire = compat::gloo_sum_dtype(flat.scalar_type(), flat.device().type());
-  // The padded input, in the dtype that travels.
-  at::Tensor padded = at::zeros({chunk * n}, flat.options().dtype(wire));
-  padded.narrow(0, 0, flat.numel()).copy_(flat);
-  at::Tensor mine;
+  // The padded input, in the dtype that travels (no copy when it already is one).
+  at::Tensor padded;
+  if (flat.numel() == chunk * n && flat.scalar_type() == wire && flat.is_contiguous() &&
+      algorithm == ReduceScatterAlgorithm::kAlltoall) {
+    padded = flat;
+  } else {
+    padded = at::zeros({chunk * n}, flat.options().dtype(wire));
+    padded.narrow(0, 0, flat.numel()).copy_(flat);
+  }
+  const double div = op == ReduceOp::kMean ? static_cast<double>(n) : 1.0;
+  auto finish = [output, div](const at::Tensor& mine) mutable {
+    if (div != 1.0)
+      output.copy_(mine.div(div).view(output.sizes()));
+    else
+      output.copy_(mine.view(output.sizes()));
+  };
   if (n == 1) {
-    mine = padded;
-  } else if (algorithm == ReduceScatterAlgorithm::kAllreduceSlice) {
-    allreduce_async({padded}, ReduceOp::kSum, "reduce_scatter (allreduce)").wait();
-    mine = padded.narrow(0, static_cast<int64_t>(rank()) * chunk, chunk);
+    finish(padded);
+    return Work();
+  }
+  Work work;
+  if (algorithm == ReduceScatterAlgorithm::kAllreduceSlice) {
+    work = allreduce_async({padded}, ReduceOp::kSum, "reduce_scatter (allreduce)");
+    const int64_t start = static_cast<int64_t>(rank()) * chunk;
+    work.impl_->then = [padded, start, chunk, finish]() mutable {
+      finish(padded.narrow(0, start, chunk));
+    };
   } else {
     at::Tensor received = at::empty_like(padded);
     c10d::AllToAllOptions o;
     o.timeout = impl_->options.timeout();
     std::vector<int64_t> splits;  // equal splits
     auto moved_in = as_movable(padded), moved_out = as_movable(received);
-    impl_->wrap(impl_->backend_for(padded).alltoall_base(moved_out, moved_in, splits, splits, o),
-                "reduce_scatter (alltoall)", {}, 1.0)
-        .wait();
-    // Sum the n chunks in rank order: the same order on every rank, whatever the arrival.
-    auto parts = received.view({n, chunk});
-    mine = parts[0].clone();
-    for (int k = 1; k < n; ++k) mine.add_(parts[k]);
+    work = impl_->wrap(
+        impl_->backend_for(padded).alltoall_base(moved_out, moved_in, splits, splits, o),
+        "reduce_scatter (alltoall)", {padded}, 1.0);  // keeps the input alive while in flight
+    work.impl_->then = [received, n, chunk, finish]() mutable {
+      // Sum the n chunks in rank order: the same order on every rank, whatever the arrival.
+      auto parts = received.view({n, chunk});
+      auto mine = parts[0].clone();
+      for (int k = 1; k < n; ++k) mine.add_(parts[k]);
+      finish(mine);
+    };
   }
-  if (op == ReduceOp::kMean) mine = mine.div(static_cast<double>(n));
-  output.copy_(mine.view(output.sizes()));
+  return work;
 }
 
 void ProcessGroup::all_gather_into(const at::Tensor& shard, at::Tensor& output) {

@@ -1,6 +1,7 @@
 // Merging flags over the config file, resolving the distributed type and process count, the
 // device-count check, and the TANDEM_* environment of the ranks.
 #include "tandem/launch/resolve.h"
+#include "tandem/parallel/strategy.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -178,6 +179,7 @@ EnvMap program_environment(const ResolvedLaunch& r) {
   env["TANDEM_MIXED_PRECISION"] = c.mixed_precision;
   env["TANDEM_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(c.gradient_accumulation_steps);
   if (c.use_cpu) env["TANDEM_USE_CPU"] = "1";
+  if (c.num_machines > 1) env["TANDEM_NUM_MACHINES"] = std::to_string(c.num_machines);
   if (c.debug) env["TANDEM_DEBUG"] = "1";
   if (c.downcast_bf16) env["TANDEM_DOWNCAST_BF16"] = "1";
   if (c.ddp_comm_hook != "none") env["TANDEM_DDP_COMM_HOOK"] = c.ddp_comm_hook;
@@ -232,11 +234,7 @@ LaunchOptions to_launch_options(const ResolvedLaunch& r, const EnvMap& user_env,
 
 std::string unavailable_strategy_message(const std::string& t) {
   std::string what;
-  if (t == "FSDP")
-    what = "distributed_type FSDP asks for fully sharded data parallel (--use_fsdp, fsdp_config)";
-  else if (t == "DEEPSPEED")
-    what = "distributed_type DEEPSPEED asks for ZeRO sharding (--use_deepspeed, deepspeed_config)";
-  else if (t == "MEGATRON_LM")
+  if (t == "MEGATRON_LM")
     what = "distributed_type MEGATRON_LM asks for Megatron-LM's tensor and pipeline parallelism";
   else
     return "";
@@ -251,7 +249,15 @@ void check_strategy_available(const ResolvedLaunch& r) {
   const auto& c = r.config;
   auto msg = unavailable_strategy_message(r.distributed_type);
   if (msg.empty()) msg = unavailable_strategy_message(c.distributed_type);
-  if (msg.empty()) return;
+  if (msg.empty()) {
+    // The sharding the ranks would run: refused here, before any process starts.
+    auto env = program_environment(r);
+    if (auto sharding = parallel::sharding_from_environment(env)) {
+      auto why = parallel::unsupported_sharding_message(*sharding);
+      if (!why.empty()) throw std::invalid_argument("distributed_type " + r.distributed_type + ", " + why);
+    }
+    return;
+  }
   auto src = c.sources.find("distributed_type");
   std::string from;
   if (src != c.sources.end() && src->second == Source::kCommandLine)

@@ -58,19 +58,32 @@ GradientReducer::GradientReducer(
       inv_world_(hook_->reducer_divides() && pg_->size() > 1
                      ? at::native::wrapped_scalar_tensor(1.0 / pg_->size())
                      : at::Tensor()) {
+  TORCH_CHECK(options_.groups().empty() || options_.groups().size() == named_parameters.size(),
+              pg_->prefix(), " ReducerOptions::groups has ", options_.groups().size(),
+              " keys for ", named_parameters.size(), " parameters");
+  TORCH_CHECK(!options_.release_gradients() ||
+                  (!options_.write_back() && !options_.gradient_as_bucket_view()),
+              pg_->prefix(), " ReducerOptions::release_gradients needs write_back(false) and no "
+              "gradient_as_bucket_view");
+  TORCH_CHECK(options_.bucket_multiple() >= 1, pg_->prefix(),
+              " ReducerOptions::bucket_multiple must be at least 1");
   // Distinct parameters that need gradients, in registration order (tied ones once).
   std::unordered_set<const void*> seen;
-  for (const auto& [name, p] : named_parameters) {
+  std::vector<int> user_group;
+  for (size_t k = 0; k < named_parameters.size(); ++k) {
+    const auto& [name, p] = named_parameters[k];
     if (!p.requires_grad()) continue;
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
     names_.push_back(name);
     params_.push_back(p);
+    user_group.push_back(options_.groups().empty() ? 0 : options_.groups()[k]);
   }
   std::vector<BucketParam> sizes;
-  std::map<std::pair<int, int>, int> groups;  // (dtype, device) -> group
-  for (const auto& p : params_) {
-    auto key = std::make_pair(static_cast<int>(p.scalar_type()),
-                              static_cast<int>(p.device().type()) * 1000 + p.device().index());
+  std::map<std::tuple<int, int, int>, int> groups;  // (key, dtype, device) -> group
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    auto key = std::make_tuple(user_group[i], static_cast<int>(p.scalar_type()),
+                               static_cast<int>(p.device().type()) * 1000 + p.device().index());
     auto it = groups.emplace(key, static_cast<int>(groups.size())).first;
     sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), it->second});
   }
@@ -78,6 +91,7 @@ GradientReducer::GradientReducer(
   buckets_ = assign_buckets(sizes, mib(options_.bucket_cap_mb()), mib(options_.first_bucket_cap_mb()));
   bucket_of_.assign(params_.size(), 0);
   offset_of_.assign(params_.size(), 0);
+  const int64_t multiple = options_.bucket_multiple();
   for (size_t b = 0; b < buckets_.size(); ++b) {
     auto st = std::make_unique<Bucket>();
     st->grad_bucket.parameter_indices = buckets_[b];
@@ -87,9 +101,14 @@ GradientReducer::GradientReducer(
       offset_of_[i] = numel;
       numel += params_[i].numel();
     }
+    // Padded to equal chunks, none of them empty (Gloo aborts on empty messages).
+    if (multiple > 1) numel = std::max(multiple, (numel + multiple - 1) / multiple * multiple);
     const auto& first = params_[st->members().front()];
-    st->grad_bucket.buffer =
-        at::zeros({numel}, first.options().dtype(wire_dtype(first)).requires_grad(false));
+    bucket_numel_.push_back(numel);
+    bucket_dtype_.push_back(wire_dtype(first));
+    if (!options_.release_gradients())
+      st->grad_bucket.buffer =
+          at::zeros({numel}, first.options().dtype(wire_dtype(first)).requires_grad(false));
     st->pending = st->members().size();
     st->grad_bucket.index = b;
     st->grad_bucket.is_last = b + 1 == buckets_.size();
@@ -99,12 +118,12 @@ GradientReducer::GradientReducer(
   view_.assign(params_.size(), 0);
   if (options_.gradient_as_bucket_view())
     for (size_t i = 0; i < params_.size(); ++i)
-      view_[i] = bucket_state_[bucket_of_[i]]->flat().scalar_type() == params_[i].scalar_type();
+      view_[i] = bucket_dtype_[bucket_of_[i]] == params_[i].scalar_type();
   timeline_.bucket_started.resize(buckets_.size());
   timeline_.bucket_finished.resize(buckets_.size());
   for (size_t b = 0; b < buckets_.size(); ++b)
-    timeline_.bucket_bytes.push_back(bucket_state_[b]->flat().numel() *
-                                     static_cast<int64_t>(bucket_state_[b]->flat().element_size()));
+    timeline_.bucket_bytes.push_back(bucket_numel_[b] *
+                                     static_cast<int64_t>(c10::elementSize(bucket_dtype_[b])));
   // Hooks on the gradient accumulators: they run after .grad was written.
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
@@ -147,6 +166,7 @@ void GradientReducer::on_gradient_ready(size_t i) {
   }
   ready_[i] = 1;
   Bucket& b = *bucket_state_[bucket_of_[i]];
+  ensure_buffer(b);
   auto& grad = params_[i].mutable_grad();
   if (view_[i]) {
     // Note [Gradients as bucket views]: after the first step autograd accumulates straight into
@@ -168,8 +188,17 @@ void GradientReducer::on_gradient_ready(size_t i) {
       copy_into_bucket(slot, grad.reshape({-1}));
     else
       slot.zero_();
+    if (options_.release_gradients()) grad.reset();  // the bucket holds it now
   }
   if (--b.pending == 0) launch_ready_buckets();
+}
+
+void GradientReducer::ensure_buffer(Bucket& b) {
+  if (b.flat().defined()) return;
+  const auto& first = params_[b.members().front()];
+  b.grad_bucket.buffer = at::zeros({bucket_numel_[b.grad_bucket.index]},
+                                   first.options().dtype(bucket_dtype_[b.grad_bucket.index])
+                                       .requires_grad(false));
 }
 
 // Note [Division on the way in]: with the default hook the mean's division is fused into the
@@ -198,7 +227,37 @@ void GradientReducer::launch_ready_buckets() {
     b.work = hook_->start(*pg_, b.grad_bucket);
     b.launched = true;
     ++next_bucket_;
+    // release_gradients: at most two buckets in flight, so that their buffers do not add up
+    // to the full gradients.
+    if (options_.release_gradients() && !used_anywhere_.defined())
+      while (next_bucket_ - next_finish_ > 2) finish_bucket(next_finish_++);
   }
+}
+
+void GradientReducer::finish_bucket(size_t b) {
+  Bucket& bs = *bucket_state_[b];
+  bs.grad_bucket.all_unused = used_anywhere_.defined();
+  if (used_anywhere_.defined())
+    for (size_t i : bs.members())
+      if (used_anywhere_[i].item<int>() != 0) bs.grad_bucket.all_unused = false;
+  hook_->finish(bs.grad_bucket, bs.work);
+  timeline_.bucket_finished[b] = std::chrono::steady_clock::now();
+  if (options_.write_back()) {
+    for (size_t i : bs.members()) {
+      if (used_anywhere_.defined() && used_anywhere_[i].item<int>() == 0) continue;
+      auto slot = bs.flat().narrow(0, offset_of_[i], params_[i].numel()).view(params_[i].sizes());
+      auto& g = params_[i].mutable_grad();
+      if (view_[i] && g.defined() && g.data_ptr() == slot.data_ptr()) continue;  // in place
+      if (view_[i]) {
+        g = bucket_alias(bs.flat(), offset_of_[i], params_[i]);
+      } else if (g.defined()) {
+        g.copy_(slot);
+      } else {
+        g = slot.to(params_[i].scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      }
+    }
+  }
+  if (options_.release_gradients()) bs.grad_bucket.buffer = at::Tensor();
 }
 
 void GradientReducer::after_backward() {
@@ -222,9 +281,12 @@ void GradientReducer::finalize() {
       b->pending = b->members().size();
       b->launched = false;
       b->work = Work();
+      if (options_.release_gradients()) b->grad_bucket.buffer = at::Tensor();
     }
     std::fill(ready_.begin(), ready_.end(), 0);
     next_bucket_ = 0;
+    next_finish_ = 0;
+    used_anywhere_ = at::Tensor();
     twice_.clear();
   };
   auto wait_launched = [&] {
@@ -260,40 +322,23 @@ void GradientReducer::finalize() {
   }
   // find_unused_parameters: complete the buckets with zeros, and learn which parameters no rank
   // used, so that their .grad stays as it was (as PyTorch's DDP does).
-  at::Tensor used_anywhere;
   if (options_.find_unused_parameters()) {
     auto used = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
     for (size_t i = 0; i < params_.size(); ++i) used[i] = ready_[i] ? 1 : 0;
     for (size_t i : unused) {
       ready_[i] = 1;
       Bucket& b = *bucket_state_[bucket_of_[i]];
+      ensure_buffer(b);
       b.flat().narrow(0, offset_of_[i], params_[i].numel()).zero_();
       --b.pending;
     }
+    used_anywhere_ = used;  // set first: no bucket is finished early from here on
     launch_ready_buckets();
-    used_anywhere = used;
-    pg_->allreduce_async({used_anywhere}, ReduceOp::kSum, "unused-parameter map allreduce").wait();
+    pg_->allreduce_async({used_anywhere_}, ReduceOp::kSum, "unused-parameter map allreduce").wait();
   }
   // Wait for every bucket and write the averages back.
   try {
-    for (size_t b = 0; b < bucket_state_.size(); ++b) {
-      Bucket& bs = *bucket_state_[b];
-      hook_->finish(bs.grad_bucket, bs.work);
-      timeline_.bucket_finished[b] = std::chrono::steady_clock::now();
-      for (size_t i : bs.members()) {
-        if (used_anywhere.defined() && used_anywhere[i].item<int>() == 0) continue;
-        auto slot = bs.flat().narrow(0, offset_of_[i], params_[i].numel()).view(params_[i].sizes());
-        auto& g = params_[i].mutable_grad();
-        if (view_[i] && g.defined() && g.data_ptr() == slot.data_ptr()) continue;  // in place
-        if (view_[i]) {
-          g = bucket_alias(bs.flat(), offset_of_[i], params_[i]);
-        } else if (g.defined()) {
-          g.copy_(slot);
-        } else {
-          g = slot.to(params_[i].scalar_type(), /*non_blocking=*/false, /*copy=*/true);
-        }
-      }
-    }
+    for (size_t b = next_finish_; b < bucket_state_.size(); ++b) finish_bucket(b);
   } catch (...) {
     reset();
     throw;

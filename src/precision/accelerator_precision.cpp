@@ -61,9 +61,14 @@ void Accelerator::cast_model_for_precision(torch::nn::Module& model) {
   if (precision_.param_dtype != at::kFloat) model.to(precision_.param_dtype);
 }
 
-void Accelerator::install_master_weights(torch::optim::Optimizer& optimizer) {
+void Accelerator::install_master_weights(torch::optim::Optimizer& optimizer,
+                                         bool strategy_owns_masters) {
   MasterSet set;
   set.optimizer = &optimizer;
+  if (strategy_owns_masters) {
+    masters_.push_back(std::move(set));
+    return;
+  }
   std::set<const void*> seen;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
@@ -227,13 +232,14 @@ void Accelerator::zero_model_grads_for(torch::optim::Optimizer& optimizer) {
   }
 }
 
+// Each tensor once: LibTorch's parameters() lists a tied weight under each of its names, which
+// would count it twice in the norm (PyTorch's parameters() yields it once).
 std::vector<at::Tensor> Accelerator::grads_to_clip(const std::vector<at::Tensor>& parameters) {
-  if (master_of_.empty()) return parameters;
   std::vector<at::Tensor> out;
   out.reserve(parameters.size());
   std::set<const void*> seen;
   for (const auto& p : parameters) {
-    auto m = master_parameter(p);
+    auto m = master_of_.empty() ? at::Tensor() : master_parameter(p);
     auto t = m.defined() ? m : p;
     if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
   }

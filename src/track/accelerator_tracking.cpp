@@ -29,7 +29,7 @@ void Accelerator::record_backward(track::Timeline::Clock::time_point begin,
   // start of backward, which is where the user's forward runs.
   if (*last_ready_ < begin) timeline_->record("forward", "compute", *last_ready_, begin);
   timeline_->record("backward", "compute", begin, end);
-  for (const auto& r : reducers_) {
+  for (const auto* r : strategy_->reducers()) {
     if (!r->sync()) continue;
     auto t = r->last_timeline();
     for (size_t b = 0; b < t.bucket_started.size(); ++b)

@@ -46,6 +46,7 @@ class Work {
   bool completed() const;
 
  private:
+  friend class ProcessGroup;
   std::shared_ptr<Impl> impl_;
 };
 
@@ -103,6 +104,11 @@ class ProcessGroup {
   /// kSum and kMean. `output` must hold shard_numel(input.numel()) elements.
   void reduce_scatter(const at::Tensor& input, at::Tensor& output, ReduceOp op,
                       ReduceScatterAlgorithm algorithm = ReduceScatterAlgorithm::kAlltoall);
+  /// reduce_scatter() started asynchronously: `output` holds this rank's chunk once the returned
+  /// work was waited on (the local part of the algorithm runs in wait()). `input` may be reused
+  /// only after that.
+  Work reduce_scatter_async(const at::Tensor& input, at::Tensor output, ReduceOp op,
+                            ReduceScatterAlgorithm algorithm = ReduceScatterAlgorithm::kAlltoall);
   /// All-gather into one flat tensor: `output` (size() x shard.numel() elements) gets every
   /// rank's `shard` in rank order.
   void all_gather_into(const at::Tensor& shard, at::Tensor& output);

@@ -21,6 +21,9 @@ struct GradBucket {
   at::Tensor buffer;                       ///< flat gradients in, averages out
   std::vector<size_t> parameter_indices;  ///< into GradientReducer::parameter_names()
   bool is_last = false;
+  /// find_unused_parameters: no rank used any parameter of this bucket in this backward (its
+  /// buffer holds zeros); a hook that consumes buckets may leave their gradients alone.
+  bool all_unused = false;
 };
 
 /// A bucket reduction. start() issues the collective(s) and returns at once (backward goes on);

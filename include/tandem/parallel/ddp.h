@@ -43,6 +43,21 @@ struct ReducerOptions {
   /// gradient_as_bucket_view). Parameters whose bucket travels in another dtype (bf16 on Gloo)
   /// keep their own .grad. With find_unused_parameters, a parameter no rank used gets zeros.
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
+
+  // ---- for sharded strategies (parallel/zero.h) ----
+  /// One key per entry of the named parameters given to the reducer: parameters with
+  /// different keys never share a bucket (e.g. an optimizer's parameter groups). Empty: one key.
+  TORCH_ARG(std::vector<int>, groups) = {};
+  /// Each bucket's buffer is padded with zeros to a multiple of this many elements (the world
+  /// size, so that a bucket splits into equal chunks, one per rank).
+  TORCH_ARG(int64_t, bucket_multiple) = 1;
+  /// false: the reduced buckets are not written back into .grad; the hook consumes them (a
+  /// reduce-scatter into a gradient shard).
+  TORCH_ARG(bool, write_back) = true;
+  /// A gradient is dropped from .grad once it was copied into its bucket, a bucket's buffer
+  /// exists only from its first gradient until its hook finished, and at most two buckets are
+  /// in flight: full gradients never accumulate (ZeRO-2). Needs write_back(false).
+  TORCH_ARG(bool, release_gradients) = false;
 };
 
 /// When each bucket's allreduce started and ended in the last synchronised backward, and when
@@ -92,12 +107,23 @@ class GradientReducer {
   const CommHook& comm_hook() const { return *hook_; }
   /// Whether parameter `index`'s .grad is (to be) a view into its bucket.
   bool gradient_is_bucket_view(size_t index) const { return view_[index] != 0; }
+  /// The distinct parameters, in the order of parameter_names().
+  const std::vector<at::Tensor>& parameters() const { return params_; }
+  /// Where parameter `index` lies: its bucket and its offset there (elements).
+  size_t bucket_of(size_t index) const { return bucket_of_[index]; }
+  int64_t offset_in_bucket(size_t index) const { return offset_of_[index]; }
+  /// Elements of bucket `b`'s buffer, padding included (a multiple of bucket_multiple).
+  int64_t bucket_numel(size_t b) const { return bucket_numel_[b]; }
+  /// The dtype bucket `b` travels in.
+  at::ScalarType bucket_dtype(size_t b) const { return bucket_dtype_[b]; }
 
  private:
   struct Bucket;
   void on_gradient_ready(size_t index);
   void launch_ready_buckets();  // caller holds mu_
   void copy_into_bucket(at::Tensor& slot, const at::Tensor& grad);
+  void ensure_buffer(Bucket& b);
+  void finish_bucket(size_t b);  // waits for bucket b's hook, then writes back or releases
   void finalize();
 
   std::shared_ptr<ProcessGroup> pg_;
@@ -110,6 +136,9 @@ class GradientReducer {
   std::vector<std::unique_ptr<Bucket>> bucket_state_;
   std::vector<size_t> bucket_of_;   // param -> bucket
   std::vector<int64_t> offset_of_;  // param -> offset in its bucket (elements)
+  std::vector<int64_t> bucket_numel_;  // bucket -> padded numel
+  std::vector<at::ScalarType> bucket_dtype_;
+  at::Tensor used_anywhere_;  // find_unused_parameters: per parameter, ranks that used it
   std::vector<char> ready_;
   std::vector<char> view_;  // param -> .grad is a view into its bucket
   std::shared_ptr<CommHook> hook_;
@@ -118,6 +147,7 @@ class GradientReducer {
   at::Tensor inv_world_;
   std::vector<std::string> twice_;
   size_t next_bucket_ = 0;
+  size_t next_finish_ = 0;  // buckets before it are finished (release_gradients)
   bool callback_queued_ = false;
   bool finalized_since_check_ = false;  // finalize ran since the last after_backward()
   bool sync_ = true;

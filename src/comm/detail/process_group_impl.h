@@ -1,6 +1,8 @@
 // Internals of ProcessGroup shared by tandem's engines (the DDP reducer, sharded strategies).
 #pragma once
 
+#include <functional>
+
 #include "../../compat/c10d.h"
 #include "tandem/comm/process_group.h"
 
@@ -33,6 +35,8 @@ struct Work::Impl {
   std::string prefix;
   std::vector<at::Tensor> tensors;
   double divide_by = 1.0;
+  /// Runs once after a successful wait (e.g. reduce_scatter's local sum); may be empty.
+  std::function<void()> then;
   bool done = false;
 };
 

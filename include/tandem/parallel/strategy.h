@@ -1,0 +1,139 @@
+// Strategies: how a run distributes the model, its gradients and its optimizer state. The
+// Accelerator picks one from the distributed type and calls it at fixed points of a step;
+// nothing else in tandem asks which strategy runs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tandem/checkpoint/optimizer_state.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/parallel/ddp.h"
+#include "tandem/state.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace tandem::parallel {
+
+/// Accelerate's distributed types (TANDEM_DISTRIBUTED_TYPE, the config key distributed_type).
+enum class DistributedType { kNo, kMultiCpu, kMultiGpu, kFsdp, kDeepSpeed };
+
+/// "NO", "MULTI_CPU", "MULTI_GPU", "FSDP", "DEEPSPEED".
+std::string to_string(DistributedType type);
+/// The type named `name` (upper case, as above). Throws std::invalid_argument listing the names.
+DistributedType distributed_type_from_name(const std::string& name);
+
+/// How a sharded run splits the training state (DeepSpeed's ZeRO stages, FSDP's strategies).
+///
+/// Example:
+///   tandem::Accelerator acc(tandem::AcceleratorOptions().sharding(
+///       tandem::parallel::ShardingOptions().stage(2)));
+struct ShardingOptions {
+  /// 0: nothing sharded (data parallel); 1: optimizer state; 2: also gradients; 3: also
+  /// parameters. FSDP's NO_SHARD is 0, SHARD_GRAD_OP 2, FULL_SHARD 3.
+  TORCH_ARG(int, stage) = 0;
+  /// How gradient buckets are reduce-scattered at stage 2: kAlltoall sends the optimal bytes;
+  /// kAllreduceSlice reduces the whole bucket as data parallel does, so that a sharded run
+  /// equals data parallel bit for bit (twice the bytes). Stage 1 always allreduces.
+  TORCH_ARG(ProcessGroup::ReduceScatterAlgorithm, reduce_scatter) =
+      ProcessGroup::ReduceScatterAlgorithm::kAlltoall;
+  /// Optimizer shards and their step on the host (DeepSpeed's offload_optimizer_device: cpu,
+  /// FSDP's offload_params). A CPU run already has them there: accepted, said once.
+  TORCH_ARG(bool, offload_optimizer) = false;
+  /// Parameter shards on the host between uses (offload_param_device: cpu; stage 3 only).
+  TORCH_ARG(bool, offload_params) = false;
+  /// save_state() of sharded optimizer state: every rank writes its own shard
+  /// ("SHARDED_STATE_DICT", the only layout: it reloads on any number of ranks), and
+  /// save_model()/the model file of a checkpoint hold the full weights ("FULL_STATE_DICT").
+  TORCH_ARG(std::string, state_dict_type) = "FULL_STATE_DICT";
+  /// Where the options came from, for messages ("deepspeed_config", "fsdp_config", ...).
+  TORCH_ARG(std::string, origin) = "AcceleratorOptions::sharding";
+};
+
+/// The sharding a launcher's environment asks for: TANDEM_DISTRIBUTED_TYPE=DEEPSPEED with
+/// TANDEM_ZERO_STAGE, TANDEM_OFFLOAD_OPTIMIZER_DEVICE, TANDEM_OFFLOAD_PARAM_DEVICE; or FSDP with
+/// TANDEM_FSDP_SHARDING_STRATEGY, TANDEM_FSDP_OFFLOAD_PARAMS, TANDEM_FSDP_STATE_DICT_TYPE (and
+/// the other TANDEM_FSDP_* keys, checked); TANDEM_REDUCE_SCATTER (alltoall or allreduce) for
+/// either. nullopt for the other types. Throws std::invalid_argument naming the variable, its
+/// value and what is accepted, for every value tandem cannot honour.
+std::optional<ShardingOptions> sharding_from_environment(const EnvMap& env);
+
+/// What a strategy needs to know of the run's precision.
+struct StrategyContext {
+  std::shared_ptr<ProcessGroup> pg;
+  c10::Device device = c10::Device(c10::kCPU);
+  /// The optimizer steps fp32 copies of half parameters (the -true modes with master weights).
+  bool master_weights = false;
+  /// The data-parallel reducer's settings (bucket sizes, hook, unused parameters, views).
+  ReducerOptions reducer;
+};
+
+/// One run's way of distributing training. The Accelerator calls, in this order:
+/// prepare_model for each model (on its device, cast, rank 0's state broadcast), then
+/// prepare_optimizer for each optimizer over prepared models' parameters; per micro-step
+/// set_sync and after_backward; on a boundary clip_grad_norm/clip_grad_value (when the user
+/// clips), after_step once the optimizer stepped, and zero_grad after the optimizer's.
+class Strategy {
+ public:
+  virtual ~Strategy() = default;
+  /// "ddp", "zero-1", "zero-2", ...
+  virtual std::string name() const = 0;
+  virtual void prepare_model(const std::shared_ptr<torch::nn::Module>& model) = 0;
+  /// true: the strategy made the optimizer step fp32 copies itself (the precision component
+  /// then installs no master weights of its own).
+  virtual bool prepare_optimizer(torch::optim::Optimizer& optimizer) = 0;
+  /// false: backward keeps gradients local (accumulation micro-steps, no_sync).
+  virtual void set_sync(bool sync) = 0;
+  virtual void after_backward() = 0;
+  /// Clips the gradients the optimizers step by their global norm across every rank's shard;
+  /// returns the norm, or nullopt when nothing is sharded (the Accelerator then clips the
+  /// parameters it was given).
+  virtual std::optional<double> clip_grad_norm(double /*max_norm*/, double /*norm_type*/) {
+    return std::nullopt;
+  }
+  /// Clamps the sharded gradients; false when nothing is sharded.
+  virtual bool clip_grad_value(double /*clip_value*/) { return false; }
+  /// After `optimizer` stepped: brings every rank's parameters up to date.
+  virtual void after_step(torch::optim::Optimizer& /*optimizer*/) {}
+  /// After `optimizer.zero_grad()`: clears the gradients the optimizer does not see.
+  virtual void zero_grad(torch::optim::Optimizer& /*optimizer*/) {}
+  /// Whether `optimizer`'s state is sharded across the ranks (each rank checkpoints its part).
+  virtual bool shards_optimizer(const torch::optim::Optimizer& /*optimizer*/) const {
+    return false;
+  }
+  /// This rank's part of a sharded optimizer's state (shards_optimizer): the state of its
+  /// shards as checkpoint::optimizer_state gives it, with the layout in the JSON ("zero").
+  virtual checkpoint::OptimizerState optimizer_shard_state(
+      const torch::optim::Optimizer& optimizer) const;
+  /// Restores a sharded optimizer from the parts the `saved_world` ranks of the saving run
+  /// wrote: `json(r)` is rank r's JSON, `tensor(r, name)` one of its tensors. The saving run
+  /// may have had any number of ranks.
+  virtual void load_optimizer_shards(
+      torch::optim::Optimizer& optimizer, int saved_world,
+      const std::function<std::string(int)>& json,
+      const std::function<at::Tensor(int, const std::string&)>& tensor);
+  /// The gradient reducers (for timelines and tests).
+  virtual std::vector<const GradientReducer*> reducers() const = 0;
+};
+
+/// Why `sharding` cannot run in this version ("" when it can): stage 3, parameter offload.
+std::string unsupported_sharding_message(const ShardingOptions& sharding);
+
+/// The strategy for `type` and `sharding` (nullopt: data parallel). Throws
+/// std::invalid_argument for a combination tandem cannot run, naming it and the fix.
+std::unique_ptr<Strategy> make_strategy(DistributedType type,
+                                        const std::optional<ShardingOptions>& sharding,
+                                        StrategyContext context);
+
+}  // namespace tandem::parallel

@@ -1,0 +1,177 @@
+// A rank of the sharding tests (started by `tandem launch`, whose flags choose the strategy:
+// --use_deepspeed --zero_stage N, or none for data parallel). Modes:
+//   train     trains a small model of awkward shapes (a 7x15 layer, a bias of 3, a layer called
+//             twice in one forward, a module no loss uses, a weight tied to another) with AdamW
+//             in three parameter groups, gradient accumulation and clipping, on global batches
+//             that depend only on the step (so any number of ranks sees the same data); saves
+//             the training state after --save_at steps into --save_dir; resumes from --resume;
+//             rank 0 writes the final parameters (raw float32) to --out.
+//   mismatch  rank 1 builds its model with two layers swapped: every rank must fail at prepare
+//             with an error naming both layouts.
+//   memory    the memory-test model (~24M parameters) trained a few steps under a counting
+//             allocator; prints "peak_bytes=<n> model_state_bytes=<n>" per rank.
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iostream>
+
+#include "tandem/tandem.h"
+
+namespace {
+
+struct Args {
+  std::string mode = "train", out, save_dir, resume;
+  int64_t steps = 10, accum = 2, save_at = -1;
+  double clip = 0.05;
+  bool one_group = false;
+  int64_t global_batch = 12;
+};
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool swapped = false) {
+    if (swapped) {
+      b = register_module("b", torch::nn::Linear(7, 7));
+      a = register_module("a", torch::nn::Linear(15, 7));
+    } else {
+      a = register_module("a", torch::nn::Linear(15, 7));
+      b = register_module("b", torch::nn::Linear(7, 7));
+    }
+    c = register_module("c", torch::nn::Linear(7, 3));
+    unused = register_module("unused", torch::nn::Linear(3, 2));
+    // Tied: the same tensor under a second name (as a language model's head and embedding).
+    head = register_parameter("head_weight", c->weight);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(a->forward(x));
+    h = torch::tanh(b->forward(h));
+    h = b->forward(h);  // the same unit twice in one forward
+    return c->forward(h) + 0.5 * torch::nn::functional::linear(h, head);
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr}, unused{nullptr};
+  torch::Tensor head;
+};
+TORCH_MODULE(Net);
+
+// The global batch of micro-step `micro` of step `step`, and this rank's rows of it.
+std::pair<torch::Tensor, torch::Tensor> batch(int64_t step, int64_t micro, int64_t rows, int rank,
+                                              int world) {
+  auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(1000 * step + micro + 1));
+  auto x = torch::randn({rows, 15}, gen);
+  auto y = torch::randn({rows, 3}, gen);
+  const int64_t per = rows / world;
+  return {x.narrow(0, rank * per, per), y.narrow(0, rank * per, per)};
+}
+
+std::shared_ptr<torch::optim::AdamW> make_optimizer(Net& net, bool one_group) {
+  if (one_group) {
+    std::vector<torch::Tensor> all;
+    for (auto& kv : net->named_parameters())
+      if (kv.key() != "head_weight") all.push_back(kv.value());  // tied to c.weight: once
+    return std::make_shared<torch::optim::AdamW>(all,
+                                                 torch::optim::AdamWOptions(1e-2).weight_decay(0.0));
+  }
+  // Three groups: decayed weights, biases without decay, and the unused module alone (so that
+  // no unit mixes it with used parameters).
+  std::vector<torch::Tensor> weights, biases, unused;
+  for (auto& kv : net->named_parameters()) {
+    if (kv.key().rfind("unused.", 0) == 0)
+      unused.push_back(kv.value());
+    else if (kv.key().find("bias") != std::string::npos)
+      biases.push_back(kv.value());
+    else if (kv.key() != "head_weight")  // tied to c.weight: listed once
+      weights.push_back(kv.value());
+  }
+  auto opts = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(weights, std::make_unique<torch::optim::AdamWOptions>(opts));
+  groups.emplace_back(biases,
+                      std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(1e-2).weight_decay(0.0)));
+  groups.emplace_back(unused, std::make_unique<torch::optim::AdamWOptions>(opts));
+  return std::make_shared<torch::optim::AdamW>(std::move(groups), opts);
+}
+
+tandem::AcceleratorOptions options(const Args& a) {
+  // Small buckets: several units, some holding several parameters.
+  return tandem::AcceleratorOptions()
+      .gradient_accumulation_steps(static_cast<int>(a.accum))
+      .bucket_cap_mb(300.0 / (1 << 20))
+      .first_bucket_cap_mb(100.0 / (1 << 20))
+      .find_unused_parameters(true);
+}
+
+int train(const Args& a) {
+  tandem::Accelerator acc(options(a));
+  torch::manual_seed(7);
+  Net net;
+  auto [model, opt] = acc.prepare(net, make_optimizer(net, a.one_group));
+  if (!a.resume.empty()) acc.load_state(a.resume);
+  if (std::getenv("ZW_DEBUG") && acc.is_main_process())
+    for (const auto* r : acc.reducers()) {
+      for (const auto& b : r->buckets()) {
+        std::cout << "bucket:";
+        for (auto i : b) std::cout << " " << r->parameter_names()[i];
+        std::cout << std::endl;
+      }
+    }
+  const int rank = acc.process_index(), world = acc.num_processes();
+  TORCH_CHECK(a.global_batch % world == 0, "the global batch must split evenly");
+  for (int64_t step = acc.step(); step < a.steps; ++step) {
+    for (int64_t m = 0; m < a.accum; ++m) {
+      auto scope = acc.accumulate();
+      auto [x, y] = batch(step, m, a.global_batch, rank, world);
+      auto loss = torch::mse_loss(model->forward(x), y);
+      acc.backward(loss);
+      if (a.clip > 0) acc.clip_grad_norm_(model->parameters(), a.clip);
+      opt.step();
+      opt.zero_grad();
+    }
+    if (step + 1 == a.save_at) acc.save_state(a.save_dir);
+  }
+  std::cout << "rank " << rank << " strategy " << acc.strategy().name() << " trained to step "
+            << acc.step() << std::endl;
+  if (acc.is_main_process() && !a.out.empty()) {
+    std::ofstream out(a.out, std::ios::binary);
+    for (auto& kv : model->named_parameters()) {
+      auto t = kv.value().detach().to(torch::kFloat).contiguous();
+      out.write(static_cast<const char*>(t.data_ptr()), t.numel() * sizeof(float));
+    }
+  }
+  return 0;
+}
+
+int mismatch(const Args& a) {
+  tandem::Accelerator acc(options(a));
+  torch::manual_seed(7);
+  Net net(acc.process_index() == 1);
+  auto [model, opt] = acc.prepare(net, make_optimizer(net, a.one_group));
+  std::cout << "rank " << acc.process_index() << " prepared a mismatched model" << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("zero_worker");
+  Args a;
+  app.add_option("mode", a.mode);
+  app.add_option("--out", a.out);
+  app.add_option("--steps", a.steps);
+  app.add_option("--accumulate", a.accum);
+  app.add_option("--clip", a.clip);
+  app.add_option("--save_at", a.save_at);
+  app.add_option("--save_dir", a.save_dir);
+  app.add_option("--resume", a.resume);
+  app.add_flag("--one_group", a.one_group);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (a.mode == "train") return train(a);
+    if (a.mode == "mismatch") return mismatch(a);
+    std::cerr << "unknown mode " << a.mode << std::endl;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << std::endl;
+    return 1;
+  }
+}
