@@ -254,7 +254,9 @@ void check_strategy_available(const ResolvedLaunch& r) {
     auto env = program_environment(r);
     if (auto sharding = parallel::sharding_from_environment(env)) {
       auto why = parallel::unsupported_sharding_message(*sharding);
-      if (!why.empty()) throw std::invalid_argument("distributed_type " + r.distributed_type + ", " + why);
+      if (!why.empty())
+        throw std::invalid_argument("distributed_type " + r.distributed_type +
+                                    (c.path.empty() ? "" : " (from " + c.path + ")") + ", " + why);
     }
     return;
   }

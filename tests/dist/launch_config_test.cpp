@@ -114,29 +114,38 @@ TEST_F(LaunchConfigFiles, MultiMachine) {
   EXPECT_TRUE(has(r.output, "rdzv_backend: c10d  [config file]")) << r.output;
 }
 
-// Sharded strategies are not implemented yet: a file or flag that asks for one is refused before
-// any rank starts (or a plan is shown), naming where the request came from and what runs instead;
-// nothing is run as plain data parallel behind the user's back.
-TEST_F(LaunchConfigFiles, UnimplementedStrategiesAreRefused) {
-  for (const char* file : {"fsdp", "deepspeed"}) {
-    auto r = dry_run(file);
-    EXPECT_EQ(r.exit_code, 2) << r.output;
-    EXPECT_TRUE(has(r.output, "(from " + kData + "/" + file + ".yaml)")) << r.output;
-    EXPECT_TRUE(has(r.output, "does not implement")) << r.output;
-    EXPECT_TRUE(has(r.output, "distributed_type: MULTI_CPU")) << r.output;
-    EXPECT_EQ(count_of(r.output, "(local "), 0) << r.output;
-  }
-  auto r = tandem({"launch", "--use_fsdp", "--num_processes", "2", "--cpu", "true"});
+// Sharding that tandem runs (ZeRO stages 1-2: FSDP's SHARD_GRAD_OP, DeepSpeed's zero_stage 2,
+// the default) reaches the ranks as TANDEM_* settings; what it does not run (stage 3: FSDP's
+// FULL_SHARD, the default of --use_fsdp) is refused before any rank starts, naming where the
+// request came from; nothing runs as something else behind the user's back.
+TEST_F(LaunchConfigFiles, ShardingIsPassedOnOrRefused) {
+  auto r = dry_run("fsdp");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto b = rank_block(r.output, 1);
+  EXPECT_TRUE(has(b, "TANDEM_DISTRIBUTED_TYPE=FSDP")) << b;
+  EXPECT_TRUE(has(b, "TANDEM_FSDP_SHARDING_STRATEGY=SHARD_GRAD_OP")) << b;
+  EXPECT_TRUE(has(b, "TANDEM_FSDP_OFFLOAD_PARAMS=true")) << b;
+  r = dry_run("deepspeed");  // zero_stage 3
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_TRUE(has(r.output, "distributed_type FSDP (from the command line)")) << r.output;
-  r = tandem({"launch", "--use_deepspeed", "--num_processes", "2", "--cpu", "true"});
+  EXPECT_TRUE(has(r.output, "(from " + kData + "/deepspeed.yaml)")) << r.output;
+  EXPECT_TRUE(has(r.output, "stage 3")) << r.output;
+  EXPECT_TRUE(has(r.output, "zero_stage: 2")) << r.output;
+  EXPECT_EQ(count_of(r.output, "(local "), 0) << r.output;
+  r = dry_run("deepspeed", {"--zero_stage", "2", "--offload_param_device", "none"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(has(rank_block(r.output, 0), "TANDEM_ZERO_STAGE=2")) << r.output;
+  r = tandem({"launch", "--use_fsdp", "--num_processes", "2", "--cpu", "--dry_run", "prog"});
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_TRUE(has(r.output, "distributed_type DEEPSPEED (from the command line)")) << r.output;
+  EXPECT_TRUE(has(r.output, "distributed_type FSDP")) << r.output;
+  EXPECT_TRUE(has(r.output, "SHARD_GRAD_OP")) << r.output;
+  r = tandem({"launch", "--use_deepspeed", "--num_processes", "2", "--cpu", "--dry_run",
+              "prog"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(has(rank_block(r.output, 0), "TANDEM_ZERO_STAGE=2")) << r.output;
   std::ofstream(home_ + "/megatron.yaml") << "distributed_type: MEGATRON_LM\nnum_processes: 2\n";
   r = tandem({"launch", "--config_file", home_ + "/megatron.yaml", "--cpu", "true"});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(has(r.output, "MEGATRON_LM")) << r.output;
-  // (The Accelerator refuses TANDEM_DISTRIBUTED_TYPE=FSDP too: tests/unit/accelerator_api_test.)
 }
 
 TEST_F(LaunchConfigFiles, MixedPrecision) {

@@ -160,22 +160,80 @@ TEST(AcceleratorLifetime, LoaderAndOptimizerOutliveTheAccelerator) {
   std::filesystem::remove_all(dir);
 }
 
-// No strategy is accepted and then run as something else.
-TEST(AcceleratorStrategies, UnimplementedStrategiesAreRefused) {
-  for (const char* type : {"FSDP", "DEEPSPEED", "MEGATRON_LM"}) {
-    auto options = cpu_options();
+// No strategy is accepted and then run as something else: Megatron-LM and ZeRO stage 3 (FSDP's
+// default FULL_SHARD) are refused; ZeRO stage 2 (DeepSpeed's default) runs.
+TEST(AcceleratorStrategies, StrategiesRunOrAreRefused) {
+  const auto options = cpu_options();  // clears the environment first
+  auto refused = [&options](const char* type, const char* why) {
     ::setenv("TANDEM_DISTRIBUTED_TYPE", type, 1);
     try {
       tandem::Accelerator acc(options);
-      FAIL() << type << " was accepted";
+      ADD_FAILURE() << type << " was accepted";
     } catch (const std::invalid_argument& e) {
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find(std::string("TANDEM_DISTRIBUTED_TYPE=") + type), std::string::npos) << msg;
-      EXPECT_NE(msg.find("does not implement"), std::string::npos) << msg;
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
     }
     ::unsetenv("TANDEM_DISTRIBUTED_TYPE");
+  };
+  refused("MEGATRON_LM", "does not implement");
+  refused("FSDP", "stage 3");
+  ::setenv("TANDEM_FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP", 1);
+  ::setenv("TANDEM_DISTRIBUTED_TYPE", "FSDP", 1);
+  {
+    tandem::Accelerator acc(options);
+    EXPECT_EQ(acc.strategy().name(), "zero-2");
+    EXPECT_EQ(acc.distributed_type(), tandem::parallel::DistributedType::kFsdp);
   }
+  ::setenv("TANDEM_FSDP_SHARDING_STRATEGY", "3", 1);  // Accelerate's number for NO_SHARD
+  {
+    tandem::Accelerator acc(options);
+    EXPECT_EQ(acc.strategy().name(), "ddp");
+  }
+  ::setenv("TANDEM_FSDP_BOGUS_KEY", "1", 1);
+  refused("FSDP", "fsdp_bogus_key");
+  ::unsetenv("TANDEM_FSDP_BOGUS_KEY");
+  ::unsetenv("TANDEM_FSDP_SHARDING_STRATEGY");
+  ::setenv("TANDEM_DISTRIBUTED_TYPE", "DEEPSPEED", 1);
+  {
+    tandem::Accelerator acc(options);
+    EXPECT_EQ(acc.strategy().name(), "zero-2");
+  }
+  ::setenv("TANDEM_ZERO_STAGE", "1", 1);
+  {
+    tandem::Accelerator acc(options);
+    EXPECT_EQ(acc.strategy().name(), "zero-1");
+  }
+  ::setenv("TANDEM_OFFLOAD_OPTIMIZER_DEVICE", "nvme", 1);
+  refused("DEEPSPEED", "NVMe");
+  ::unsetenv("TANDEM_OFFLOAD_OPTIMIZER_DEVICE");
+  ::unsetenv("TANDEM_ZERO_STAGE");
   ::setenv("TANDEM_DISTRIBUTED_TYPE", "MULTI_CPU", 1);
   EXPECT_NO_THROW(tandem::Accelerator acc(tandem::AcceleratorOptions().cpu(true)));
   ::unsetenv("TANDEM_DISTRIBUTED_TYPE");
+}
+
+// One process under ZeRO: shards are whole units; the model trains as without sharding.
+TEST(AcceleratorStrategies, ZeroOnOneProcessTrainsAsWithout) {
+  auto run = [](std::optional<int> stage) {
+    auto options = cpu_options();
+    if (stage) options.sharding(tandem::parallel::ShardingOptions().stage(*stage));
+    tandem::Accelerator acc(options);
+    torch::manual_seed(3);
+    auto model = torch::nn::Sequential(torch::nn::Linear(5, 4), torch::nn::Tanh(),
+                                       torch::nn::Linear(4, 2));
+    auto [m, opt] = acc.prepare(model, std::make_shared<torch::optim::AdamW>(
+                                           model->parameters(), torch::optim::AdamWOptions(0.1)));
+    for (int step = 0; step < 3; ++step) {
+      auto scope = acc.accumulate();
+      auto x = torch::arange(10, torch::kFloat).reshape({2, 5}) / (step + 1);
+      acc.backward(m->forward(x).pow(2).sum());
+      opt.step();
+      opt.zero_grad();
+    }
+    std::vector<torch::Tensor> flat;
+    for (auto& p : m->parameters()) flat.push_back(p.detach().reshape({-1}).clone());
+    return torch::cat(flat);
+  };
+  auto plain = run(std::nullopt);
+  EXPECT_TRUE(torch::equal(run(1), plain));
+  EXPECT_TRUE(torch::equal(run(2), plain));
 }
