@@ -227,10 +227,10 @@ void GradientReducer::launch_ready_buckets() {
     b.work = hook_->start(*pg_, b.grad_bucket);
     b.launched = true;
     ++next_bucket_;
-    // release_gradients: at most two buckets in flight, so that their buffers do not add up
-    // to the full gradients.
+    // release_gradients: one bucket in flight while the next fills, so that their buffers do not
+    // add up to the full gradients (the next bucket's gradients still overlap the reduction).
     if (options_.release_gradients() && !used_anywhere_.defined())
-      while (next_bucket_ - next_finish_ > 2) finish_bucket(next_finish_++);
+      while (next_bucket_ - next_finish_ > 1) finish_bucket(next_finish_++);
   }
 }
 
@@ -241,6 +241,7 @@ void GradientReducer::finish_bucket(size_t b) {
     for (size_t i : bs.members())
       if (used_anywhere_[i].item<int>() != 0) bs.grad_bucket.all_unused = false;
   hook_->finish(bs.grad_bucket, bs.work);
+  bs.work = Work();  // a finished collective keeps nothing alive (its buffers, a hook's scratch)
   timeline_.bucket_finished[b] = std::chrono::steady_clock::now();
   if (options_.write_back()) {
     for (size_t i : bs.members()) {

@@ -294,6 +294,13 @@ MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
       {"zero2", "ZeRO-2 (+ gradients)", "2P + (2+K)P/N", 2 * p + (2 + kZeroK) * p / n},
       {"zero3", "ZeRO-3 (+ parameters)", "(2+2+K)P/N", (2 + 2 + kZeroK) * p / n},
   };
+  const double l = static_cast<double>(model.largest_layer_parameters);
+  e.tandem_fp32 = {
+      {"ddp", "DDP", "16P + 4P buckets", 20 * p},
+      {"zero1", "ZeRO-1", "8P + 8P/N", 8 * p + 8 * p / n},
+      {"zero2", "ZeRO-2", "4P + 12P/N (+ buckets)", 4 * p + 12 * p / n},
+      {"zero3", "ZeRO-3 (not in this version)", "16P/N + 8L", 16 * p / n + 8 * l},
+  };
   e.caveats = {
       "activations (they grow with batch size and sequence length, and are often the largest "
       "part of training memory; activation checkpointing trades them for compute)",
@@ -415,6 +422,11 @@ std::string format_memory_estimate(const MemoryEstimate& e) {
          " (ZeRO paper; fp16/bf16 mixed-precision Adam:\n"
          "2P fp16 weights, 2P fp16 gradients, K = 12 bytes/parameter of fp32 optimizer states):\n" +
          table(rows);
+  rows = {{"scheme", "formula", "per device"}};
+  for (const auto& z : e.tandem_fp32)
+    rows.push_back({z.stage, z.formula, format_bytes(z.bytes_per_device)});
+  out += "\ntandem's strategies on fp32 weights with AdamW (what bench/ measures; L = largest "
+         "layer):\n" + table(rows);
 
   out += "\nNot included:\n";
   for (const auto& c : e.caveats) out += wrap("  - ", c, "    ");
@@ -449,6 +461,12 @@ std::string memory_estimate_to_json(const MemoryEstimate& e) {
                          {"gb_per_device", z.bytes_per_device / 1e9}});
   }
   j["zero_k"] = kZeroK;
+  j["tandem_fp32"] = nlohmann::json::array();
+  for (const auto& z : e.tandem_fp32)
+    j["tandem_fp32"].push_back({{"id", z.id},
+                                {"stage", z.stage},
+                                {"formula", z.formula},
+                                {"bytes_per_device", z.bytes_per_device}});
   j["caveats"] = e.caveats;
   j["units"] = "bytes; gb = 10^9 bytes";
   return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <iostream>
 
+#include "tandem/checkpoint/model_io.h"
 #include "tandem/tandem.h"
 
 namespace {
@@ -101,6 +102,8 @@ tandem::AcceleratorOptions options(const Args& a) {
       .find_unused_parameters(true);
 }
 
+void write_parameters(torch::nn::Module& model, const std::string& path);
+
 int train(const Args& a) {
   tandem::Accelerator acc(options(a));
   torch::manual_seed(7);
@@ -131,13 +134,102 @@ int train(const Args& a) {
   }
   std::cout << "rank " << rank << " strategy " << acc.strategy().name() << " trained to step "
             << acc.step() << std::endl;
-  if (acc.is_main_process() && !a.out.empty()) {
-    std::ofstream out(a.out, std::ios::binary);
-    for (auto& kv : model->named_parameters()) {
-      auto t = kv.value().detach().to(torch::kFloat).contiguous();
-      out.write(static_cast<const char*>(t.data_ptr()), t.numel() * sizeof(float));
-    }
+  if (acc.is_main_process() && !a.out.empty()) write_parameters(*model, a.out);
+  return 0;
+}
+
+// The memory test's model: 24 layers of 1024 x 1024 (25.2M parameters), AdamW, buckets of 8 MiB.
+// Peak CPU tensor bytes over two steps after the first (Adam's state exists by then), beside the
+// model-state formula of the strategy (docs/sharding.md): fp32 weights 4N, gradients 4N, Adam
+// 8N; data parallel adds bucket copies of the gradients (4N); ZeRO-1 keeps the gradients in the
+// buckets (4N) and Adam's state of its shard (8S, S = its elements of every unit); ZeRO-2 keeps
+// its shard's gradient and Adam state (12S) and one bucket in flight while the next fills.
+int memory(const Args& a) {
+  tandem::track::install_counting_cpu_allocator();
+  const double bucket_mb = 8;
+  tandem::Accelerator acc(tandem::AcceleratorOptions().bucket_cap_mb(bucket_mb).first_bucket_cap_mb(bucket_mb));
+  torch::manual_seed(1);
+  const int64_t width = 1024, layers = 24, rows = 16;
+  torch::nn::Sequential net;
+  for (int64_t l = 0; l < layers; ++l) {
+    net->push_back(torch::nn::Linear(width, width));
+    net->push_back(torch::nn::ReLU());
   }
+  auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::AdamW>(
+                                           net->parameters(), torch::optim::AdamWOptions(1e-4)));
+  int64_t n = 0, largest = 0;
+  for (auto& p : model->parameters()) {
+    n += p.numel();
+    largest = std::max<int64_t>(largest, p.numel());
+  }
+  const int world = acc.num_processes();
+  int64_t shard = 0;  // this rank's elements over all units (padding included)
+  for (const auto* r : acc.reducers())
+    for (size_t b = 0; b < r->buckets().size(); ++b) shard += r->bucket_numel(b) / world;
+  const bool debug = std::getenv("ZW_DEBUG") != nullptr;
+  auto phase = [&](const char* what) {
+    if (!debug || acc.process_index() != 0) return;
+    auto st = tandem::track::cpu_memory_stats();
+    std::cout << what << ": current " << st.current_bytes / 1e6 << " MB, peak " << st.peak_bytes / 1e6
+              << " MB" << std::endl;
+    tandem::track::reset_peak_cpu_memory();
+  };
+  auto step = [&](int64_t i) {
+    auto scope = acc.accumulate();
+    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(i + 1));
+    auto x = torch::randn({rows, width}, gen);
+    auto loss = model->forward(x).pow(2).mean();
+    phase("forward");
+    acc.backward(loss);
+    phase("backward");
+    opt.step();
+    phase("step");
+    opt.zero_grad();
+    phase("zero_grad");
+  };
+  step(0);
+  tandem::track::reset_peak_cpu_memory();
+  step(1);
+  step(2);
+  const auto stats = tandem::track::cpu_memory_stats();
+  const std::string name = acc.strategy().name();
+  const int64_t bucket_bytes = static_cast<int64_t>(bucket_mb * (1 << 20));
+  int64_t formula = 0;
+  // Transients: the all-gather of one unit after the step (its list form and the flat result,
+  // 2B, B = a bucket's bytes); at stage 2 during backward, the bucket in flight with its
+  // alltoall receive buffer and the bucket filling (3B) plus one parameter's gradient.
+  if (name == "ddp")
+    formula = (world > 1 ? 20 : 16) * n;
+  else if (name == "zero-1")
+    formula = 8 * n + 8 * shard + 2 * bucket_bytes;
+  else
+    formula = 4 * n + 12 * shard + 3 * bucket_bytes + 4 * largest;
+  // Activations: each layer keeps its input and its ReLU output for backward.
+  const int64_t activations = 2 * layers * rows * width * 4;
+  std::ifstream status("/proc/self/status");
+  std::string line, hwm;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) hwm = line.substr(6);
+  std::cout << "memory rank=" << acc.process_index() << " strategy=" << name << " world=" << world
+            << " N=" << n << " peak_bytes=" << stats.peak_bytes << " formula_bytes=" << formula
+            << " activation_bytes=" << activations << " rss_peak=" << hwm << std::endl;
+  return 0;
+}
+
+void write_parameters(torch::nn::Module& model, const std::string& path) {
+  std::ofstream out(path, std::ios::binary);
+  for (auto& kv : model.named_parameters()) {
+    auto t = kv.value().detach().to(torch::kFloat).contiguous();
+    out.write(static_cast<const char*>(t.data_ptr()), t.numel() * sizeof(float));
+  }
+}
+
+// The dense model loaded from a merged file (--resume), its parameters written to --out.
+int load(const Args& a) {
+  Net net;
+  tandem::checkpoint::load_model(*net, a.resume);
+  write_parameters(*net, a.out);
+  std::cout << "loaded " << a.resume << std::endl;
   return 0;
 }
 
@@ -168,6 +260,8 @@ int main(int argc, char** argv) {
   try {
     if (a.mode == "train") return train(a);
     if (a.mode == "mismatch") return mismatch(a);
+    if (a.mode == "memory") return memory(a);
+    if (a.mode == "load") return load(a);
     std::cerr << "unknown mode " << a.mode << std::endl;
     return 2;
   } catch (const std::exception& e) {

@@ -309,9 +309,15 @@ int ConfigCommand::run() {
                   << ", num_processes " << cfg.num_processes << ", num_machines "
                   << cfg.num_machines << ", mixed_precision " << cfg.mixed_precision
                   << (cfg.use_cpu ? ", CPU" : "") << "\n";
-        if (auto m = launch::unavailable_strategy_message(cfg.distributed_type); !m.empty())
-          std::cerr << "tandem config validate: warning: tandem launch refuses this file: " << m
-                    << "\n";
+        launch::ResolvedLaunch plan;
+        plan.config = cfg;
+        plan.distributed_type = cfg.distributed_type;
+        try {
+          launch::check_strategy_available(plan);
+        } catch (const std::invalid_argument& e) {
+          std::cerr << "tandem config validate: warning: tandem launch refuses this file: "
+                    << e.what() << "\n";
+        }
         return 0;
       } catch (const std::invalid_argument& e) {
         std::cerr << "tandem config validate: " << e.what() << "\n";

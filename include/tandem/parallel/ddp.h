@@ -55,8 +55,8 @@ struct ReducerOptions {
   /// reduce-scatter into a gradient shard).
   TORCH_ARG(bool, write_back) = true;
   /// A gradient is dropped from .grad once it was copied into its bucket, a bucket's buffer
-  /// exists only from its first gradient until its hook finished, and at most two buckets are
-  /// in flight: full gradients never accumulate (ZeRO-2). Needs write_back(false).
+  /// exists only from its first gradient until its hook finished, and one bucket is in flight
+  /// while the next fills: full gradients never accumulate (ZeRO-2). Needs write_back(false).
   TORCH_ARG(bool, release_gradients) = false;
 };
 

@@ -1,0 +1,68 @@
+// The counting CPU allocator (see cpu_memory.h).
+#include "tandem/track/cpu_memory.h"
+
+#include <atomic>
+#include <mutex>
+
+#include "../compat/allocator.h"
+
+namespace tandem::track {
+namespace {
+
+std::atomic<int64_t> g_current{0}, g_peak{0}, g_allocations{0};
+
+// The wrapped allocation: the original DataPtr and its size, released together.
+struct Counted {
+  c10::DataPtr original;
+  size_t bytes;
+};
+
+void release(void* ctx) {
+  auto* c = static_cast<Counted*>(ctx);
+  g_current.fetch_sub(static_cast<int64_t>(c->bytes));
+  delete c;  // frees the original through its own deleter
+}
+
+class CountingAllocator final : public compat::Allocator {
+ public:
+  explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
+  c10::DataPtr allocate_bytes(size_t n) const override {
+    c10::DataPtr dp = base_->allocate(n);
+    void* data = dp.get();
+    const auto device = dp.device();
+    auto* ctx = new Counted{std::move(dp), n};
+    const int64_t now = g_current.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    int64_t peak = g_peak.load();
+    while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
+    }
+    g_allocations.fetch_add(1);
+    return c10::DataPtr(data, ctx, &release, device);
+  }
+
+ private:
+  c10::Allocator* base_;
+};
+
+std::once_flag g_once;
+std::atomic<bool> g_installed{false};
+
+}  // namespace
+
+void install_counting_cpu_allocator() {
+  std::call_once(g_once, [] {
+    // Never destroyed: tensors freed at exit still call back into it.
+    static auto* counting = new CountingAllocator(c10::GetAllocator(c10::DeviceType::CPU));
+    c10::SetAllocator(c10::DeviceType::CPU, counting, /*priority=*/100);
+    g_installed = true;
+  });
+}
+
+bool counting_cpu_allocator_installed() { return g_installed.load(); }
+
+CpuMemoryStats cpu_memory_stats() {
+  return {g_current.load(), g_peak.load(), g_allocations.load()};
+}
+
+void reset_peak_cpu_memory() { g_peak.store(g_current.load()); }
+
+}  // namespace tandem::track
