@@ -78,7 +78,7 @@ struct AcceleratorOptions {
   /// Gradients live in the buckets, no copy in or out (env TANDEM_GRADIENT_AS_BUCKET_VIEW,
   /// config key gradient_as_bucket_view). Default off, as in PyTorch.
   TORCH_ARG(std::optional<bool>, gradient_as_bucket_view) = std::nullopt;
-  /// Sharded data parallel (ZeRO stages 1-2; docs/sharding.md). Unset: from the launcher's
+  /// Sharded data parallel (ZeRO stages 1-3; docs/sharding.md). Unset: from the launcher's
   /// environment (distributed_type DEEPSPEED with deepspeed_config, or FSDP with fsdp_config),
   /// else plain data parallel.
   TORCH_ARG(std::optional<parallel::ShardingOptions>, sharding) = std::nullopt;
@@ -346,6 +346,13 @@ class Accelerator {
     register_for_checkpointing(
         name, [&object] { return object.state_dict(); },
         [&object](const std::string& s) { object.load_state_dict(s); });
+  }
+  /// The model's parameters and buffers by name, whole, on the main process (Accelerate's
+  /// get_state_dict): under ZeRO-3 they are gathered unit by unit, and every rank must call it
+  /// (the other ranks get an empty list). A ZeRO-3 model's parameters are released between its
+  /// uses: read them through this, not through model->parameters().
+  std::vector<std::pair<std::string, at::Tensor>> get_state_dict(torch::nn::Module& model) {
+    return strategy_->model_state(model);
   }
   /// Writes the model's weights as safetensors (sharded past max_shard_size, with an index) from
   /// the main process; every rank returns when the files are complete.

@@ -262,12 +262,16 @@ std::vector<std::string> model_tensor_names(const torch::nn::Module& module) {
 
 void save_model(const torch::nn::Module& module, const std::string& dir,
                 const std::string& max_shard_size) {
+  save_model_tensors(model_tensors(module), dir, max_shard_size);
+}
+
+void save_model_tensors(const NamedTensors& tensors, const std::string& dir,
+                        const std::string& max_shard_size) {
   uint64_t limit = parse_size(max_shard_size);
   if (limit == 0) {
     throw std::invalid_argument("save_model: max_shard_size '" + max_shard_size +
                                 "' is zero (expected a positive size such as \"10GB\")");
   }
-  NamedTensors tensors = model_tensors(module);
   std::vector<uint64_t> sizes;
   uint64_t total = 0;
   for (const auto& [name, t] : tensors) {

@@ -176,9 +176,11 @@ void Accelerator::register_for_checkpointing(const std::string& name,
 void Accelerator::save_model(const torch::nn::Module& model, const std::string& dir,
                              const std::string& max_shard_size) {
   std::string error;
+  // Every rank takes part: a sharded strategy gathers the model unit by unit to rank 0.
+  auto tensors = strategy_->model_state(const_cast<torch::nn::Module&>(model));
   if (is_main_process()) {
     try {
-      checkpoint::save_model(model, dir, max_shard_size);
+      checkpoint::save_model_tensors(tensors, dir, max_shard_size);
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -218,7 +220,10 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
   error = comm::broadcast_object(*pg_, error, 0);
   if (!error.empty()) throw std::runtime_error(state_.prefix() + " save_state: " + error);
 
-  // 2. Every rank writes its parts.
+  // 2. Every rank writes its parts. The models' tensors first, on every rank together (a
+  // sharded strategy gathers them unit by unit to the main process).
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> model_states;
+  for (auto& m : models_) model_states.push_back(strategy_->model_state(*m));
   json files = json::object();
   auto add = [&](const std::string& name) {
     files[name] = {{"size", fs::file_size(tmp / name)}, {"xxh64", xxh64_of(tmp / name)}};
@@ -226,11 +231,8 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
   try {
     if (rank == 0) {
       for (size_t i = 0; i < models_.size(); ++i) {
-        std::vector<std::pair<std::string, at::Tensor>> tensors;
-        for (auto& p : models_[i]->named_parameters()) tensors.emplace_back(p.key(), p.value().detach());
-        for (auto& b : models_[i]->named_buffers()) tensors.emplace_back(b.key(), b.value().detach());
         const auto name = indexed("model", i, ".safetensors");
-        checkpoint::save_safetensors((tmp / name).string(), tensors);
+        checkpoint::save_safetensors((tmp / name).string(), model_states[i]);
         add(name);
       }
       for (size_t i = 0; i < optimizers_.size(); ++i) {
@@ -397,10 +399,8 @@ void Accelerator::load_state(const std::string& dir_arg) {
               " load_state: the checkpoint has ", st["loaders"].size(),
               " loaders but only ", loaders_.size(), " were prepared; prepare them before load_state");
 
-  for (size_t i = 0; i < models_.size(); ++i) {
-    auto report = checkpoint::load_model(*models_[i], verified(indexed("model", i, ".safetensors")));
-    (void)report;
-  }
+  for (size_t i = 0; i < models_.size(); ++i)
+    strategy_->load_model_state(*models_[i], verified(indexed("model", i, ".safetensors")));
   const int saved_world = st["world_size"].get<int>();
   for (size_t i = 0; i < optimizers_.size(); ++i) {
     const auto stem = indexed("optimizer", i, "");

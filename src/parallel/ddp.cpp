@@ -88,7 +88,26 @@ GradientReducer::GradientReducer(
     sizes.push_back({p.numel() * static_cast<int64_t>(p.element_size()), it->second});
   }
   const auto mib = [](double mb) { return static_cast<int64_t>(mb * 1024.0 * 1024.0); };
-  buckets_ = assign_buckets(sizes, mib(options_.bucket_cap_mb()), mib(options_.first_bucket_cap_mb()));
+  if (options_.buckets().empty()) {
+    buckets_ = assign_buckets(sizes, mib(options_.bucket_cap_mb()), mib(options_.first_bucket_cap_mb()));
+  } else {
+    TORCH_CHECK(params_.size() == named_parameters.size(), pg_->prefix(),
+                " ReducerOptions::buckets needs distinct parameters that all need gradients");
+    std::vector<int> seen_in(params_.size(), 0);
+    for (const auto& b : options_.buckets()) {
+      TORCH_CHECK(!b.empty(), pg_->prefix(), " ReducerOptions::buckets has an empty bucket");
+      for (size_t i : b) {
+        TORCH_CHECK(i < params_.size() && seen_in[i]++ == 0, pg_->prefix(),
+                    " ReducerOptions::buckets: parameter index ", i, " is out of range or repeated");
+        TORCH_CHECK(sizes[i].group == sizes[b.front()].group, pg_->prefix(),
+                    " ReducerOptions::buckets: a bucket mixes groups, dtypes or devices");
+      }
+    }
+    for (size_t i = 0; i < params_.size(); ++i)
+      TORCH_CHECK(seen_in[i] == 1, pg_->prefix(), " ReducerOptions::buckets misses parameter ",
+                  names_[i]);
+    buckets_ = options_.buckets();
+  }
   bucket_of_.assign(params_.size(), 0);
   offset_of_.assign(params_.size(), 0);
   const int64_t multiple = options_.bucket_multiple();

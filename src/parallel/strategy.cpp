@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "detail/strategies.h"
+#include "tandem/checkpoint/model_io.h"
 
 namespace tandem::parallel {
 namespace {
@@ -159,6 +160,21 @@ std::optional<ShardingOptions> sharding_from_environment(const EnvMap& env) {
       o.offload_optimizer(true);  // FSDP's CPU offload moves the step to the host as well
       o.offload_params(o.stage() == 3);
     }
+    if (auto v = get("TANDEM_FSDP_AUTO_WRAP_POLICY")) {
+      const auto t = upper(*v);
+      if (t != "TRANSFORMER_BASED_WRAP" && t != "SIZE_BASED_WRAP" && t != "NO_WRAP")
+        throw bad("TANDEM_FSDP_AUTO_WRAP_POLICY (fsdp_config.fsdp_auto_wrap_policy)", *v,
+                  "expected TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP");
+      o.auto_wrap_policy(t);
+    }
+    if (auto v = get("TANDEM_FSDP_MIN_NUM_PARAMS")) {
+      try {
+        o.min_num_params(std::stoll(*v));
+      } catch (const std::exception&) {
+        throw bad("TANDEM_FSDP_MIN_NUM_PARAMS (fsdp_config.fsdp_min_num_params)", *v,
+                  "expected a whole number");
+      }
+    }
     if (auto v = get("TANDEM_FSDP_STATE_DICT_TYPE")) {
       const auto t = upper(*v);
       if (t != "FULL_STATE_DICT" && t != "SHARDED_STATE_DICT")
@@ -192,6 +208,19 @@ std::optional<ShardingOptions> sharding_from_environment(const EnvMap& env) {
   return o;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> Strategy::model_state(torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& kv : model.named_parameters())
+    if (kv.value().defined()) out.emplace_back(kv.key(), kv.value().detach());
+  for (const auto& kv : model.named_buffers())
+    if (kv.value().defined()) out.emplace_back(kv.key(), kv.value().detach());
+  return out;
+}
+
+void Strategy::load_model_state(torch::nn::Module& model, const std::string& path) {
+  checkpoint::load_model(model, path);
+}
+
 checkpoint::OptimizerState Strategy::optimizer_shard_state(const torch::optim::Optimizer&) const {
   throw std::logic_error(name() + " does not shard optimizer state");
 }
@@ -205,12 +234,7 @@ void Strategy::load_optimizer_shards(torch::optim::Optimizer&, int,
 std::string unsupported_sharding_message(const ShardingOptions& o) {
   if (o.stage() < 0 || o.stage() > 3)
     return o.origin() + ": stage " + std::to_string(o.stage()) + ": expected 0, 1, 2 or 3";
-  if (o.stage() == 3)
-    return o.origin() + ": stage 3 (FSDP FULL_SHARD / HYBRID_SHARD, DeepSpeed zero_stage 3: "
-           "parameters sharded too) is not implemented in this version; it refuses rather than "
-           "run something else. Stage 2 shards gradients and optimizer state: set "
-           "fsdp_sharding_strategy: SHARD_GRAD_OP, or deepspeed_config.zero_stage: 2";
-  if (o.offload_params())
+  if (o.offload_params() && o.stage() != 3)
     return o.origin() + ": parameter offload needs stage 3 (parameters are sharded only there); "
            "set offload_param_device: none";
   return "";

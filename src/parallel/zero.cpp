@@ -1,4 +1,4 @@
-// ZeRO stages 1 and 2 (see zero.h, Note [ZeRO units]).
+// ZeRO stages 1, 2 and 3 (see zero.h, Note [ZeRO units]; stage 3 units are Sharded modules, sharded.h).
 #include "tandem/parallel/zero.h"
 
 #include <torch/nn/module.h>
@@ -11,11 +11,15 @@
 #include <algorithm>
 #include <iostream>
 #include <map>
+#include <set>
 #include <sstream>
+#include <tuple>
 
 #include "../compat/optimizer.h"
 #include "detail/strategies.h"
+#include "tandem/checkpoint/model_io.h"
 #include "tandem/comm/collectives.h"
+#include "tandem/parallel/sharded.h"
 
 namespace tandem::parallel {
 
@@ -69,6 +73,56 @@ struct Unit {
   bool alias = true;       // shard_param is a view of flat (else an fp32 / host copy)
   at::Tensor reduced;      // stage 2: the reduce-scatter's output while in flight
   std::vector<std::string> names;
+  std::vector<at::Tensor> params;  // the model's parameters, views of flat
+  // Stage 3: a unit of a Sharded module is resident only between gather() and release();
+  // units of the root (parameters of no Sharded module, tied ones) stay resident.
+  bool resident = true;
+  bool gathered = true;
+};
+
+// Note [Freeing a unit]: the parameters of a released unit keep their TensorImpls (the
+// optimizer, autograd's saved tensors and the model all hold them) and their sizes; only the
+// storage they share with `flat` gives its bytes back (nbytes 0). gather() allocates the storage
+// again and all-gathers the chunks into it, so every tensor that aliases it, saved ones
+// included, sees the parameters again. Nothing reads a released unit's parameters: a Sharded
+// module gathers before its forward and before its backward.
+void gather_unit(Unit& u, ProcessGroup& pg) {
+  if (u.gathered) return;
+  auto* storage = u.flat.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(u.padded) * u.flat.element_size();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+  u.gathered = true;
+  at::NoGradGuard no_grad;
+  at::Tensor src = u.shard_param.detach();
+  if (src.scalar_type() != u.flat.scalar_type() || src.device() != u.flat.device())
+    src = src.to(u.flat.options());
+  if (pg.size() > 1)
+    pg.all_gather_into(src, u.flat);
+  else
+    u.flat.copy_(src);
+}
+
+void release_unit(Unit& u) {
+  if (u.resident || !u.gathered) return;
+  auto* storage = u.flat.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(0));
+  storage->set_nbytes(0);
+  u.gathered = false;
+}
+
+// Stage 3: what a Sharded module does around its forward and backward, for its units (one per
+// parameter group and dtype, of every optimizer it belongs to).
+struct UnitHooks : detail::ShardedHooks {
+  std::vector<Unit*> units;
+  ProcessGroup* pg = nullptr;
+  void before_forward() override {
+    for (auto* u : units) gather_unit(*u, *pg);
+  }
+  void after_forward() override {
+    for (auto* u : units) release_unit(*u);
+  }
+  void before_backward() override { before_forward(); }
 };
 
 struct ShardedOptimizer;
@@ -118,6 +172,8 @@ void ZeroHook::finish(GradBucket& b, Work& w) {
   at::Tensor mine =
       slices() ? b.buffer.narrow(0, u.shard.offset, u.shard.numel) : std::move(u.reduced);
   u.reduced = at::Tensor();
+  // Stage 3: the unit's backward is over (all of its gradients are in): free its parameters.
+  release_unit(u);
   // No rank used this unit: its gradient stays as it was (undefined after zero_grad, so the
   // optimizer leaves the unit alone), as data parallel leaves unused parameters' .grad.
   if (b.all_unused) return;
@@ -143,7 +199,8 @@ class ZeroStrategy : public Strategy {
  public:
   ZeroStrategy(ShardingOptions options, StrategyContext ctx)
       : options_(std::move(options)), ctx_(std::move(ctx)) {
-    if (options_.offload_optimizer() && ctx_.device.is_cpu() && ctx_.pg->rank() == 0)
+    if ((options_.offload_optimizer() || options_.offload_params()) && ctx_.device.is_cpu() &&
+        ctx_.pg->rank() == 0)
       std::cerr << ctx_.pg->prefix() << " " << options_.origin()
                 << ": optimizer offload to the CPU: this run is on the CPU already, so the "
                    "shards and their step stay where they are" << std::endl;
@@ -152,6 +209,12 @@ class ZeroStrategy : public Strategy {
 
   void prepare_model(const std::shared_ptr<torch::nn::Module>& model) override {
     models_.push_back(model);
+    if (options_.stage() != 3) return;
+    // The units: modules the user wrapped, and (the auto-wrap policy) Sequential entries.
+    for (const auto& m : model->modules(/*include_self=*/true))
+      if (auto w = std::dynamic_pointer_cast<ShardedImpl>(m)) add_wrapper(w);
+    if (options_.auto_wrap_policy() != "NO_WRAP")
+      for (auto& w : wrap_sequential_entries(*model, options_.min_num_params())) add_wrapper(w);
   }
 
   bool prepare_optimizer(torch::optim::Optimizer& optimizer) override;
@@ -209,9 +272,23 @@ class ZeroStrategy : public Strategy {
   }
   void check_same_layout(const ShardedOptimizer& s);
 
+  void add_wrapper(const std::shared_ptr<ShardedImpl>& w) {
+    for (const auto& known : wrappers_)
+      if (known.get() == w.get()) return;
+    auto hooks = std::make_shared<UnitHooks>();
+    hooks->pg = ctx_.pg.get();
+    w->set_hooks(hooks);
+    wrappers_.push_back(w);
+    hooks_.push_back(hooks);
+  }
+  std::vector<std::pair<std::string, at::Tensor>> model_state(torch::nn::Module& model) override;
+  void load_model_state(torch::nn::Module& model, const std::string& path) override;
+
   ShardingOptions options_;
   StrategyContext ctx_;
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
+  std::vector<std::shared_ptr<ShardedImpl>> wrappers_;  // stage 3
+  std::vector<std::shared_ptr<UnitHooks>> hooks_;       // of wrappers_, in the same order
   std::vector<std::unique_ptr<ShardedOptimizer>> sharded_;
 };
 
@@ -247,16 +324,64 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
              std::to_string(known->second) + " and " + std::to_string(g) + "; put it in one");
     }
   // The optimizer's parameters in the models' registration order, as data parallel buckets
-  // them: with one parameter group the units are exactly data parallel's buckets.
+  // them: with one parameter group the units are exactly data parallel's buckets. Each tensor
+  // once; parameters that need no gradient are not sharded.
   std::vector<std::pair<std::string, at::Tensor>> named;
   std::vector<int> groups;
-  for (size_t m = 0; m < models_.size(); ++m)
-    for (const auto& kv : models_[m]->named_parameters()) {
-      auto it = group_of.find(kv.value().unsafeGetTensorImpl());
-      if (it == group_of.end()) continue;
-      named.emplace_back(name_of.at(it->first), kv.value());
-      groups.push_back(it->second);
+  std::map<const void*, int> registrations;  // names per tensor: tied ones have several
+  {
+    std::set<const void*> seen;
+    for (size_t m = 0; m < models_.size(); ++m)
+      for (const auto& kv : models_[m]->named_parameters()) {
+        const void* key = kv.value().unsafeGetTensorImpl();
+        ++registrations[key];
+        auto it = group_of.find(key);
+        if (it == group_of.end() || !kv.value().requires_grad() || !seen.insert(key).second)
+          continue;
+        named.emplace_back(name_of.at(it->first), kv.value());
+        groups.push_back(it->second);
+      }
+  }
+  // Stage 3: one unit per Sharded module, parameter group and dtype, the innermost module owning
+  // a parameter; tied parameters (used by several modules) and those of no Sharded module form
+  // the root's units, which stay resident. Launched in reverse order of registration (the last
+  // module's gradients are ready first), the root's last.
+  std::vector<std::vector<size_t>> explicit_buckets;
+  std::vector<int> owner_of_bucket;
+  if (options_.stage() == 3) {
+    std::map<const void*, int> owner;
+    std::vector<int64_t> size_of(wrappers_.size(), 0);
+    for (size_t k = 0; k < wrappers_.size(); ++k)
+      for (const auto& p : wrappers_[k]->parameters()) size_of[k] += p.numel();
+    for (size_t k = 0; k < wrappers_.size(); ++k)
+      for (const auto& p : wrappers_[k]->parameters()) {
+        const void* key = p.unsafeGetTensorImpl();
+        if (registrations[key] > 1) continue;
+        auto it = owner.find(key);
+        if (it == owner.end() || size_of[static_cast<size_t>(it->second)] > size_of[k])
+          owner[key] = static_cast<int>(k);
+      }
+    std::map<std::tuple<int, int, int>, size_t> unit_of_key;
+    std::vector<std::vector<size_t>> members;
+    std::vector<int> unit_owner;
+    for (size_t i = 0; i < named.size(); ++i) {
+      const void* key = named[i].second.unsafeGetTensorImpl();
+      const int o = owner.count(key) ? owner.at(key) : -1;
+      auto k = std::make_tuple(o, groups[i], static_cast<int>(named[i].second.scalar_type()));
+      auto it = unit_of_key.emplace(k, members.size()).first;
+      if (it->second == members.size()) {
+        members.emplace_back();
+        unit_owner.push_back(o);
+      }
+      members[it->second].push_back(i);
     }
+    for (int pass = 0; pass < 2; ++pass)
+      for (size_t k = members.size(); k-- > 0;)
+        if ((unit_owner[k] >= 0) == (pass == 0)) {
+          explicit_buckets.push_back(members[k]);
+          owner_of_bucket.push_back(unit_owner[k]);
+        }
+  }
   auto s = std::make_unique<ShardedOptimizer>();
   s->optimizer = &optimizer;
   s->pg = ctx_.pg;
@@ -266,12 +391,14 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
       .bucket_multiple(pg.size())
       .write_back(false)
       .gradient_as_bucket_view(stage == 1)
-      .release_gradients(stage == 2)
+      .release_gradients(stage >= 2)
+      .buckets(explicit_buckets)
       .comm_hook(std::make_shared<ZeroHook>(s.get(), stage, options_.reduce_scatter()));
   s->reducer = std::make_unique<GradientReducer>(named, ctx_.pg, ro);
   const auto& params = s->reducer->parameters();
   const auto& names = s->reducer->parameter_names();
   at::NoGradGuard no_grad;
+  s->units.reserve(s->reducer->buckets().size());  // UnitHooks point into it
   for (size_t b = 0; b < s->reducer->buckets().size(); ++b) {
     const auto& members = s->reducer->buckets()[b];
     const at::Tensor& first = params[members.front()];
@@ -289,12 +416,15 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
       const_cast<at::Tensor&>(p).set_data(alias_of(u.flat, off, p.sizes()));
       u.numel += p.numel();
       u.names.push_back(names[i]);
+      u.params.push_back(p);
     }
+    u.resident = owner_of_bucket.empty() || owner_of_bucket[b] < 0;
     u.shard = shard_of(u.numel, pg.size(), pg.rank());
     TORCH_INTERNAL_ASSERT(u.shard.numel * pg.size() == u.padded, "unit padding mismatch");
     const bool fp32_copy = ctx_.master_weights && is_half(first.scalar_type());
-    const bool host_copy = options_.offload_optimizer() && !first.device().is_cpu();
-    u.alias = !fp32_copy && !host_copy;
+    const bool host_copy =
+        (options_.offload_optimizer() || options_.offload_params()) && !first.device().is_cpu();
+    u.alias = !fp32_copy && !host_copy && u.resident;
     if (u.alias) {
       u.shard_param = alias_of(u.flat, u.shard.offset, {u.shard.numel});
     } else {
@@ -306,6 +436,11 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
     u.shard_param.set_requires_grad(true);
     s->unit_of_bucket.push_back(s->units.size());
     s->units.push_back(std::move(u));
+    Unit& placed = s->units.back();
+    if (!placed.resident) {
+      hooks_[static_cast<size_t>(owner_of_bucket[b])]->units.push_back(&placed);
+      release_unit(placed);
+    }
   }
   // The optimizer steps this rank's chunks, one tensor per unit, in its own groups.
   for (size_t g = 0; g < param_groups.size(); ++g) {
@@ -383,6 +518,7 @@ void ZeroStrategy::after_step(torch::optim::Optimizer& optimizer) {
   if (!s) return;
   at::NoGradGuard no_grad;
   for (auto& u : s->units) {
+    if (!u.resident) continue;  // gathered from its shard at its next use
     auto mine = u.flat.narrow(0, u.shard.offset, u.shard.numel);
     if (!u.alias) mine.copy_(u.shard_param);
     if (ctx_.pg->size() > 1) ctx_.pg->all_gather_into(mine, u.flat);
@@ -422,7 +558,7 @@ void ZeroStrategy::load_optimizer_shards(
   auto doc = json::parse(json_of(0));
   TORCH_CHECK(doc.contains("zero"), pg.prefix(), " load_state: the optimizer state was not "
               "saved sharded");
-  const auto& units = doc["zero"]["units"];
+  const json units = doc["zero"]["units"];  // a copy: "zero" is erased below
   TORCH_CHECK(units.size() == s->units.size(), pg.prefix(), " load_state: the checkpoint's "
               "sharded optimizer has ", units.size(), " units, this run's ", s->units.size(),
               ": the model or its optimizer groups differ from the saved run's");
@@ -440,10 +576,10 @@ void ZeroStrategy::load_optimizer_shards(
   }
   // Each tensor of this rank's new chunk, assembled from the saved chunks that overlap it.
   auto assemble = [&](const Unit& u, const std::string& name) {
-    at::Tensor out;
+    // A chunk that is padding only (a 3-element unit on 4 ranks) has no pieces: zeros.
+    at::Tensor out = at::zeros({u.shard.numel}, u.shard_param.options().requires_grad(false));
     for (const auto& piece : reshard_pieces(u.numel, saved_world, pg.size(), pg.rank())) {
       at::Tensor src = tensor_of(piece.source_rank, name);
-      if (!out.defined()) out = at::zeros({u.shard.numel}, src.options());
       out.narrow(0, piece.target_offset, piece.length)
           .copy_(src.reshape({-1}).narrow(0, piece.source_offset, piece.length));
     }
@@ -478,8 +614,65 @@ void ZeroStrategy::load_optimizer_shards(
     if (u.alias) continue;
     if (units[k].value("param", false))
       u.shard_param.copy_(assemble(u, key + ".param"));
-    else  // saved without copies: the (loaded) weights are the best there is
+    else if (u.resident)  // saved without copies: the (loaded) weights are the best there is
       u.shard_param.copy_(u.flat.narrow(0, u.shard.offset, u.shard.numel));
+  }
+}
+
+// Note [Full state, one unit at a time]: every rank gathers each released unit in turn (the
+// same collectives in the same order everywhere); the main process copies its parameters out
+// and every rank frees it again, so no rank but the main one ever holds more than one unit
+// beyond its shards.
+std::vector<std::pair<std::string, at::Tensor>> ZeroStrategy::model_state(
+    torch::nn::Module& model) {
+  const bool main = ctx_.pg->rank() == 0;
+  std::map<const void*, at::Tensor> copies;
+  std::set<const void*> in_model;
+  for (const auto& p : model.parameters()) in_model.insert(p.unsafeGetTensorImpl());
+  at::NoGradGuard no_grad;
+  for (auto& s : sharded_)
+    for (auto& u : s->units) {
+      if (u.resident || !in_model.count(u.params.front().unsafeGetTensorImpl())) continue;
+      gather_unit(u, *ctx_.pg);
+      if (main)
+        for (const auto& p : u.params)
+          copies[p.unsafeGetTensorImpl()] = p.detach().to(at::kCPU, false, true);
+      release_unit(u);
+    }
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (!main) return out;  // only the main process writes models
+  for (const auto& kv : model.named_parameters()) {
+    if (!kv.value().defined()) continue;
+    auto it = copies.find(kv.value().unsafeGetTensorImpl());
+    out.emplace_back(kv.key(), it != copies.end() ? it->second : kv.value().detach());
+  }
+  for (const auto& kv : model.named_buffers())
+    if (kv.value().defined()) out.emplace_back(kv.key(), kv.value().detach());
+  return out;
+}
+
+// Every released unit of the model is given its storage back (no communication), the whole
+// model is loaded, and each rank keeps its chunks.
+void ZeroStrategy::load_model_state(torch::nn::Module& model, const std::string& path) {
+  std::set<const void*> in_model;
+  for (const auto& p : model.parameters()) in_model.insert(p.unsafeGetTensorImpl());
+  std::vector<Unit*> materialized;
+  for (auto& s : sharded_)
+    for (auto& u : s->units) {
+      if (u.gathered || !in_model.count(u.params.front().unsafeGetTensorImpl())) continue;
+      auto* storage = u.flat.storage().unsafeGetStorageImpl();
+      const size_t nbytes = static_cast<size_t>(u.padded) * u.flat.element_size();
+      storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+      storage->set_nbytes(nbytes);
+      u.gathered = true;
+      u.flat.zero_();
+      materialized.push_back(&u);
+    }
+  checkpoint::load_model(model, path);
+  at::NoGradGuard no_grad;
+  for (auto* u : materialized) {
+    u->shard_param.copy_(u->flat.narrow(0, u->shard.offset, u->shard.numel));
+    release_unit(*u);
   }
 }
 

@@ -114,10 +114,10 @@ TEST_F(LaunchConfigFiles, MultiMachine) {
   EXPECT_TRUE(has(r.output, "rdzv_backend: c10d  [config file]")) << r.output;
 }
 
-// Sharding that tandem runs (ZeRO stages 1-2: FSDP's SHARD_GRAD_OP, DeepSpeed's zero_stage 2,
-// the default) reaches the ranks as TANDEM_* settings; what it does not run (stage 3: FSDP's
-// FULL_SHARD, the default of --use_fsdp) is refused before any rank starts, naming where the
-// request came from; nothing runs as something else behind the user's back.
+// Sharding reaches the ranks as TANDEM_* settings (FSDP's strategies and DeepSpeed's stages are
+// ZeRO stages 0-3); what tandem cannot honour (parameter offload below stage 3, a stage that does
+// not exist) is refused before any rank starts, naming where the request came from; nothing runs
+// as something else behind the user's back.
 TEST_F(LaunchConfigFiles, ShardingIsPassedOnOrRefused) {
   auto r = dry_run("fsdp");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -125,19 +125,19 @@ TEST_F(LaunchConfigFiles, ShardingIsPassedOnOrRefused) {
   EXPECT_TRUE(has(b, "TANDEM_DISTRIBUTED_TYPE=FSDP")) << b;
   EXPECT_TRUE(has(b, "TANDEM_FSDP_SHARDING_STRATEGY=SHARD_GRAD_OP")) << b;
   EXPECT_TRUE(has(b, "TANDEM_FSDP_OFFLOAD_PARAMS=true")) << b;
-  r = dry_run("deepspeed");  // zero_stage 3
-  EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_TRUE(has(r.output, "(from " + kData + "/deepspeed.yaml)")) << r.output;
-  EXPECT_TRUE(has(r.output, "stage 3")) << r.output;
-  EXPECT_TRUE(has(r.output, "zero_stage: 2")) << r.output;
-  EXPECT_EQ(count_of(r.output, "(local "), 0) << r.output;
-  r = dry_run("deepspeed", {"--zero_stage", "2", "--offload_param_device", "none"});
+  r = dry_run("deepspeed");  // zero_stage 3, optimizer and parameters offloaded
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(has(rank_block(r.output, 0), "TANDEM_ZERO_STAGE=2")) << r.output;
-  r = tandem({"launch", "--use_fsdp", "--num_processes", "2", "--cpu", "--dry_run", "prog"});
+  b = rank_block(r.output, 0);
+  EXPECT_TRUE(has(b, "TANDEM_ZERO_STAGE=3")) << b;
+  EXPECT_TRUE(has(b, "TANDEM_OFFLOAD_PARAM_DEVICE=cpu")) << b;
+  r = dry_run("deepspeed", {"--zero_stage", "2"});  // parameters offloaded without stage 3
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_TRUE(has(r.output, "distributed_type FSDP")) << r.output;
-  EXPECT_TRUE(has(r.output, "SHARD_GRAD_OP")) << r.output;
+  EXPECT_TRUE(has(r.output, kData + "/deepspeed.yaml")) << r.output;
+  EXPECT_TRUE(has(r.output, "offload_param_device cpu needs zero_stage 3")) << r.output;
+  EXPECT_EQ(count_of(r.output, "(local "), 0) << r.output;
+  r = tandem({"launch", "--use_fsdp", "--num_processes", "2", "--cpu", "--dry_run", "prog"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(has(rank_block(r.output, 0), "TANDEM_FSDP_SHARDING_STRATEGY=FULL_SHARD")) << r.output;
   r = tandem({"launch", "--use_deepspeed", "--num_processes", "2", "--cpu", "--dry_run",
               "prog"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -261,6 +261,10 @@ TEST_F(ConfigCommand, DefaultShowValidate) {
   r = tandem({"config", "validate", kData + "/deepspeed.yaml"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(has(r.output, "distributed_type DEEPSPEED, num_processes 2")) << r.output;
+  EXPECT_FALSE(has(r.output, "refuses")) << r.output;  // ZeRO-3 with offload runs
+  std::ofstream(home_ + "/megatron.yaml") << "distributed_type: MEGATRON_LM\nnum_processes: 2\n";
+  r = tandem({"config", "validate", home_ + "/megatron.yaml"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(has(r.output, "warning: tandem launch refuses this file")) << r.output;
   std::ofstream(home_ + "/wrong.yaml") << "distributed_type: MULTI_CPU\nnum_machines: 2\n"
                                           "machine_rank: 3\nmain_process_ip: h\n"

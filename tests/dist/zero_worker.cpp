@@ -29,19 +29,24 @@ struct Args {
   int64_t global_batch = 12;
 };
 
+// Every layer is a Sharded unit (a plain pass-through under the other strategies): at stage 3,
+// b runs twice in one forward, `unused` never runs, and c's weight is tied to head_weight, so it
+// belongs to the root unit while c's bias stays in c's unit.
 struct NetImpl : torch::nn::Module {
+  using Sharded = tandem::parallel::Sharded;
   explicit NetImpl(bool swapped = false) {
     if (swapped) {
-      b = register_module("b", torch::nn::Linear(7, 7));
-      a = register_module("a", torch::nn::Linear(15, 7));
+      b = register_module("b", Sharded(torch::nn::Linear(7, 7)));
+      a = register_module("a", Sharded(torch::nn::Linear(15, 7)));
     } else {
-      a = register_module("a", torch::nn::Linear(15, 7));
-      b = register_module("b", torch::nn::Linear(7, 7));
+      a = register_module("a", Sharded(torch::nn::Linear(15, 7)));
+      b = register_module("b", Sharded(torch::nn::Linear(7, 7)));
     }
-    c = register_module("c", torch::nn::Linear(7, 3));
-    unused = register_module("unused", torch::nn::Linear(3, 2));
+    auto c_linear = torch::nn::Linear(7, 3);
+    c = register_module("c", Sharded(c_linear));
+    unused = register_module("unused", Sharded(torch::nn::Linear(3, 2)));
     // Tied: the same tensor under a second name (as a language model's head and embedding).
-    head = register_parameter("head_weight", c->weight);
+    head = register_parameter("head_weight", c_linear->weight);
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = torch::tanh(a->forward(x));
@@ -49,7 +54,7 @@ struct NetImpl : torch::nn::Module {
     h = b->forward(h);  // the same unit twice in one forward
     return c->forward(h) + 0.5 * torch::nn::functional::linear(h, head);
   }
-  torch::nn::Linear a{nullptr}, b{nullptr}, c{nullptr}, unused{nullptr};
+  Sharded a{nullptr}, b{nullptr}, c{nullptr}, unused{nullptr};
   torch::Tensor head;
 };
 TORCH_MODULE(Net);
@@ -134,7 +139,16 @@ int train(const Args& a) {
   }
   std::cout << "rank " << rank << " strategy " << acc.strategy().name() << " trained to step "
             << acc.step() << std::endl;
-  if (acc.is_main_process() && !a.out.empty()) write_parameters(*model, a.out);
+  auto state = acc.get_state_dict(*model);  // every rank: ZeRO-3 gathers
+  if (acc.is_main_process() && !a.out.empty()) {
+    std::ofstream out(a.out, std::ios::binary);
+    for (auto& kv : model->named_parameters())
+      for (auto& [name, t] : state)
+        if (name == kv.key()) {
+          auto f = t.to(torch::kFloat).contiguous();
+          out.write(static_cast<const char*>(f.data_ptr()), f.numel() * sizeof(float));
+        }
+  }
   return 0;
 }
 
@@ -143,7 +157,8 @@ int train(const Args& a) {
 // model-state formula of the strategy (docs/sharding.md): fp32 weights 4N, gradients 4N, Adam
 // 8N; data parallel adds bucket copies of the gradients (4N); ZeRO-1 keeps the gradients in the
 // buckets (4N) and Adam's state of its shard (8S, S = its elements of every unit); ZeRO-2 keeps
-// its shard's gradient and Adam state (12S) and one bucket in flight while the next fills.
+// its shard's gradient and Adam state (12S) and one bucket in flight while the next fills;
+// ZeRO-3 keeps its shard of everything (16S) and a few units at a time.
 int memory(const Args& a) {
   tandem::track::install_counting_cpu_allocator();
   const double bucket_mb = 8;
@@ -202,8 +217,12 @@ int memory(const Args& a) {
     formula = (world > 1 ? 20 : 16) * n;
   else if (name == "zero-1")
     formula = 8 * n + 8 * shard + 2 * bucket_bytes;
-  else
+  else if (name == "zero-2")
     formula = 4 * n + 12 * shard + 3 * bucket_bytes + 4 * largest;
+  else  // zero-3: the units are the Linear layers (auto-wrapped Sequential entries), U bytes
+        // each; in backward two gathered units, one in flight with its receive buffer, one
+        // filling, a gradient and an all-gather's list and result: 8U.
+    formula = 16 * shard + 8 * 4 * largest;
   // Activations: each layer keeps its input and its ReLU output for backward.
   const int64_t activations = 2 * layers * rows * width * 4;
   std::ifstream status("/proc/self/status");

@@ -78,7 +78,9 @@ TEST(Sharding, SettingsOfDeepSpeedAndFsdpChooseTheStage) {
   EXPECT_FALSE(f->offload_params());
   EXPECT_EQ(f->state_dict_type(), "SHARDED_STATE_DICT");
   EXPECT_EQ(unsupported_sharding_message(*f), "");
-  EXPECT_NE(unsupported_sharding_message(ShardingOptions().stage(3)).find("stage 3"),
+  EXPECT_EQ(unsupported_sharding_message(ShardingOptions().stage(3).offload_params(true)), "");
+  EXPECT_NE(unsupported_sharding_message(ShardingOptions().stage(2).offload_params(true))
+                .find("stage 3"),
             std::string::npos);
   // Every value tandem cannot honour is an error naming it.
   const std::vector<Env> bad = {
@@ -91,6 +93,8 @@ TEST(Sharding, SettingsOfDeepSpeedAndFsdpChooseTheStage) {
        {"TANDEM_NUM_MACHINES", "2"}},
       {{"TANDEM_DISTRIBUTED_TYPE", "FSDP"}, {"TANDEM_FSDP_NOT_A_KEY", "1"}},
       {{"TANDEM_DISTRIBUTED_TYPE", "FSDP"}, {"TANDEM_REDUCE_SCATTER", "ring"}},
+      {{"TANDEM_DISTRIBUTED_TYPE", "FSDP"}, {"TANDEM_FSDP_AUTO_WRAP_POLICY", "EVERYTHING"}},
+      {{"TANDEM_DISTRIBUTED_TYPE", "FSDP"}, {"TANDEM_FSDP_MIN_NUM_PARAMS", "many"}},
       {{"TANDEM_DISTRIBUTED_TYPE", "WARP_DRIVE"}}};
   for (const auto& env : bad) EXPECT_THROW(sharding_from_environment(env), std::invalid_argument);
   try {

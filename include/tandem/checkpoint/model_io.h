@@ -3,10 +3,12 @@
 // process writes is the caller's concern (the Accelerator writes from the main process only).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torch::nn {
@@ -54,6 +56,9 @@ std::vector<std::string> model_tensor_names(const torch::nn::Module& module);
 ///   tandem::checkpoint::save_model(*net, "out/checkpoint-100", "2GB");
 void save_model(const torch::nn::Module& module, const std::string& dir,
                 const std::string& max_shard_size = "10GB");
+/// save_model() of tensors given by name (e.g. a sharded model's gathered state).
+void save_model_tensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                        const std::string& dir, const std::string& max_shard_size = "10GB");
 
 /// Options of load_model.
 ///

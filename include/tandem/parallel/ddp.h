@@ -58,6 +58,9 @@ struct ReducerOptions {
   /// exists only from its first gradient until its hook finished, and one bucket is in flight
   /// while the next fills: full gradients never accumulate (ZeRO-2). Needs write_back(false).
   TORCH_ARG(bool, release_gradients) = false;
+  /// Explicit buckets, in launch order, as indices into the named parameters given (which must
+  /// then all need gradients and be distinct, each in exactly one bucket). Empty: by size.
+  TORCH_ARG(std::vector<std::vector<size_t>>, buckets) = {};
 };
 
 /// When each bucket's allreduce started and ended in the last synchronised backward, and when

@@ -57,6 +57,11 @@ struct ShardingOptions {
   /// ("SHARDED_STATE_DICT", the only layout: it reloads on any number of ranks), and
   /// save_model()/the model file of a checkpoint hold the full weights ("FULL_STATE_DICT").
   TORCH_ARG(std::string, state_dict_type) = "FULL_STATE_DICT";
+  /// Stage 3: which Sequential entries become units ("TRANSFORMER_BASED_WRAP" and
+  /// "SIZE_BASED_WRAP": every entry with at least min_num_params parameters; "NO_WRAP": only
+  /// modules the user wrapped in parallel::Sharded).
+  TORCH_ARG(std::string, auto_wrap_policy) = "TRANSFORMER_BASED_WRAP";
+  TORCH_ARG(int64_t, min_num_params) = 1;
   /// Where the options came from, for messages ("deepspeed_config", "fsdp_config", ...).
   TORCH_ARG(std::string, origin) = "AcceleratorOptions::sharding";
 };
@@ -123,11 +128,17 @@ class Strategy {
       torch::optim::Optimizer& optimizer, int saved_world,
       const std::function<std::string(int)>& json,
       const std::function<at::Tensor(int, const std::string&)>& tensor);
+  /// `model`'s parameters and buffers by name (model_tensor_names order) on the main process,
+  /// for a checkpoint. Every rank calls it: under ZeRO-3 the units are gathered one at a time and
+  /// only the main process keeps copies (the other ranks get an empty list).
+  virtual std::vector<std::pair<std::string, at::Tensor>> model_state(torch::nn::Module& model);
+  /// Loads weights written from model_state (checkpoint::load_model's `path`) into `model`.
+  virtual void load_model_state(torch::nn::Module& model, const std::string& path);
   /// The gradient reducers (for timelines and tests).
   virtual std::vector<const GradientReducer*> reducers() const = 0;
 };
 
-/// Why `sharding` cannot run in this version ("" when it can): stage 3, parameter offload.
+/// Why `sharding` cannot run ("" when it can): a stage outside 0-3, parameter offload below stage 3.
 std::string unsupported_sharding_message(const ShardingOptions& sharding);
 
 /// The strategy for `type` and `sharding` (nullopt: data parallel). Throws

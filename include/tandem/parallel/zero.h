@@ -1,15 +1,17 @@
-// ZeRO (stages 1 and 2): the optimizer state, and at stage 2 the gradients, split across the
-// ranks. The layout is pure logic here; the strategy itself is made by make_strategy
-// (strategy.h).
+// ZeRO stages 1-3: the optimizer state, at stage 2 also the gradients, at stage 3 also the
+// parameters, split across the ranks. The layout is pure logic here; the strategy itself is made
+// by make_strategy (strategy.h).
 //
 // Note [ZeRO units]: a unit is one gradient bucket of one optimizer parameter group (the data
-// parallel reducer's bucketing, in the same order): its parameters flattened into one buffer,
-// padded with zeros to a multiple of the world size W. Rank r owns chunk r of every unit
-// (ShardInfo). The parameters become views into their unit's buffer, so that all-gathering the
-// updated chunks into the buffer updates every parameter in place; the optimizer steps one
-// tensor per unit, this rank's chunk (itself a view of the buffer, or an fp32 / host copy of it
-// for master weights and offload). The unit boundaries do not depend on W, so a checkpoint's
-// shards can be cut again for any other number of ranks (reshard_pieces).
+// parallel reducer's bucketing, in the same order; at stage 3, the parameters of one Sharded
+// module of one group instead): its parameters flattened into one buffer, padded with zeros to a
+// multiple of the world size W. Rank r owns chunk r of every unit (ShardInfo). The parameters
+// become views into their unit's buffer, so that all-gathering the updated chunks into the
+// buffer updates every parameter in place; the optimizer steps one tensor per unit, this rank's
+// chunk (itself a view of the buffer, or an fp32 / host copy of it for master weights, offload
+// and stage 3, whose buffers exist only while their module runs). The unit boundaries do not
+// depend on W, so a checkpoint's shards can be cut again for any other number of ranks
+// (reshard_pieces).
 #pragma once
 
 #include <cstdint>

@@ -7,7 +7,7 @@
 
 namespace tandem::parallel::detail {
 
-/// ZeRO stages 1 and 2 (zero.cpp).
+/// ZeRO stages 1, 2 and 3 (zero.cpp).
 std::unique_ptr<Strategy> make_zero_strategy(const ShardingOptions& options,
                                              StrategyContext context);
 

@@ -1,0 +1,75 @@
+// Sharded modules and the auto-wrap of Sequential entries (see sharded.h).
+#include "tandem/parallel/sharded.h"
+
+#include <torch/nn/modules/container/sequential.h>
+
+namespace tandem::parallel {
+
+void ShardedImpl::adopt() {
+  auto m = inner_.ptr();
+  for (const auto& kv : m->named_children()) register_module(kv.key(), kv.value());
+  for (const auto& kv : m->named_parameters(/*recurse=*/false))
+    register_parameter(kv.key(), kv.value(), kv.value().requires_grad());
+  for (const auto& kv : m->named_buffers(/*recurse=*/false)) register_buffer(kv.key(), kv.value());
+}
+
+torch::Tensor ShardedImpl::forward(torch::Tensor input) {
+  if (!hooks_) return inner_.forward(std::move(input));
+  auto hooks = hooks_;
+  hooks->before_forward();
+  torch::Tensor out;
+  try {
+    out = inner_.forward(std::move(input));
+  } catch (...) {
+    hooks->after_forward();
+    throw;
+  }
+  // The unit's backward needs its parameters again: gathered when the gradient of its output
+  // arrives, before any of the unit's own backward runs.
+  if (out.requires_grad())
+    out.register_hook([hooks](torch::Tensor grad) {
+      hooks->before_backward();
+      return grad;
+    });
+  hooks->after_forward();
+  return out;
+}
+
+namespace {
+
+int64_t parameter_count(const torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+void visit(torch::nn::Module& m, int64_t min_num_params,
+           std::vector<std::shared_ptr<ShardedImpl>>& made) {
+  if (dynamic_cast<ShardedImpl*>(&m)) return;
+  if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&m)) {
+    for (auto& any : *seq) {
+      auto ptr = any.ptr();
+      if (dynamic_cast<ShardedImpl*>(ptr.get())) continue;
+      if (parameter_count(*ptr) >= std::max<int64_t>(1, min_num_params)) {
+        Sharded wrapper(any);
+        made.push_back(wrapper.ptr());
+        any = torch::nn::AnyModule(wrapper);
+      } else {
+        visit(*ptr, min_num_params, made);
+      }
+    }
+    return;
+  }
+  for (const auto& child : m.children()) visit(*child, min_num_params, made);
+}
+
+}  // namespace
+
+std::vector<std::shared_ptr<ShardedImpl>> wrap_sequential_entries(torch::nn::Module& model,
+                                                                  int64_t min_num_params) {
+  std::vector<std::shared_ptr<ShardedImpl>> made;
+  visit(model, min_num_params, made);
+  return made;
+}
+
+}  // namespace tandem::parallel
