@@ -64,6 +64,19 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   }
   if (auto threads = env("TANDEM_NUM_CPU_THREADS"))
     torch::set_num_threads(env_positive_int("TANDEM_NUM_CPU_THREADS", *threads));
+  if (!options_.gradient_clipping()) {
+    if (auto v = env("TANDEM_GRADIENT_CLIPPING")) {
+      try {
+        size_t pos = 0;
+        double x = std::stod(*v, &pos);
+        if (pos != v->size() || x < 0) throw std::invalid_argument("");
+        options_.gradient_clipping(x);
+      } catch (const std::exception&) {
+        throw std::invalid_argument(state_.prefix() + " TANDEM_GRADIENT_CLIPPING='" + *v +
+                                    "' (deepspeed_config.gradient_clipping) must be a number >= 0");
+      }
+    }
+  }
   if (!options_.comm_hook())
     options_.comm_hook(env("TANDEM_DDP_COMM_HOOK").value_or("none"));
   try {
@@ -228,6 +241,15 @@ void Accelerator::set_seed(uint64_t seed, bool device_specific) {
   if (torch::cuda::is_available()) torch::cuda::manual_seed_all(seed);
 }
 
+void Accelerator::clip_before_step(torch::optim::Optimizer& optimizer) {
+  const double max_norm = options_.gradient_clipping().value_or(0.0);
+  if (max_norm <= 0) return;
+  std::vector<at::Tensor> params;
+  for (const auto& g : optimizer.param_groups())
+    params.insert(params.end(), g.params().begin(), g.params().end());
+  clip_grad_norm_(params, max_norm);
+}
+
 void Accelerator::after_optimizer_step() {
   ++optimizer_steps_;
   if (options_.broadcast_buffers())
@@ -259,6 +281,7 @@ void AcceleratedOptimizer::step() {
     skipped_ = true;
     return;
   }
+  if (acc) acc->clip_before_step(*optimizer_);
   {
     auto span = acc ? acc->timeline().scope("optimizer step", "compute") : track::Timeline::Scope();
     auto no_autocast = acc ? acc->autocast(false) : precision::AutocastGuard();

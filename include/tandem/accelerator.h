@@ -82,6 +82,10 @@ struct AcceleratorOptions {
   /// environment (distributed_type DEEPSPEED with deepspeed_config, or FSDP with fsdp_config),
   /// else plain data parallel.
   TORCH_ARG(std::optional<parallel::ShardingOptions>, sharding) = std::nullopt;
+  /// Clip the gradients' total norm to this before every optimizer step (DeepSpeed's
+  /// gradient_clipping; env TANDEM_GRADIENT_CLIPPING). Unset or 0: only when the user calls
+  /// clip_grad_norm_.
+  TORCH_ARG(std::optional<double>, gradient_clipping) = std::nullopt;
   /// Re-broadcast buffers (e.g. BatchNorm statistics) from rank 0 after every optimizer step.
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// no, bf16, fp16, bf16-true, fp16-true or fp8 (env TANDEM_MIXED_PRECISION, set by
@@ -385,6 +389,7 @@ class Accelerator {
   friend class AcceleratedOptimizer;
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
   void after_optimizer_step();
+  void clip_before_step(torch::optim::Optimizer& optimizer);  // gradient_clipping
   // Mixed precision (src/precision/accelerator_precision.cpp).
   void init_precision();
   void cast_model_for_precision(torch::nn::Module& model);

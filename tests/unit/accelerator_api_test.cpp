@@ -242,3 +242,30 @@ TEST(AcceleratorStrategies, ZeroOnOneProcessTrainsAsWithout) {
   EXPECT_TRUE(torch::equal(run(2), plain));
   EXPECT_TRUE(torch::equal(run(3), plain));
 }
+
+// DeepSpeed's gradient_clipping (AcceleratorOptions::gradient_clipping, TANDEM_GRADIENT_CLIPPING)
+// clips before every optimizer step exactly as a clip_grad_norm_ call would.
+TEST(AcceleratorStrategies, GradientClippingFromTheConfigClipsEveryStep) {
+  auto run = [](bool from_config) {
+    auto options = cpu_options();
+    if (from_config) ::setenv("TANDEM_GRADIENT_CLIPPING", "0.05", 1);
+    tandem::Accelerator acc(options);
+    ::unsetenv("TANDEM_GRADIENT_CLIPPING");
+    torch::manual_seed(5);
+    auto model = torch::nn::Linear(6, 3);
+    auto [m, opt] = acc.prepare(model, std::make_shared<torch::optim::SGD>(
+                                           model->parameters(), torch::optim::SGDOptions(0.5)));
+    for (int step = 0; step < 3; ++step) {
+      auto scope = acc.accumulate();
+      acc.backward(m->forward(torch::ones({4, 6}) * (step + 1)).pow(2).sum());
+      if (!from_config) acc.clip_grad_norm_(m->parameters(), 0.05);
+      opt.step();
+      opt.zero_grad();
+    }
+    return torch::cat({m->weight.detach().reshape({-1}), m->bias.detach()});
+  };
+  EXPECT_TRUE(torch::equal(run(true), run(false)));
+  ::setenv("TANDEM_GRADIENT_CLIPPING", "lots", 1);
+  EXPECT_THROW(tandem::Accelerator acc(cpu_options()), std::invalid_argument);
+  ::unsetenv("TANDEM_GRADIENT_CLIPPING");
+}
