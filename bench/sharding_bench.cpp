@@ -4,7 +4,9 @@
 //   sharding_bench tandem   through the Accelerator, under `tandem launch` (whose flags choose
 //                           data parallel or --use_deepspeed --zero_stage N).
 // Prints "RESULT sharding <name> samples_per_s=<x> peak_bytes=<y> rss_peak_kb=<z>" (rank 0;
-// peak_bytes from tandem's counting CPU allocator, the largest over the ranks).
+// peak_bytes from tandem's counting CPU allocator during the timed steps, after the warm-up
+// steps created the optimizer state; the largest over the ranks. The RSS peak is the process's
+// whole life, the full model built before prepare included).
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
@@ -62,7 +64,10 @@ int main(int argc, char** argv) {
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-4));
     Clock::time_point start;
     for (int i = 0; i < warmup + steps; ++i) {
-      if (i == warmup) start = Clock::now();
+      if (i == warmup) {
+        tandem::track::reset_peak_cpu_memory();
+        start = Clock::now();
+      }
       auto loss = net->forward(batch(i)).pow(2).mean();
       loss.backward();
       opt.step();
@@ -82,6 +87,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < warmup + steps; ++i) {
     if (i == warmup) {
       acc.wait_for_everyone();
+      tandem::track::reset_peak_cpu_memory();
       start = Clock::now();
     }
     auto scope = acc.accumulate();

@@ -46,11 +46,11 @@ echo
 echo "## Sharded data parallel (25.2M parameters: 24 x Linear 1024x1024 + ReLU, AdamW, batch 16 per rank, 1 thread)"
 echo
 echo "Command: \`bench/sections/40-sharding.sh\`: \`sharding_bench tandem\` under \`tandem launch --num_processes N --cpu --num_cpu_threads_per_process 1\` (plus \`--use_deepspeed --zero_stage S\`), buckets of 8 MiB; \`bench/zero_peer.py ddp|zero1|fsdp\` (PyTorch $("$py2" -c 'import torch; print(torch.__version__)'): DistributedDataParallel, ZeroRedundancyOptimizer over DDP, FSDP2 \`fully_shard\` on every Linear), launched the same way. 10 timed steps after 2 warm-up steps."
-echo "Peak tensor memory: tandem's counting CPU allocator (\`track/cpu_memory.h\`), the largest rank; RSS: the largest rank's VmHWM (process, libraries and allocator caches included; PyTorch has no CPU allocator statistics, so its column is RSS only). Formula: \`tandem estimate-memory model.safetensors --num_processes N\` (tandem's fp32 table; ZeRO-2's in-flight buckets not included)."
+echo "Peak tensor memory: tandem's counting CPU allocator (\`track/cpu_memory.h\`) over the timed steps (the optimizer state exists by then), the largest rank; RSS: the largest rank's VmHWM over the whole process (libraries, allocator caches and the full model built before prepare included; PyTorch has no CPU allocator statistics, so its column is RSS only). Formula: \`tandem estimate-memory model.safetensors --num_processes N\` (tandem's fp32 table; ZeRO-2's in-flight buckets not included)."
 echo
 echo "Plain LibTorch, 1 process: $(median plain.samples_per_s) samples/s, peak tensor memory $(mb "$(median plain.peak_bytes)" 1e6) MB."
 echo
-echo "| ranks | strategy | tandem samples/s | peak tensor MB / rank | estimate-memory MB | tandem RSS MB | PyTorch peer | peer samples/s | peer RSS MB |"
+echo "| ranks | strategy | tandem samples/s | peak tensor MB / rank (timed steps) | estimate-memory MB | tandem RSS MB | PyTorch peer | peer samples/s | peer RSS MB |"
 echo "|---|---|---|---|---|---|---|---|---|"
 for n in 2 4; do
   json=$("$cli" estimate-memory "$work/model/model.safetensors" --num_processes $n --json)

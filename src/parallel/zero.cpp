@@ -178,13 +178,19 @@ void ZeroHook::finish(GradBucket& b, Work& w) {
   // optimizer leaves the unit alone), as data parallel leaves unused parameters' .grad.
   if (b.all_unused) return;
   auto& g = u.shard_param.mutable_grad();
+  // A half parameter's gradient is half, as its .grad is under data parallel, even where the
+  // bucket travelled in fp32 (bf16 on Gloo before LibTorch 2.1) and the shard steps fp32 masters.
+  if (mine.scalar_type() != u.flat.scalar_type() && is_half(u.flat.scalar_type()))
+    mine = mine.to(u.flat.scalar_type());
   const bool same = mine.scalar_type() == u.shard_param.scalar_type() &&
                     mine.device() == u.shard_param.device();
   if (stage_ == 1) {
     // The bucket holds the whole averaged gradient (the parameters' .grad are views of it, and
     // autograd accumulated into them): the chunk is the shard's gradient as it stands.
-    if (same && g.defined() && g.data_ptr() == mine.data_ptr()) return;
-    g = same ? alias_of(b.buffer, u.shard.offset, {u.shard.numel}) : mine.to(u.shard_param.options());
+    const bool in_bucket = same && mine.is_alias_of(b.buffer);  // not rounded or moved
+    if (in_bucket && g.defined() && g.data_ptr() == mine.data_ptr()) return;
+    g = in_bucket ? alias_of(b.buffer, u.shard.offset, {u.shard.numel})
+                  : mine.to(u.shard_param.options(), /*non_blocking=*/false, /*copy=*/true);
     return;
   }
   // Stage 2: the bucket held this backward's local gradients only; what the shard already
@@ -220,10 +226,16 @@ class ZeroStrategy : public Strategy {
   bool prepare_optimizer(torch::optim::Optimizer& optimizer) override;
 
   void set_sync(bool sync) override {
+    sync_ = sync;
     for (auto& s : sharded_) s->reducer->set_sync(sync);
   }
   void after_backward() override {
     for (auto& s : sharded_) s->reducer->after_backward();
+    // Stage 3 without synchronisation (accumulation micro-steps): no reduction freed the units
+    // that backward gathered; free them here.
+    if (!sync_)
+      for (auto& s : sharded_)
+        for (auto& u : s->units) release_unit(u);
   }
   std::optional<double> clip_grad_norm(double max_norm, double norm_type) override;
   bool clip_grad_value(double clip_value) override {
@@ -290,6 +302,7 @@ class ZeroStrategy : public Strategy {
   std::vector<std::shared_ptr<ShardedImpl>> wrappers_;  // stage 3
   std::vector<std::shared_ptr<UnitHooks>> hooks_;       // of wrappers_, in the same order
   std::vector<std::unique_ptr<ShardedOptimizer>> sharded_;
+  bool sync_ = true;
 };
 
 bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
@@ -518,7 +531,10 @@ void ZeroStrategy::after_step(torch::optim::Optimizer& optimizer) {
   if (!s) return;
   at::NoGradGuard no_grad;
   for (auto& u : s->units) {
-    if (!u.resident) continue;  // gathered from its shard at its next use
+    if (!u.resident) {  // gathered from its (updated) shard at its next use
+      release_unit(u);
+      continue;
+    }
     auto mine = u.flat.narrow(0, u.shard.offset, u.shard.numel);
     if (!u.alias) mine.copy_(u.shard_param);
     if (ctx_.pg->size() > 1) ctx_.pg->all_gather_into(mine, u.flat);

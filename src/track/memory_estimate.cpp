@@ -299,7 +299,7 @@ MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
       {"ddp", "DDP", "16P + 4P buckets", 20 * p},
       {"zero1", "ZeRO-1", "8P + 8P/N", 8 * p + 8 * p / n},
       {"zero2", "ZeRO-2", "4P + 12P/N (+ buckets)", 4 * p + 12 * p / n},
-      {"zero3", "ZeRO-3 (not in this version)", "16P/N + 8L", 16 * p / n + 8 * l},
+      {"zero3", "ZeRO-3", "16P/N + 32L", 16 * p / n + 32 * l},
   };
   e.caveats = {
       "activations (they grow with batch size and sequence length, and are often the largest "

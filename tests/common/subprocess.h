@@ -11,6 +11,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -86,6 +89,20 @@ inline int count_of(const std::string& hay, const std::string& needle) {
   int n = 0;
   for (size_t pos = hay.find(needle); pos != std::string::npos; pos = hay.find(needle, pos + 1)) ++n;
   return n;
+}
+
+/// The raw float32 values a worker wrote to `path` (empty when the file is missing).
+inline std::vector<float> read_floats(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
+  std::vector<float> v(bytes.size() / sizeof(float));
+  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
+  return v;
+}
+
+/// /tmp/tandem-<what>-<pid>-<name>: a path of this test process.
+inline std::string temp_path(const std::string& what, const std::string& name) {
+  return "/tmp/tandem-" + what + "-" + std::to_string(::getpid()) + "-" + name;
 }
 
 }  // namespace tandem::testing

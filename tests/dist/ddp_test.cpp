@@ -12,6 +12,7 @@
 #include "../common/subprocess.h"
 
 using tandem::testing::count_of;
+using tandem::testing::read_floats;
 using tandem::testing::run_command;
 
 namespace {
@@ -19,16 +20,8 @@ namespace {
 const std::string kCli = TANDEM_CLI;
 const std::string kWorker = DDP_WORKER;
 
-std::vector<float> read_floats(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
-  std::vector<float> v(bytes.size() / sizeof(float));
-  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
-  return v;
-}
-
 std::string temp_path(const std::string& name) {
-  return "/tmp/tandem-ddp-" + std::to_string(::getpid()) + "-" + name;
+  return tandem::testing::temp_path("ddp", name);
 }
 
 tandem::testing::RunResult launch(int n, std::vector<std::string> args, double timeout = 240) {

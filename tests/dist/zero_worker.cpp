@@ -25,7 +25,7 @@ struct Args {
   std::string mode = "train", out, save_dir, resume;
   int64_t steps = 10, accum = 2, save_at = -1;
   double clip = 0.05;
-  bool one_group = false;
+  bool one_group = false, master_weights = false, loss_scaling = false;
   int64_t global_batch = 12;
 };
 
@@ -104,7 +104,9 @@ tandem::AcceleratorOptions options(const Args& a) {
       .gradient_accumulation_steps(static_cast<int>(a.accum))
       .bucket_cap_mb(300.0 / (1 << 20))
       .first_bucket_cap_mb(100.0 / (1 << 20))
-      .find_unused_parameters(true);
+      .find_unused_parameters(true)
+      .master_weights(a.master_weights ? std::optional<bool>(true) : std::nullopt)
+      .loss_scaling(a.loss_scaling ? std::optional<bool>(true) : std::nullopt);
 }
 
 void write_parameters(torch::nn::Module& model, const std::string& path);
@@ -129,7 +131,8 @@ int train(const Args& a) {
     for (int64_t m = 0; m < a.accum; ++m) {
       auto scope = acc.accumulate();
       auto [x, y] = batch(step, m, a.global_batch, rank, world);
-      auto loss = torch::mse_loss(model->forward(x), y);
+      x = x.to(acc.precision_policy().param_dtype);  // the -true modes' half weights
+      auto loss = torch::mse_loss(model->forward(x).to(torch::kFloat), y);
       acc.backward(loss);
       if (a.clip > 0) acc.clip_grad_norm_(model->parameters(), a.clip);
       opt.step();
@@ -221,7 +224,7 @@ int memory(const Args& a) {
     formula = 4 * n + 12 * shard + 3 * bucket_bytes + 4 * largest;
   else  // zero-3: the units are the Linear layers (auto-wrapped Sequential entries), U bytes
         // each; in backward two gathered units, one in flight with its receive buffer, one
-        // filling, a gradient and an all-gather's list and result: 8U.
+        // filling, a gradient and an all-gather's list and result: 8U (estimate-memory's 32L).
     formula = 16 * shard + 8 * 4 * largest;
   // Activations: each layer keeps its input and its ReLU output for backward.
   const int64_t activations = 2 * layers * rows * width * 4;
@@ -275,6 +278,8 @@ int main(int argc, char** argv) {
   app.add_option("--save_dir", a.save_dir);
   app.add_option("--resume", a.resume);
   app.add_flag("--one_group", a.one_group);
+  app.add_flag("--master_weights", a.master_weights);
+  app.add_flag("--loss_scaling", a.loss_scaling);
   CLI11_PARSE(app, argc, argv);
   try {
     if (a.mode == "train") return train(a);

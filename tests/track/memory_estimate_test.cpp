@@ -98,6 +98,13 @@ TEST(MemoryEstimate, ZeroPaperExample) {
   EXPECT_EQ(format_bytes(e.zero[3].bytes_per_device), "1.9 GB");
   EXPECT_EQ(e.zero[0].id, "ddp");
   EXPECT_EQ(e.zero[3].id, "zero3");
+  // tandem's own strategies on fp32 weights (what the sharding benchmark measures); the largest
+  // layer is unknown from a bare count (L = 0).
+  ASSERT_EQ(e.tandem_fp32.size(), 4u);
+  EXPECT_DOUBLE_EQ(e.tandem_fp32[0].bytes_per_device, 20 * 7.5e9);
+  EXPECT_DOUBLE_EQ(e.tandem_fp32[1].bytes_per_device, 8 * 7.5e9 + 8 * 7.5e9 / 64);
+  EXPECT_DOUBLE_EQ(e.tandem_fp32[2].bytes_per_device, 4 * 7.5e9 + 12 * 7.5e9 / 64);
+  EXPECT_DOUBLE_EQ(e.tandem_fp32[3].bytes_per_device, 16 * 7.5e9 / 64);
 
   std::string text = format_memory_estimate(e);
   for (const char* s : {"7,500,000,000", "120 GB", "31.4 GB", "16.6 GB", "1.9 GB", "K = 12",

@@ -95,8 +95,8 @@ struct MemoryEstimate {
   std::vector<ZeroMemory> zero;
   /// The same schemes as tandem runs them on fp32 weights with Adam(W) (what bench/ measures,
   /// docs/sharding.md): DDP 16P + 4P of gradient buckets, ZeRO-1 8P + 8P/N (gradients kept in
-  /// the buckets), ZeRO-2 4P + 12P/N (+ the buckets in flight), ZeRO-3 16P/N + the gathered
-  /// largest layer and its gradient (8L).
+  /// the buckets), ZeRO-2 4P + 12P/N (+ the buckets in flight), ZeRO-3 16P/N + about eight
+  /// copies of the largest layer L in use at once (gathered, in flight, its gradient: 32L bytes).
   std::vector<ZeroMemory> tandem_fp32;
   /// What the estimate leaves out.
   std::vector<std::string> caveats;
