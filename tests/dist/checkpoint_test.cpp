@@ -170,7 +170,18 @@ TEST(Checkpoint, KilledAtRandomMomentsAlwaysLeavesALoadableLatest) {
             "2", static_cast<char*>(nullptr));
       _exit(127);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1200 + rng() % 1500));
+    // The kill lands at a random moment once saving has begun: the first round waits for the
+    // first complete checkpoint (a slow start, e.g. under sanitizers on a loaded machine, must
+    // not turn "nothing saved yet" into a failure), then every round sleeps a random while.
+    for (int waited = 0; round == 0 && waited < 1200; ++waited) {
+      bool complete = false;
+      std::error_code ec;
+      for (const auto& e : fs::directory_iterator(dir + "/checkpoints", ec))
+        complete = complete || fs::exists(e.path() / "manifest.json");
+      if (complete) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 1500));
     kill(-pid, SIGKILL);
     int st = 0;
     waitpid(pid, &st, 0);
