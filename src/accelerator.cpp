@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <stdexcept>
 
 #include "detail/env.h"
@@ -91,7 +92,17 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   if (options_.bucket_cap_mb() <= 0 || options_.first_bucket_cap_mb() <= 0)
     throw std::invalid_argument(state_.prefix() + " bucket_cap_mb and first_bucket_cap_mb must be "
                                 "positive");
-  init_precision();  // refuses impossible modes before joining the job
+  // Refuses impossible modes before joining the job.
+  precision_ = std::make_unique<precision::MixedPrecision>(
+      precision::MixedPrecisionOptions()
+          .mode(options_.mixed_precision())
+          .master_weights(options_.master_weights())
+          .downcast_bf16(options_.downcast_bf16())
+          .loss_scaling(options_.loss_scaling())
+          .grad_scaler(options_.grad_scaler())
+          .fp8(options_.fp8()),
+      device_.type(), state_.prefix());
+  if (precision_->fp8()) options_.fp8(*precision_->fp8());
   // Said once per job, by the main process: the slowest mistake a CPU run can make.
   if (state_.rank == 0 && device_.is_cpu()) {
     const auto runtime = cpu_runtime();
@@ -102,7 +113,7 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   parallel::StrategyContext ctx;
   ctx.pg = pg_;
   ctx.device = device_;
-  ctx.master_weights = precision_.master_weights;
+  ctx.master_weights = precision_->policy().master_weights;
   ctx.reducer = parallel::ReducerOptions()
                     .bucket_cap_mb(options_.bucket_cap_mb())
                     .first_bucket_cap_mb(options_.first_bucket_cap_mb())
@@ -110,7 +121,16 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
                     .comm_hook(parallel::comm_hook_from_name(*options_.comm_hook()))
                     .gradient_as_bucket_view(*options_.gradient_as_bucket_view());
   strategy_ = parallel::make_strategy(distributed_type_, options_.sharding(), std::move(ctx));
-  init_timeline();
+  recorder_ = std::make_unique<track::RunRecorder>(
+      track::RunRecorderOptions()
+          .rank(state_.rank)
+          .main_process(is_main_process())
+          .log_with(options_.log_with())
+          .logging_dir(options_.logging_dir().empty()
+                           ? (std::filesystem::path(options_.project_dir()) / "logs").string()
+                           : options_.logging_dir())
+          .timeline_dir(options_.timeline_dir()),
+      loader_state_.get());
   if (options_.seed()) set_seed(*options_.seed());
 }
 
@@ -120,7 +140,6 @@ Accelerator::~Accelerator() {
   // callback holds the timeline by shared_ptr, never the Accelerator), so that a late use is a
   // clear error or a no-op, never a use of freed memory.
   *self_ = nullptr;
-  loader_state_->on_wait = nullptr;
   try {
     end_training();  // finishes trackers and writes the timeline, if the user did not
   } catch (const std::exception& e) {
@@ -136,7 +155,7 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
     TORCH_CHECK(m.get() != model.get(), state_.prefix(),
                 " prepare: this model was already prepared; prepare each model once");
   model->to(device_);
-  cast_model_for_precision(*model);
+  precision_->cast_model(*model);
   parallel::broadcast_module_state(*model, *pg_, true, true);
   strategy_->prepare_model(model);
   models_.push_back(model);
@@ -147,7 +166,7 @@ AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimize
   TORCH_CHECK(optimizer, state_.prefix(), " prepare: the optimizer is null");
   optimizers_.push_back(optimizer);
   // A sharding strategy makes the optimizer step its shards (fp32 ones for master weights).
-  install_master_weights(*optimizer, strategy_->prepare_optimizer(*optimizer));
+  precision_->register_optimizer(*optimizer, strategy_->prepare_optimizer(*optimizer));
   return AcceleratedOptimizer(std::move(optimizer), self_);
 }
 
@@ -167,26 +186,22 @@ data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o)
   p.split_batches = o.split_batches().value_or(options_.split_batches());
   // Note [True-half inputs]: under the -true modes the weights are half, and a float batch would
   // stop at the first matmul ("mat1 and mat2 must have the same dtype").
-  if (precision_.param_dtype != at::kFloat &&
-      o.cast_floating_inputs().value_or(options_.cast_floating_inputs()))
-    p.floating_dtype = precision_.param_dtype;
+  const auto param_dtype = precision_->policy().param_dtype;
+  if (param_dtype != at::kFloat && o.cast_floating_inputs().value_or(options_.cast_floating_inputs()))
+    p.floating_dtype = param_dtype;
   return p;
 }
 
 void Accelerator::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined(), state_.prefix(), " backward: the loss is undefined");
-  // Note [Loss in fp32]: a half loss is cast up before dividing and scaling.
-  auto l = precision_.is_half() && loss.scalar_type() != at::kDouble ? loss.to(at::kFloat) : loss;
-  if (accumulation_steps_ > 1) l = l / static_cast<double>(accumulation_steps_);
-  if (scaler_) l = scaler_->scale(l);
+  auto l = precision_->loss_for_backward(loss, accumulation_steps_);
   const auto begin = track::Timeline::Clock::now();
   {
     auto no_autocast = autocast(false);
     l.backward();
   }
-  boundary_prepared_ = false;
   strategy_->after_backward();
-  record_backward(begin, track::Timeline::Clock::now());
+  recorder_->record_backward(begin, track::Timeline::Clock::now(), strategy_->reducers());
 }
 
 Accelerator::AccumulateScope Accelerator::accumulate() {
@@ -215,7 +230,8 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
   // Sharded gradients: the norm of every rank's shards together (as FSDP's clip_grad_norm_,
   // the whole model's).
   if (auto norm = strategy_->clip_grad_norm(max_norm, norm_type)) return *norm;
-  return torch::nn::utils::clip_grad_norm_(grads_to_clip(parameters), max_norm, norm_type);
+  return torch::nn::utils::clip_grad_norm_(precision_->grads_to_clip(parameters), max_norm,
+                                          norm_type);
 }
 
 void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
@@ -223,7 +239,7 @@ void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, do
   unscale_gradients();
   auto no_autocast = autocast(false);
   if (strategy_->clip_grad_value(clip_value)) return;
-  torch::nn::utils::clip_grad_value_(grads_to_clip(parameters), clip_value);
+  torch::nn::utils::clip_grad_value_(precision_->grads_to_clip(parameters), clip_value);
 }
 
 at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
@@ -232,7 +248,15 @@ at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
   if (t.dim() > 0 && st.valid_rows >= 0 && st.valid_rows < st.batch_rows &&
       t.size(0) == st.batch_rows)
     t = t.narrow(0, 0, st.valid_rows);
-  return metric_result(comm::gather(*pg_, metric_input(t)));
+  return precision_->metric_result(comm::gather(*pg_, precision_->metric_input(t)));
+}
+
+at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) {
+  return precision_->metric_result(comm::reduce(*pg_, precision_->metric_input(tensor), op));
+}
+
+void Accelerator::unscale_gradients() {
+  if (sync_gradients_) precision_->unscale_gradients(pg_.get());
 }
 
 void Accelerator::set_seed(uint64_t seed, bool device_specific) {
@@ -277,7 +301,7 @@ void AcceleratedOptimizer::step() {
   Accelerator* acc = owner();
   skipped_ = acc && !acc->sync_gradients();
   if (skipped_) return;
-  if (acc && !acc->before_optimizer_step()) {  // inf/NaN on some rank: every rank skips
+  if (acc && acc->sync_gradients() && !acc->precision_->before_step(acc->pg_.get())) {  // inf/NaN on some rank: every rank skips
     skipped_ = true;
     return;
   }
@@ -288,7 +312,7 @@ void AcceleratedOptimizer::step() {
     optimizer_->step();
   }
   if (acc) {
-    acc->after_optimizer_step_precision(*optimizer_);
+    acc->precision_->after_step(*optimizer_);
     acc->strategy_->after_step(*optimizer_);
     acc->after_optimizer_step();
   }
@@ -299,7 +323,7 @@ void AcceleratedOptimizer::zero_grad() {
   if (acc && !acc->sync_gradients()) return;
   optimizer_->zero_grad();
   if (acc) {
-    acc->zero_model_grads_for(*optimizer_);
+    acc->precision_->zero_grad(*optimizer_);
     acc->strategy_->zero_grad(*optimizer_);
   }
 }

@@ -26,15 +26,18 @@
 #include "tandem/precision/autocast.h"
 #include "tandem/precision/fp8.h"
 #include "tandem/precision/grad_scaler.h"
+#include "tandem/precision/mixed_precision.h"
 #include "tandem/precision/policy.h"
 #include "tandem/state.h"
+#include "tandem/track/run_recorder.h"
 #include "tandem/track/timeline.h"
 #include "tandem/track/trackers.h"
 
 namespace tandem {
 
 namespace checkpoint {
-class SafetensorsFile;
+struct StatePart;
+class StateReader;
 }
 
 namespace detail {
@@ -259,11 +262,13 @@ class Accelerator {
   /// Clamps every (reduced) gradient into [-clip_value, clip_value].
   void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value);
 
-  // ---- mixed precision (src/precision/accelerator_precision.cpp) -------------------------------
+  // ---- mixed precision (the MixedPrecision component) ------------------------------------------
   /// The validated precision policy of this run.
-  const precision::PrecisionPolicy& precision_policy() const { return precision_; }
+  const precision::PrecisionPolicy& precision_policy() const { return precision_->policy(); }
   /// The mode's name: no, bf16, fp16, bf16-true, fp16-true, fp8.
-  std::string mixed_precision() const { return precision_.name(); }
+  std::string mixed_precision() const { return precision_->policy().name(); }
+  /// The precision component (policy, loss scaler, master weights).
+  precision::MixedPrecision& precision() { return *precision_; }
   /// An autocast region for this mode on this device (nothing under no and the -true modes);
   /// autocast(false) turns autocast off inside an enclosing region, for numerically sensitive
   /// code. accumulate() opens one for its scope too; backward(), optimizer steps and clipping
@@ -273,19 +278,19 @@ class Accelerator {
   ///   torch::NoGradGuard no_grad;
   ///   auto ac = acc.autocast();
   ///   auto logits = model->forward(x);
-  precision::AutocastGuard autocast(bool enabled = true);
+  precision::AutocastGuard autocast(bool enabled = true) { return precision_->autocast(enabled); }
   /// The loss scaler (fp16 and fp16-true), nullptr otherwise.
-  precision::GradScaler* scaler() { return scaler_.get(); }
+  precision::GradScaler* scaler() { return precision_->scaler(); }
   /// Divides the gradients by the loss scale once per synchronisation boundary (and, with
   /// master weights, copies them up into the fp32 masters first); checks them for inf/NaN on
   /// every rank together. Optimizer steps and clipping call it; calling it again before the
   /// next backward does nothing.
   void unscale_gradients();
   /// Whether the last optimizer step was skipped because some rank's gradients held inf/NaN.
-  bool optimizer_step_was_skipped() const { return step_skipped_; }
+  bool optimizer_step_was_skipped() const { return precision_->step_was_skipped(); }
   /// The fp32 master copy of a prepared optimizer's parameter `p` (a -true mode with master
   /// weights), or an undefined tensor.
-  at::Tensor master_parameter(const at::Tensor& p) const;
+  at::Tensor master_parameter(const at::Tensor& p) const { return precision_->master_parameter(p); }
 
   // ---- collectives ----------------------------------------------------------------------------
   at::Tensor gather(const at::Tensor& tensor) { return comm::gather(*pg_, tensor); }
@@ -363,16 +368,22 @@ class Accelerator {
   void save_model(const torch::nn::Module& model, const std::string& dir,
                   const std::string& max_shard_size = "10GB");
 
-  // ---- tracking (src/track/accelerator_tracking.cpp) ------------------------------------------
+  // ---- tracking (the RunRecorder component) ----------------------------------------------------
   /// Starts the trackers of options.log_with on the main process and records the
   /// hyper-parameters; other ranks do nothing.
-  void init_trackers(const std::string& project_name, const track::Hparams& config = {});
+  void init_trackers(const std::string& project_name, const track::Hparams& config = {}) {
+    recorder_->init_trackers(project_name, config);
+  }
   /// Logs scalar values at a step (main process only).
-  void log(const std::map<std::string, double>& values, int64_t step);
+  void log(const std::map<std::string, double>& values, int64_t step) {
+    recorder_->log(values, step);
+  }
   /// Finishes the trackers and writes the timeline.
-  void end_training();
+  void end_training() { recorder_->finish(); }
   /// The per-rank timeline (disabled unless timeline_dir or TANDEM_TIMELINE is set).
-  track::Timeline& timeline() { return *timeline_; }
+  track::Timeline& timeline() { return recorder_->timeline(); }
+  /// The tracking component (trackers and timeline).
+  track::RunRecorder& recorder() { return *recorder_; }
 
   /// The gradient reducers of the strategy (for timelines and tests).
   std::vector<const parallel::GradientReducer*> reducers() const { return strategy_->reducers(); }
@@ -390,25 +401,10 @@ class Accelerator {
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
   void after_optimizer_step();
   void clip_before_step(torch::optim::Optimizer& optimizer);  // gradient_clipping
-  // Mixed precision (src/precision/accelerator_precision.cpp).
-  void init_precision();
-  void cast_model_for_precision(torch::nn::Module& model);
-  // Registers `optimizer` with the precision component; `strategy_owns_masters`: a sharding
-  // strategy already made it step fp32 shards, so no masters are installed here.
-  void install_master_weights(torch::optim::Optimizer& optimizer, bool strategy_owns_masters);
-  bool before_optimizer_step();  // false: skip (inf/NaN somewhere)
-  void after_optimizer_step_precision(torch::optim::Optimizer& optimizer);
-  void zero_model_grads_for(torch::optim::Optimizer& optimizer);
-  // The fp32 masters an optimizer steps, keyed "g<group>.p<index>" (empty without masters).
-  std::vector<std::pair<std::string, at::Tensor>> master_weights_of(
-      const torch::optim::Optimizer& optimizer) const;
-  // Restores the masters of `optimizer` from `file`, or rebuilds them from the (already loaded)
-  // half weights when the checkpoint has none (file == nullptr). Note [Masters on resume].
-  void load_master_weights(torch::optim::Optimizer& optimizer,
-                           const checkpoint::SafetensorsFile* file, const std::string& dir);
-  std::vector<at::Tensor> grads_to_clip(const std::vector<at::Tensor>& parameters);
-  at::Tensor metric_input(const at::Tensor& t) const;   // half -> fp32 under mixed precision
-  at::Tensor metric_result(const at::Tensor& t) const;  // fp32 -> bf16 with downcast_bf16
+  // The parts of a checkpoint, in the order every rank saves and loads them
+  // (src/accelerator_state.cpp).
+  std::vector<checkpoint::StatePart> checkpoint_parts();
+  void load_optimizers(const checkpoint::StateReader& reader);
 
   AcceleratorOptions options_;
   // Cell the prepared optimizers reach this Accelerator through; null once it is destroyed
@@ -434,28 +430,10 @@ class Accelerator {
   };
   std::vector<Registered> registered_;
   int64_t checkpoints_saved_ = 0;  // numbering of automatic checkpoint_<n>
-  track::TrackerSet trackers_;
-  // Shared with the loaders' wait callback, which must not hold the Accelerator itself.
-  std::shared_ptr<track::Timeline> timeline_;
-  std::shared_ptr<track::Timeline::Clock::time_point> last_ready_ =  // end of the last wait/step
-      std::make_shared<track::Timeline::Clock::time_point>();
-  void init_timeline();
-  void record_backward(track::Timeline::Clock::time_point begin,
-                       track::Timeline::Clock::time_point end);
   parallel::DistributedType distributed_type_ = parallel::DistributedType::kNo;
   std::unique_ptr<parallel::Strategy> strategy_;
-  // Mixed precision.
-  precision::PrecisionPolicy precision_;
-  std::unique_ptr<precision::GradScaler> scaler_;
-  struct MasterSet {  // one optimizer's half parameters and their fp32 masters
-    torch::optim::Optimizer* optimizer = nullptr;
-    std::vector<at::Tensor> params, masters;
-  };
-  std::vector<MasterSet> masters_;       // every prepared optimizer, masters empty without them
-  std::map<const void*, at::Tensor> master_of_;  // half parameter's TensorImpl -> fp32 master
-  bool boundary_prepared_ = false;  // gradients unscaled/copied up since the last backward
-  bool found_inf_ = false;          // on any rank, at the last unscale
-  bool step_skipped_ = false;
+  std::unique_ptr<precision::MixedPrecision> precision_;
+  std::unique_ptr<track::RunRecorder> recorder_;
 };
 
 }  // namespace tandem

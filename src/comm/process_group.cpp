@@ -304,7 +304,11 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
 
 int64_t ProcessGroup::shard_numel(int64_t numel) const {
   TORCH_CHECK(numel >= 0, prefix(), " shard_numel: negative element count ", numel);
-  return std::max<int64_t>(1, (numel + impl_->size - 1) / impl_->size);
+  return padded_chunk_numel(numel, impl_->size);
+}
+
+int64_t padded_chunk_numel(int64_t numel, int world) {
+  return std::max<int64_t>(1, (numel + world - 1) / world);
 }
 
 // Note [Reduce-scatter on Gloo]: Gloo in LibTorch 1.13 has no reduce_scatter (and neither

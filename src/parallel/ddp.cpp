@@ -15,6 +15,7 @@
 
 #include "../compat/autograd_hooks.h"
 #include "../compat/c10d.h"
+#include "detail/flat_alias.h"
 #include "tandem/parallel/buckets.h"
 
 namespace tandem::parallel {
@@ -27,17 +28,6 @@ at::ScalarType wire_dtype(const at::Tensor& t) {
   return compat::gloo_sum_dtype(t.scalar_type(), t.device().type());
 }
 
-// Note [Gradients as bucket views]: the .grad of a parameter aliases its slot of the bucket's
-// storage. It is made with set_, not view(): LibTorch's Optimizer::zero_grad calls detach_(),
-// which autograd refuses on a view ("Can't detach views in-place"), and the alias needs no
-// autograd view tracking anyway (gradients carry no history).
-at::Tensor bucket_alias(const at::Tensor& flat, int64_t offset, const at::Tensor& param) {
-  at::Tensor t = at::empty({0}, flat.options());
-  std::vector<int64_t> strides(param.dim(), 1);
-  for (int64_t d = param.dim() - 2; d >= 0; --d) strides[d] = strides[d + 1] * param.size(d + 1);
-  t.set_(flat.storage(), flat.storage_offset() + offset, param.sizes(), strides);
-  return t;
-}
 
 }  // namespace
 
@@ -191,7 +181,7 @@ void GradientReducer::on_gradient_ready(size_t i) {
     // Note [Gradients as bucket views]: after the first step autograd accumulates straight into
     // the bucket (zero_grad zeroes the views in place); a .grad that is not the view (the first
     // backward, or one set to none) is copied in once and replaced by the view.
-    auto view = bucket_alias(b.flat(), offset_of_[i], params_[i]);
+    auto view = detail::flat_alias(b.flat(), offset_of_[i], params_[i].sizes());
     if (!grad.defined()) {
       view.zero_();
       grad = view;
@@ -269,7 +259,7 @@ void GradientReducer::finish_bucket(size_t b) {
       auto& g = params_[i].mutable_grad();
       if (view_[i] && g.defined() && g.data_ptr() == slot.data_ptr()) continue;  // in place
       if (view_[i]) {
-        g = bucket_alias(bs.flat(), offset_of_[i], params_[i]);
+        g = detail::flat_alias(bs.flat(), offset_of_[i], params_[i].sizes());
       } else if (g.defined()) {
         g.copy_(slot);
       } else {

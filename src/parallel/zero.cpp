@@ -16,15 +16,17 @@
 #include <tuple>
 
 #include "../compat/optimizer.h"
+#include "detail/flat_alias.h"
 #include "detail/strategies.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/comm/collectives.h"
 #include "tandem/parallel/sharded.h"
+#include "tandem/precision/policy.h"
 
 namespace tandem::parallel {
 
 ShardInfo shard_of(int64_t numel, int world, int rank) {
-  const int64_t chunk = std::max<int64_t>(1, (numel + world - 1) / world);
+  const int64_t chunk = padded_chunk_numel(numel, world);
   return {chunk * rank, chunk};
 }
 
@@ -48,18 +50,6 @@ namespace {
 
 using json = nlohmann::json;
 
-bool is_half(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
-
-// A tensor sharing `flat`'s storage at `offset` with `sizes` (contiguous). Made with set_, not
-// a view, so that optimizers may detach_() and zero it (Note [Gradients as bucket views]).
-at::Tensor alias_of(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
-  at::Tensor t = at::empty({0}, flat.options());
-  std::vector<int64_t> strides(sizes.size(), 1);
-  for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d)
-    strides[d] = strides[d + 1] * sizes[d + 1];
-  t.set_(flat.storage(), flat.storage_offset() + offset, sizes, strides);
-  return t;
-}
 
 // One unit: a bucket of one parameter group (Note [ZeRO units]).
 struct Unit {
@@ -86,13 +76,18 @@ struct Unit {
 // again and all-gathers the chunks into it, so every tensor that aliases it, saved ones
 // included, sees the parameters again. Nothing reads a released unit's parameters: a Sharded
 // module gathers before its forward and before its backward.
-void gather_unit(Unit& u, ProcessGroup& pg) {
-  if (u.gathered) return;
+// Gives a released unit its storage back (contents undefined).
+void materialize_unit(Unit& u) {
   auto* storage = u.flat.storage().unsafeGetStorageImpl();
   const size_t nbytes = static_cast<size_t>(u.padded) * u.flat.element_size();
   storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
   storage->set_nbytes(nbytes);
   u.gathered = true;
+}
+
+void gather_unit(Unit& u, ProcessGroup& pg) {
+  if (u.gathered) return;
+  materialize_unit(u);
   at::NoGradGuard no_grad;
   at::Tensor src = u.shard_param.detach();
   if (src.scalar_type() != u.flat.scalar_type() || src.device() != u.flat.device())
@@ -180,7 +175,7 @@ void ZeroHook::finish(GradBucket& b, Work& w) {
   auto& g = u.shard_param.mutable_grad();
   // A half parameter's gradient is half, as its .grad is under data parallel, even where the
   // bucket travelled in fp32 (bf16 on Gloo before LibTorch 2.1) and the shard steps fp32 masters.
-  if (mine.scalar_type() != u.flat.scalar_type() && is_half(u.flat.scalar_type()))
+  if (mine.scalar_type() != u.flat.scalar_type() && precision::is_half(u.flat.scalar_type()))
     mine = mine.to(u.flat.scalar_type());
   const bool same = mine.scalar_type() == u.shard_param.scalar_type() &&
                     mine.device() == u.shard_param.device();
@@ -189,7 +184,7 @@ void ZeroHook::finish(GradBucket& b, Work& w) {
     // autograd accumulated into them): the chunk is the shard's gradient as it stands.
     const bool in_bucket = same && mine.is_alias_of(b.buffer);  // not rounded or moved
     if (in_bucket && g.defined() && g.data_ptr() == mine.data_ptr()) return;
-    g = in_bucket ? alias_of(b.buffer, u.shard.offset, {u.shard.numel})
+    g = in_bucket ? flat_alias(b.buffer, u.shard.offset, {u.shard.numel})
                   : mine.to(u.shard_param.options(), /*non_blocking=*/false, /*copy=*/true);
     return;
   }
@@ -426,7 +421,7 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
       u.flat.narrow(0, off, p.numel()).copy_(p.detach().reshape({-1}));
       // The parameter's storage becomes its slot of the unit (same dtype: set_data keeps its
       // identity for the optimizer, hooks and the model).
-      const_cast<at::Tensor&>(p).set_data(alias_of(u.flat, off, p.sizes()));
+      const_cast<at::Tensor&>(p).set_data(flat_alias(u.flat, off, p.sizes()));
       u.numel += p.numel();
       u.names.push_back(names[i]);
       u.params.push_back(p);
@@ -434,12 +429,12 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
     u.resident = owner_of_bucket.empty() || owner_of_bucket[b] < 0;
     u.shard = shard_of(u.numel, pg.size(), pg.rank());
     TORCH_INTERNAL_ASSERT(u.shard.numel * pg.size() == u.padded, "unit padding mismatch");
-    const bool fp32_copy = ctx_.master_weights && is_half(first.scalar_type());
+    const bool fp32_copy = ctx_.master_weights && precision::is_half(first.scalar_type());
     const bool host_copy =
         (options_.offload_optimizer() || options_.offload_params()) && !first.device().is_cpu();
     u.alias = !fp32_copy && !host_copy && u.resident;
     if (u.alias) {
-      u.shard_param = alias_of(u.flat, u.shard.offset, {u.shard.numel});
+      u.shard_param = flat_alias(u.flat, u.shard.offset, {u.shard.numel});
     } else {
       auto opts = u.flat.options();
       if (fp32_copy) opts = opts.dtype(at::kFloat);
@@ -676,11 +671,7 @@ void ZeroStrategy::load_model_state(torch::nn::Module& model, const std::string&
   for (auto& s : sharded_)
     for (auto& u : s->units) {
       if (u.gathered || !in_model.count(u.params.front().unsafeGetTensorImpl())) continue;
-      auto* storage = u.flat.storage().unsafeGetStorageImpl();
-      const size_t nbytes = static_cast<size_t>(u.padded) * u.flat.element_size();
-      storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
-      storage->set_nbytes(nbytes);
-      u.gathered = true;
+      materialize_unit(u);
       u.flat.zero_();
       materialized.push_back(&u);
     }

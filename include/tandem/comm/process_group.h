@@ -52,6 +52,10 @@ class Work {
 
 /// The ranks of a job (or of a subgroup of it), able to run collectives together.
 /// A group of size 1 needs no network and takes a fast path in every collective.
+/// Elements per rank when `numel` elements are split into `world` equal, padded chunks: at
+/// least 1, so that no rank's chunk is empty (the rule of reduce_scatter and of ZeRO shards).
+int64_t padded_chunk_numel(int64_t numel, int world);
+
 class ProcessGroup {
  public:
   struct Impl;

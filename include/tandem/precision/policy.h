@@ -13,6 +13,9 @@
 
 namespace tandem::precision {
 
+/// bf16 or fp16: the half dtypes of mixed precision.
+inline bool is_half(c10::ScalarType t) { return t == c10::kBFloat16 || t == c10::kHalf; }
+
 /// The mixed-precision modes (the names of Accelerate's `mixed_precision`, plus Lightning's
 /// "-true" modes).
 enum class Mode { kNo, kBf16, kFp16, kBf16True, kFp16True, kFp8 };

@@ -1,68 +1,78 @@
-// The Accelerator's mixed precision: the policy from options and environment, the model's
+// MixedPrecision (mixed_precision.h): the policy from options and environment, the model's
 // dtype, fp32 master weights, loss scaling with a skip agreed by every rank, and the precision
 // of metric reductions. See docs/mixed_precision.md.
+#include "tandem/precision/mixed_precision.h"
+
 #include <torch/torch.h>
 
 #include <ATen/autocast_mode.h>
+#include <nlohmann/json.hpp>
 
-#include <cstdlib>
+#include <iostream>
 #include <set>
 
 #include "../detail/env.h"
 
-#include "tandem/accelerator.h"
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
+#include "tandem/comm/process_group.h"
 
-namespace tandem {
+namespace tandem::precision {
 namespace {
 
-using detail::env;
-using detail::env_true;
-
-bool is_half(c10::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+using tandem::detail::env;
+using tandem::detail::env_true;
 
 }  // namespace
 
-void Accelerator::init_precision() {
-  const std::string mode =
-      options_.mixed_precision().value_or(env("TANDEM_MIXED_PRECISION").value_or("no"));
-  const bool downcast = options_.downcast_bf16().value_or(
+MixedPrecision::MixedPrecision(MixedPrecisionOptions options, c10::DeviceType device,
+                               std::string prefix)
+    : prefix_(std::move(prefix)), device_(device) {
+  const std::string mode = options.mode().value_or(env("TANDEM_MIXED_PRECISION").value_or("no"));
+  const bool downcast = options.downcast_bf16().value_or(
       env("TANDEM_DOWNCAST_BF16") ? env_true(*env("TANDEM_DOWNCAST_BF16")) : false);
-  precision_ = precision::PrecisionPolicy::create(precision::PolicyOptions()
-                                                      .mode(mode)
-                                                      .master_weights(options_.master_weights())
-                                                      .downcast_bf16(downcast)
-                                                      .loss_scaling(options_.loss_scaling())
-                                                      .prefix(state_.prefix()),
-                                                  precision::Capabilities::detect(device_.type()));
-  if (precision_.fp8) {
-    auto recipe = options_.fp8().value_or(precision::Fp8Options::from_environment());
+  policy_ = PrecisionPolicy::create(PolicyOptions()
+                                        .mode(mode)
+                                        .master_weights(options.master_weights())
+                                        .downcast_bf16(downcast)
+                                        .loss_scaling(options.loss_scaling())
+                                        .prefix(prefix_),
+                                    Capabilities::detect(device_));
+  if (policy_.fp8) {
+    auto recipe = options.fp8().value_or(Fp8Options::from_environment());
     try {
       recipe.validate();
     } catch (const std::exception& e) {
-      throw std::invalid_argument(state_.prefix() + " fp8 options: " + e.what());
+      throw std::invalid_argument(prefix_ + " fp8 options: " + e.what());
     }
-    options_.fp8(recipe);
+    fp8_ = recipe;
   }
-  if (precision_.loss_scaling) scaler_ = std::make_unique<precision::GradScaler>(options_.grad_scaler());
+  if (policy_.loss_scaling) scaler_ = std::make_unique<GradScaler>(options.grad_scaler());
 }
 
-precision::AutocastGuard Accelerator::autocast(bool enabled) {
-  if (precision_.autocast_dtype)
-    return precision::AutocastGuard(device_.type(), *precision_.autocast_dtype, enabled);
+AutocastGuard MixedPrecision::autocast(bool enabled) const {
+  if (policy_.autocast_dtype) return AutocastGuard(device_, *policy_.autocast_dtype, enabled);
   // Modes without autocast: entering changes nothing; disabling still turns off a region the
   // user opened by hand.
-  if (!enabled) return precision::AutocastGuard(device_.type(), at::kBFloat16, false);
-  return precision::AutocastGuard();
+  if (!enabled) return AutocastGuard(device_, at::kBFloat16, false);
+  return AutocastGuard();
 }
 
-void Accelerator::cast_model_for_precision(torch::nn::Module& model) {
-  if (precision_.param_dtype != at::kFloat) model.to(precision_.param_dtype);
+void MixedPrecision::cast_model(torch::nn::Module& model) const {
+  if (policy_.param_dtype != at::kFloat) model.to(policy_.param_dtype);
 }
 
-void Accelerator::install_master_weights(torch::optim::Optimizer& optimizer,
-                                         bool strategy_owns_masters) {
+at::Tensor MixedPrecision::loss_for_backward(const at::Tensor& loss, int accumulation_steps) {
+  // Note [Loss in fp32]: a half loss is cast up before dividing and scaling.
+  auto l = policy_.is_half() && loss.scalar_type() != at::kDouble ? loss.to(at::kFloat) : loss;
+  if (accumulation_steps > 1) l = l / static_cast<double>(accumulation_steps);
+  if (scaler_) l = scaler_->scale(l);
+  boundary_prepared_ = false;
+  return l;
+}
+
+void MixedPrecision::register_optimizer(torch::optim::Optimizer& optimizer,
+                                        bool strategy_owns_masters) {
   MasterSet set;
   set.optimizer = &optimizer;
   if (strategy_owns_masters) {
@@ -72,13 +82,13 @@ void Accelerator::install_master_weights(torch::optim::Optimizer& optimizer,
   std::set<const void*> seen;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
-      if (!precision_.master_weights || !p.is_floating_point() || !is_half(p.scalar_type())) {
+      if (!policy_.master_weights || !p.is_floating_point() || !is_half(p.scalar_type())) {
         continue;
       }
       const void* key = p.unsafeGetTensorImpl();
       auto it = master_of_.find(key);
       if (it == master_of_.end()) {
-        TORCH_CHECK(optimizer.state().empty(), state_.prefix(),
+        TORCH_CHECK(optimizer.state().empty(), prefix_,
                     " prepare: master weights need an optimizer without state; expected a fresh "
                     "optimizer, found one that has stepped; prepare it before its first step");
         at::Tensor master = p.detach().to(at::kFloat).clone();
@@ -95,7 +105,7 @@ void Accelerator::install_master_weights(torch::optim::Optimizer& optimizer,
   masters_.push_back(std::move(set));
 }
 
-std::vector<std::pair<std::string, at::Tensor>> Accelerator::master_weights_of(
+std::vector<std::pair<std::string, at::Tensor>> MixedPrecision::master_weights_of(
     const torch::optim::Optimizer& optimizer) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   if (master_of_.empty()) return out;
@@ -117,19 +127,19 @@ std::vector<std::pair<std::string, at::Tensor>> Accelerator::master_weights_of(
 // masters rebuilt from the loaded half weights: exactly what prepare() would have built had the
 // run started from those weights, so nothing stale survives; what cannot be recovered are the
 // fp32 bits below half precision that such a run never kept.
-void Accelerator::load_master_weights(torch::optim::Optimizer& optimizer,
-                                      const checkpoint::SafetensorsFile* file,
-                                      const std::string& dir) {
+void MixedPrecision::load_master_weights(torch::optim::Optimizer& optimizer,
+                                         const checkpoint::SafetensorsFile* file,
+                                         const std::string& dir, bool announce) {
   torch::NoGradGuard no_grad;
   std::map<const void*, at::Tensor> half_of;  // master -> its half parameter
   for (const auto& set : masters_)
     for (size_t k = 0; k < set.params.size(); ++k)
       half_of.emplace(set.masters[k].unsafeGetTensorImpl(), set.params[k]);
   if (half_of.empty()) {
-    if (file && is_main_process())
-      std::cerr << state_.prefix() << " load_state: " << dir
+    if (file && announce)
+      std::cerr << prefix_ << " load_state: " << dir
                 << " holds fp32 master weights, but this run keeps none (mixed precision "
-                << precision_.name() << "); the saved half weights are used" << std::endl;
+                << policy_.name() << "); the saved half weights are used" << std::endl;
     return;
   }
   bool rebuilt = false;
@@ -141,13 +151,13 @@ void Accelerator::load_master_weights(torch::optim::Optimizer& optimizer,
       if (it == half_of.end()) continue;
       const std::string key = checkpoint::optimizer_param_key(g, i);
       if (file) {
-        TORCH_CHECK(file->contains(key), state_.prefix(), " load_state: ", dir,
+        TORCH_CHECK(file->contains(key), prefix_, " load_state: ", dir,
                     " has master weights without '", key,
                     "': the checkpoint was saved with other parameter groups; build the "
                     "optimizer as in the run that saved it");
         auto t = file->tensor(key);
         TORCH_CHECK(t.sizes() == master.sizes() && t.scalar_type() == master.scalar_type(),
-                    state_.prefix(), " load_state: master weight '", key, "' in ", dir, " is ",
+                    prefix_, " load_state: master weight '", key, "' in ", dir, " is ",
                     t.scalar_type(), t.sizes(), ", expected ", master.scalar_type(),
                     master.sizes(), ": build the same model and optimizer before load_state");
         master.copy_(t);
@@ -156,19 +166,19 @@ void Accelerator::load_master_weights(torch::optim::Optimizer& optimizer,
         rebuilt = true;
       }
     }
-  if (rebuilt && is_main_process())
-    std::cerr << state_.prefix() << " load_state: " << dir
+  if (rebuilt && announce)
+    std::cerr << prefix_ << " load_state: " << dir
               << " has no fp32 master weights (it was saved without them); they are rebuilt from "
-                 "the loaded " << precision_.name() << " weights, as prepare() builds them" << std::endl;
+                 "the loaded " << policy_.name() << " weights, as prepare() builds them" << std::endl;
 }
 
-at::Tensor Accelerator::master_parameter(const at::Tensor& p) const {
+at::Tensor MixedPrecision::master_parameter(const at::Tensor& p) const {
   auto it = master_of_.find(p.unsafeGetTensorImpl());
   return it == master_of_.end() ? at::Tensor() : it->second;
 }
 
-void Accelerator::unscale_gradients() {
-  if (boundary_prepared_ || !sync_gradients_) return;
+void MixedPrecision::unscale_gradients(ProcessGroup* pg) {
+  if (boundary_prepared_) return;
   boundary_prepared_ = true;
   found_inf_ = false;
   if (!scaler_ && master_of_.empty()) return;
@@ -197,18 +207,18 @@ void Accelerator::unscale_gradients() {
   // Note [Skip together]: one rank's overflow skips the step on every rank, so parameters and
   // scales stay identical everywhere.
   auto flag = at::full({1}, local_inf ? 1.0f : 0.0f, at::TensorOptions().dtype(at::kFloat));
-  if (pg_ && pg_->size() > 1) pg_->allreduce(flag, ReduceOp::kMax);
+  if (pg && pg->size() > 1) pg->allreduce(flag, ReduceOp::kMax);
   found_inf_ = flag.item<float>() > 0;
   scaler_->update(found_inf_);
 }
 
-bool Accelerator::before_optimizer_step() {
-  unscale_gradients();
+bool MixedPrecision::before_step(ProcessGroup* pg) {
+  unscale_gradients(pg);
   step_skipped_ = found_inf_;
   return !found_inf_;
 }
 
-void Accelerator::after_optimizer_step_precision(torch::optim::Optimizer& optimizer) {
+void MixedPrecision::after_step(torch::optim::Optimizer& optimizer) {
   torch::NoGradGuard no_grad;
   for (auto& set : masters_) {
     if (set.optimizer != &optimizer) continue;
@@ -219,7 +229,7 @@ void Accelerator::after_optimizer_step_precision(torch::optim::Optimizer& optimi
   at::autocast::clear_cache();
 }
 
-void Accelerator::zero_model_grads_for(torch::optim::Optimizer& optimizer) {
+void MixedPrecision::zero_grad(torch::optim::Optimizer& optimizer) {
   for (auto& set : masters_) {
     if (set.optimizer != &optimizer) continue;
     for (auto& p : set.params) {
@@ -234,7 +244,8 @@ void Accelerator::zero_model_grads_for(torch::optim::Optimizer& optimizer) {
 
 // Each tensor once: LibTorch's parameters() lists a tied weight under each of its names, which
 // would count it twice in the norm (PyTorch's parameters() yields it once).
-std::vector<at::Tensor> Accelerator::grads_to_clip(const std::vector<at::Tensor>& parameters) {
+std::vector<at::Tensor> MixedPrecision::grads_to_clip(
+    const std::vector<at::Tensor>& parameters) const {
   std::vector<at::Tensor> out;
   out.reserve(parameters.size());
   std::set<const void*> seen;
@@ -246,18 +257,26 @@ std::vector<at::Tensor> Accelerator::grads_to_clip(const std::vector<at::Tensor>
   return out;
 }
 
-at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) {
-  return metric_result(comm::reduce(*pg_, metric_input(tensor), op));
+at::Tensor MixedPrecision::metric_input(const at::Tensor& t) const {
+  return policy_.is_half() && t.defined() && is_half(t.scalar_type()) ? t.to(at::kFloat) : t;
 }
 
-at::Tensor Accelerator::metric_input(const at::Tensor& t) const {
-  return precision_.is_half() && t.defined() && is_half(t.scalar_type()) ? t.to(at::kFloat) : t;
-}
-
-at::Tensor Accelerator::metric_result(const at::Tensor& t) const {
-  return precision_.downcast_bf16 && t.defined() && t.scalar_type() == at::kFloat
+at::Tensor MixedPrecision::metric_result(const at::Tensor& t) const {
+  return policy_.downcast_bf16 && t.defined() && t.scalar_type() == at::kFloat
              ? t.to(at::kBFloat16)
              : t;
 }
 
-}  // namespace tandem
+std::string MixedPrecision::state_dict() const {
+  nlohmann::json out = nlohmann::json::object();
+  if (scaler_) out = scaler_->state_dict();
+  return out.dump();
+}
+
+void MixedPrecision::load_state_dict(const std::string& state) {
+  if (!scaler_ || state.empty()) return;
+  auto j = nlohmann::json::parse(state);
+  if (j.is_object() && !j.empty()) scaler_->load_state_dict(j.get<std::map<std::string, double>>());
+}
+
+}  // namespace tandem::precision
