@@ -1,6 +1,6 @@
 // A byte-level GPT: token and position embeddings, causal self-attention blocks, LayerNorm, and
-// an output head tied to the token embedding. Plus the text it trains on: files of this source
-// tree, so that the default run needs no download.
+// an output head tied to the token embedding; tensor parallel by a plan (gpt_tensor_parallel_plan).
+// Plus the text it trains on: files of this source tree, so that the default run needs no download.
 #pragma once
 
 #include <torch/torch.h>
