@@ -2,6 +2,7 @@
 #include "tandem/comm/mesh.h"
 
 #include <algorithm>
+#include <map>
 #include <set>
 #include <sstream>
 #include <stdexcept>

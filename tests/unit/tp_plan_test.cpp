@@ -114,10 +114,7 @@ TEST(TensorParallelPlan, ParallelizeOnOneRankEqualsTheDenseModelAndRefusesBadEnt
   EXPECT_TRUE(torch::equal(x, y));
 
   Tiny other;
-  TensorParallelPlan embed_as_row;
-  embed_as_row.rowwise("emb");
-  // A one-rank group splits nothing, so a rowwise embedding only fails on its missing bias
-  // elsewhere; here: a vocab entry on a Linear with a bias.
+  // A vocab entry on a Linear (it has a bias).
   TensorParallelPlan vocab_on_linear;
   vocab_on_linear.vocab("l0_up");
   const auto e = error_of([&] { parallelize_module(*other, one, vocab_on_linear); });

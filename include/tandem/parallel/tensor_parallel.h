@@ -3,7 +3,6 @@
 // that swaps a model's layers for their tensor-parallel forms, and the per-rank RNG for dropout.
 #pragma once
 
-#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
