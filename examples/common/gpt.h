@@ -1,6 +1,6 @@
 // A byte-level GPT: token and position embeddings, causal self-attention blocks, LayerNorm, and
-// an output head tied to the token embedding. Plus the text it trains on: files of this source
-// tree, so that the default run needs no download.
+// an output head tied to the token embedding; tensor parallel by a plan (gpt_tensor_parallel_plan).
+// Plus the text it trains on: files of this source tree, so that the default run needs no download.
 #pragma once
 
 #include <torch/torch.h>
@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "tandem/parallel/tensor_parallel.h"
+
 namespace examples {
 
 struct GPTConfig {
@@ -23,6 +25,31 @@ struct GPTConfig {
   int64_t width = 128;
 };
 
+/// Calls the child `name` of `self`: through the tensor-parallel layer a plan put in its place
+/// (tandem::parallel::parallelize_module), else through `built`, the member that built it.
+template <typename Holder>
+torch::Tensor call_child(torch::nn::Module& self, const char* name, Holder& built,
+                         const torch::Tensor& x) {
+  if (auto tp = tandem::parallel::planned_child(self, name)) return tp->forward(x);
+  return built(x);
+}
+
+/// The tensor-parallel plan of this GPT (Megatron's split): q, k, v column-parallel by whole
+/// heads, the attention projection row-parallel, the MLP column- then row-parallel, and the
+/// token embedding vocab-parallel with the tied head column-parallel over the same rows, so
+/// that the logits stay split by vocabulary (loss_per_sample then uses the vocab-parallel cross
+/// entropy). Needs heads, 4 * width and vocab divisible by the tensor-parallel size.
+inline tandem::parallel::TensorParallelPlan gpt_tensor_parallel_plan() {
+  tandem::parallel::TensorParallelPlan plan;
+  plan.colwise("h*.attn.qkv", /*parts=*/3)
+      .rowwise("h*.attn.proj")
+      .colwise("h*.fc")
+      .rowwise("h*.fc_proj")
+      .vocab("wte")
+      .colwise("head");
+  return plan;
+}
+
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const GPTConfig& c)
       : heads(c.heads),
@@ -31,15 +58,19 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     TORCH_CHECK(c.width % c.heads == 0, "width ", c.width, " must be a multiple of heads ", c.heads);
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    const auto B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
-    auto parts = qkv(x).split(C, 2);
-    auto shape = [&](const torch::Tensor& t) { return t.view({B, T, heads, hd}).transpose(1, 2); };
+    const auto B = x.size(0), T = x.size(1), hd = x.size(2) / heads;
+    auto y = call_child(*this, "qkv", qkv, x);
+    // This rank's heads: all of them, or its share when a tensor-parallel plan split qkv.
+    const auto C = y.size(2) / 3, h = C / hd;
+    TORCH_CHECK(C % hd == 0, "qkv gives ", C, " features per q/k/v, not whole heads of ", hd);
+    auto parts = y.split(C, 2);
+    auto shape = [&](const torch::Tensor& t) { return t.view({B, T, h, hd}).transpose(1, 2); };
     auto q = shape(parts[0]), k = shape(parts[1]), v = shape(parts[2]);
     auto att = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
     auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
                     .triu(1);
     att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
-    return proj(att.matmul(v).transpose(1, 2).contiguous().view({B, T, C}));
+    return call_child(*this, "proj", proj, att.matmul(v).transpose(1, 2).contiguous().view({B, T, C}));
   }
   int64_t heads;
   torch::nn::Linear qkv, proj;
@@ -55,7 +86,7 @@ struct BlockImpl : torch::nn::Module {
         fc_proj(register_module("fc_proj", torch::nn::Linear(4 * c.width, c.width))) {}
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn(ln1(x));
-    return x + fc_proj(torch::gelu(fc(ln2(x))));
+    return x + call_child(*this, "fc_proj", fc_proj, torch::gelu(call_child(*this, "fc", fc, ln2(x))));
   }
   torch::nn::LayerNorm ln1;
   CausalSelfAttention attn;
@@ -87,16 +118,24 @@ struct GPTImpl : torch::nn::Module {
       if (p.key().find("weight") != std::string::npos && p.value().dim() == 2)
         p.value().normal_(0.0, 0.02);
   }
-  /// Logits [B, T, vocab] for byte ids [B, T].
+  /// Logits [B, T, vocab] for byte ids [B, T] (with a tensor-parallel head: this rank's part of
+  /// the vocabulary, [B, T, vocab / tp]).
   torch::Tensor forward(const torch::Tensor& idx) {
     auto pos = torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-    auto x = wte(idx) + wpe(pos);
+    auto x = call_child(*this, "wte", wte, idx) + wpe(pos);
     for (auto& b : blocks) x = b(x);
-    return head(ln_f(x));
+    return call_child(*this, "head", head, ln_f(x));
   }
   /// Mean cross-entropy per sequence [B] (so that per-sample losses can be gathered).
   torch::Tensor loss_per_sample(const torch::Tensor& idx, const torch::Tensor& targets) {
     auto logits = forward(idx);
+    auto split_head = std::dynamic_pointer_cast<tandem::parallel::ColumnParallelLinearImpl>(
+        tandem::parallel::planned_child(*this, "head"));
+    if (split_head && !split_head->options.gather_output())
+      return tandem::parallel::vocab_parallel_cross_entropy(
+                 logits, targets, split_head->group(),
+                 tandem::parallel::VocabParallelCrossEntropyOptions().reduction("none"))
+          .mean(1);
     auto l = torch::nn::functional::cross_entropy(
         logits.view({-1, logits.size(-1)}), targets.view({-1}),
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));

@@ -3,6 +3,7 @@
 
 #include "tandem/accelerator.h"
 #include "tandem/comm/collectives.h"
+#include "tandem/comm/mesh.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/data/loader.h"
 #include "tandem/data/sampler.h"
@@ -10,6 +11,7 @@
 #include "tandem/parallel/ddp.h"
 #include "tandem/parallel/sharded.h"
 #include "tandem/parallel/strategy.h"
+#include "tandem/parallel/tensor_parallel.h"
 #include "tandem/parallel/zero.h"
 #include "tandem/state.h"
 #include "tandem/track/cpu_memory.h"

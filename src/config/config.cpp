@@ -2,6 +2,8 @@
 // accepts and ignores, and the validation of every value.
 #include "tandem/config/config.h"
 
+#include "tandem/comm/mesh.h"
+
 #include <sys/stat.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
@@ -108,6 +110,7 @@ const std::set<std::string> kActedOn = {"compute_environment",
                                         "fsdp_config",
                                         "deepspeed_config",
                                         "fp8_config",
+                                        "parallelism_config",
                                         "fp16",
                                         // tandem's own (LaunchConfig::ddp_comm_hook)
                                         "ddp_comm_hook",
@@ -118,12 +121,13 @@ const std::set<std::string> kIgnoredKeys = {
     "tpu_env",
     // other engines and launchers
     "megatron_lm_config", "dynamo_config", "dynamo_backend", "ipex_config", "mpirun_config",
-    "tp_config", "parallelism_config",
+    "tp_config",
     // Amazon SageMaker
     "ec2_instance_type", "iam_role_name", "image_uri", "profile", "region", "base_job_name",
     "pytorch_version", "transformers_version", "py_version", "sagemaker_inputs_file",
     "sagemaker_metrics_file", "additional_args"};
-const std::set<std::string> kSections = {"fsdp_config", "deepspeed_config", "fp8_config"};
+const std::set<std::string> kSections = {"fsdp_config", "deepspeed_config", "fp8_config",
+                                         "parallelism_config"};
 
 // deepspeed_config keys Accelerate's questionnaire and launcher know; tandem acts on the first
 // group and reports the second as ignored.
@@ -211,6 +215,31 @@ void set_deepspeed(LaunchConfig& c, const std::string& key, const std::string& v
     return;
   }
   c.deepspeed_config[key] = v;
+}
+
+// parallelism_config: Accelerate's parallelism_config_<name> keys (the prefix may be left out,
+// as Accelerate's launcher adds it), plus tandem's pp_size. Context parallel is not run: a
+// cp_size above 1 is refused rather than ignored.
+void set_parallelism(LaunchConfig& c, std::string key, const std::string& value,
+                     const std::string& origin) {
+  const std::string prefix = "parallelism_config_";
+  if (key.rfind(prefix, 0) == 0) key = key.substr(prefix.size());
+  if (key == "dp_replicate_size" || key == "dp_shard_size" || key == "tp_size" ||
+      key == "pp_size") {
+    const int v = parse_int(origin, value, 1, 1 << 20, "a size >= 1");
+    c.parallelism_config[key == "pp_size" ? key : prefix + key] = std::to_string(v);
+  } else if (key == "cp_size") {
+    if (parse_int(origin, value, 1, 1 << 20, "a size >= 1") != 1)
+      bad(origin, value, "1: tandem has no context parallel; split the sequence with tensor "
+                         "parallel's sequence-parallel regions or leave cp_size at 1");
+  } else if (key == "cp_comm_strategy" || key == "sp_size" || key == "sp_backend") {
+    note_ignored(c, "parallelism_config." + prefix + key + ": " + trim(value));
+  } else {
+    throw std::invalid_argument(origin + ": unknown parallelism_config key '" + key +
+                                "'; expected parallelism_config_dp_replicate_size, "
+                                "parallelism_config_dp_shard_size, parallelism_config_tp_size, "
+                                "parallelism_config_cp_size or pp_size");
+  }
 }
 
 std::string check_ip(const std::string& origin, const std::string& value) {
@@ -318,9 +347,15 @@ void set_value(LaunchConfig& c, const std::string& key, const std::string& value
     } else if (section == "fp8_config") {
       c.fp8_config[sub] = trim(value);
       c.sources[key] = source;
+    } else if (section == "parallelism_config") {
+      set_parallelism(c, sub, value, origin);
+      std::string name = sub.rfind("parallelism_config_", 0) == 0 ? sub.substr(19) : sub;
+      c.sources["parallelism_config." + (name == "pp_size" ? name : "parallelism_config_" + name)] =
+          source;
     } else {
       throw std::invalid_argument(origin + ": unknown section '" + section +
-                                  "'; expected fsdp_config, deepspeed_config or fp8_config");
+                                  "'; expected fsdp_config, deepspeed_config, fp8_config or "
+                                  "parallelism_config");
     }
     return;
   }
@@ -530,6 +565,18 @@ void validate(const LaunchConfig& c) {
                                   ": pass --main_process_port with a free port on machine 0, "
                                   "the same on every machine (e.g. 29500)");
   }
+  const auto shape = mesh_shape(c);
+  if (!shape.empty() && c.num_processes > 0) {
+    try {
+      shape.resolve(c.num_processes, c.num_processes / c.num_machines);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("parallelism_config") + where + ", " +
+                                  std::to_string(c.num_processes) + " processes on " +
+                                  std::to_string(c.num_machines) + " machine" +
+                                  (c.num_machines == 1 ? "" : "s") + ": " + e.what() +
+                                  " (--tp_size, --pp_size, --dp_replicate_size, --dp_shard_size)");
+    }
+  }
   const bool sharded = c.distributed_type == "DEEPSPEED";
   if (sharded) {
     auto it = c.deepspeed_config.find("offload_param_device");
@@ -540,6 +587,19 @@ void validate(const LaunchConfig& c) {
                                   " needs zero_stage 3 (parameters are sharded only there)" +
                                   where + "; set zero_stage: 3 or offload_param_device: none");
   }
+}
+
+comm::MeshShape mesh_shape(const LaunchConfig& c) {
+  auto get = [&](const std::string& k) {
+    auto it = c.parallelism_config.find(k);
+    return it == c.parallelism_config.end() ? 0 : std::stoi(it->second);
+  };
+  comm::MeshShape s;
+  s.pp = get("pp_size");
+  s.dp_replicate = get("parallelism_config_dp_replicate_size");
+  s.dp_shard = get("parallelism_config_dp_shard_size");
+  s.tp = get("parallelism_config_tp_size");
+  return s;
 }
 
 std::string ignored_warning(const LaunchConfig& c) {
@@ -618,6 +678,11 @@ std::string to_yaml(const LaunchConfig& c) {
     out << YAML::EndMap;
   }
   if (c.gradient_as_bucket_view) out << YAML::Key << "gradient_as_bucket_view" << YAML::Value << true;
+  if (!c.parallelism_config.empty()) {
+    out << YAML::Key << "parallelism_config" << YAML::Value << YAML::BeginMap;
+    for (const auto& [k, v] : c.parallelism_config) out << YAML::Key << k << YAML::Value << std::stoi(v);
+    out << YAML::EndMap;
+  }
   if (!c.gpu_ids.empty()) {
     out << YAML::Key << "gpu_ids" << YAML::Value;
     emit_text(out, c.gpu_ids, false);

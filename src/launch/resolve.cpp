@@ -1,6 +1,7 @@
 // Merging flags over the config file, resolving the distributed type and process count, the
 // device-count check, and the TANDEM_* environment of the ranks.
 #include "tandem/launch/resolve.h"
+#include "tandem/comm/mesh.h"
 #include "tandem/parallel/strategy.h"
 
 #include <arpa/inet.h>
@@ -57,6 +58,8 @@ std::string flag_for_key(const std::string& key) {
   std::string sub = key.substr(dot + 1);
   if (key.rfind("fsdp_config.", 0) == 0 && sub.rfind("fsdp_", 0) != 0) sub = "fsdp_" + sub;
   if (key.rfind("fp8_config.", 0) == 0 && sub.rfind("fp8_", 0) != 0) sub = "fp8_" + sub;
+  if (key.rfind("parallelism_config.", 0) == 0 && sub.rfind("parallelism_config_", 0) == 0)
+    sub = sub.substr(19);  // --tp_size sets parallelism_config.parallelism_config_tp_size
   return "--" + sub;
 }
 
@@ -205,6 +208,9 @@ EnvMap program_environment(const ResolvedLaunch& r) {
     env["TANDEM_FSDP_SHARDING_STRATEGY"] = "FULL_SHARD";
     for (const auto& [k, v] : c.fsdp_config) env["TANDEM_FSDP_" + upper(k.substr(5))] = v;
   }
+  // The mesh sizes as set (comm::mesh_shape_from_environment reads them back); validate()
+  // refused a shape that does not fit the job before any rank started.
+  for (const auto& [k, v] : comm::mesh_shape_environment(config::mesh_shape(c))) env[k] = v;
   if (c.mixed_precision == "fp8") {
     for (const auto& [k, v] : c.fp8_config) {
       std::string name = k.rfind("fp8_", 0) == 0 ? k.substr(4) : k;
@@ -301,6 +307,7 @@ std::string describe_resolved(const ResolvedLaunch& r) {
   for (const auto& [k, v] : c.fsdp_config) line("fsdp_config." + k, v);
   for (const auto& [k, v] : c.deepspeed_config) line("deepspeed_config." + k, v);
   for (const auto& [k, v] : c.fp8_config) line("fp8_config." + k, v);
+  for (const auto& [k, v] : c.parallelism_config) line("parallelism_config." + k, v);
   if (!c.ignored.empty()) {
     os << "  ignored:";
     for (const auto& i : c.ignored) os << " " << i << ";";

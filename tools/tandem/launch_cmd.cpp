@@ -131,6 +131,15 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
     value(f, std::string("fsdp_config.") + f, help, shard);
   }
 
+  const std::string mesh = "Device mesh (parallelism_config)";
+  value("tp_size", "parallelism_config.parallelism_config_tp_size",
+        "Tensor-parallel ranks (within one machine)", mesh);
+  value("pp_size", "parallelism_config.pp_size", "Pipeline stages", mesh);
+  value("dp_replicate_size", "parallelism_config.parallelism_config_dp_replicate_size",
+        "Data-parallel replicas (derived when unset)", mesh);
+  value("dp_shard_size", "parallelism_config.parallelism_config_dp_shard_size",
+        "Data-parallel shards (derived when unset)", mesh);
+
   sub_->add_flag(both("tee"), tee_, "With --log_dir: also print to the terminal")->group(log);
   sub_->add_option(both("log_dir"), log_dir_, "Write one log file per rank here")->group(log);
   sub_->add_flag("-q," + both("quiet"), quiet_, "Only the ranks' output")->group(log);

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/comm/mesh.h"
 #include "tandem/state.h"
 
 namespace tandem::config {
@@ -55,6 +56,10 @@ struct LaunchConfig {
   std::map<std::string, std::string> fsdp_config;
   /// deepspeed_config except gradient_accumulation_steps (zero_stage, offload_*, ...).
   std::map<std::string, std::string> deepspeed_config;
+  /// parallelism_config: the mesh sizes under Accelerate's key names
+  /// (parallelism_config_dp_replicate_size, parallelism_config_dp_shard_size,
+  /// parallelism_config_tp_size) and tandem's pp_size; only the sizes that were set.
+  std::map<std::string, std::string> parallelism_config;
   /// fp8_config as written (backend, fp8_format, amax_history_len, ...); lists joined by ','.
   std::map<std::string, std::string> fp8_config;
   /// Settings tandem accepts but does not act on (TPU, SageMaker, dynamo, Megatron-LM, ...), as
@@ -88,9 +93,14 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& path 
 LaunchConfig load_config_file(const std::string& path);
 
 /// Checks what needs several keys together: machine_rank < num_machines, num_processes a
-/// multiple of num_machines, main_process_ip and main_process_port with several machines.
+/// multiple of num_machines, main_process_ip and main_process_port with several machines, and
+/// parallelism_config's sizes against num_processes (comm::MeshShape::resolve: the product is
+/// the world, tp within one machine).
 /// Throws std::invalid_argument naming the keys, their values and the fix.
 void validate(const LaunchConfig& config);
+
+/// The mesh sizes of parallelism_config (unset sizes 0; comm::MeshShape::resolve fills them).
+comm::MeshShape mesh_shape(const LaunchConfig& config);
 
 /// The one warning about ignored settings ("" when there are none).
 std::string ignored_warning(const LaunchConfig& config);

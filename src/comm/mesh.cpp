@@ -1,0 +1,304 @@
+// DeviceMesh and the arithmetic of row-major meshes.
+#include "tandem/comm/mesh.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "tandem/comm/process_group.h"
+
+namespace tandem::comm {
+namespace {
+
+std::string describe(const MeshDims& dims) {
+  std::string s;
+  for (const auto& [name, size] : dims) s += (s.empty() ? "" : " x ") + name + " " + std::to_string(size);
+  return s.empty() ? "(no dimensions)" : s;
+}
+
+int product(const MeshDims& dims) {
+  long long p = 1;
+  for (const auto& d : dims) p *= d.second;
+  return static_cast<int>(p);
+}
+
+int parse_size(const EnvMap& env, const std::string& key) {
+  auto it = env.find(key);
+  if (it == env.end() || it->second.empty()) return 0;
+  size_t used = 0;
+  int v = 0;
+  try {
+    v = std::stoi(it->second, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != it->second.size() || v < 1)
+    throw std::invalid_argument(key + "=" + it->second +
+                                " is not a mesh size: expected a positive integer (unset it to "
+                                "let tandem choose)");
+  return v;
+}
+
+}  // namespace
+
+std::vector<std::vector<int>> mesh_slices(const std::vector<int>& shape,
+                                          const std::vector<int>& dim_indices) {
+  const int nd = static_cast<int>(shape.size());
+  std::vector<bool> in_slice(static_cast<size_t>(nd), false);
+  for (int d : dim_indices) {
+    if (d < 0 || d >= nd)
+      throw std::invalid_argument("mesh_slices: dimension " + std::to_string(d) +
+                                  " does not exist in a mesh of " + std::to_string(nd) +
+                                  " dimensions");
+    if (in_slice[static_cast<size_t>(d)])
+      throw std::invalid_argument("mesh_slices: dimension " + std::to_string(d) + " given twice");
+    in_slice[static_cast<size_t>(d)] = true;
+  }
+  int world = 1;
+  for (int s : shape) world *= s;
+  // Group every rank by its coordinates on the other dimensions; ranks come in ascending order,
+  // which is row-major order of the slice dimensions within a slice.
+  std::map<std::vector<int>, std::vector<int>> slices;
+  for (int r = 0; r < world; ++r) {
+    auto c = coordinates_of(r, shape);
+    std::vector<int> key;
+    for (int d = 0; d < nd; ++d)
+      if (!in_slice[static_cast<size_t>(d)]) key.push_back(c[static_cast<size_t>(d)]);
+    slices[key].push_back(r);
+  }
+  std::vector<std::vector<int>> out;
+  for (auto& [key, ranks] : slices) out.push_back(std::move(ranks));
+  return out;
+}
+
+std::vector<std::vector<int>> mesh_slices(const std::vector<int>& shape, int dim_index) {
+  return mesh_slices(shape, std::vector<int>{dim_index});
+}
+
+std::vector<int> coordinates_of(int rank, const std::vector<int>& shape) {
+  int world = 1;
+  for (int s : shape) {
+    if (s < 1) throw std::invalid_argument("coordinates_of: mesh sizes must be >= 1");
+    world *= s;
+  }
+  if (rank < 0 || rank >= world)
+    throw std::invalid_argument("coordinates_of: rank " + std::to_string(rank) +
+                                " is outside a mesh of " + std::to_string(world) + " ranks");
+  std::vector<int> c(shape.size());
+  for (size_t i = shape.size(); i-- > 0;) {
+    c[i] = rank % shape[i];
+    rank /= shape[i];
+  }
+  return c;
+}
+
+void validate_mesh_shape(int world, const MeshDims& dims, int local_world_size) {
+  std::set<std::string> seen;
+  for (const auto& [name, size] : dims) {
+    if (name.empty()) throw std::invalid_argument("device mesh: a dimension has no name");
+    if (!seen.insert(name).second)
+      throw std::invalid_argument("device mesh: dimension '" + name + "' is given twice (" +
+                                  describe(dims) + ")");
+    if (size < 1)
+      throw std::invalid_argument("device mesh: dimension " + name + " has size " +
+                                  std::to_string(size) + "; sizes must be at least 1");
+  }
+  const int p = product(dims);
+  if (p != world) {
+    std::string fix;
+    if (p < world && world % p == 0) {
+      const int missing = world / p;
+      fix = "a factor " + std::to_string(missing) + " is missing: ";
+      std::string options;
+      for (const auto& [name, size] : dims) {
+        if (!options.empty()) options += ", or ";
+        options += name + " " + std::to_string(size * missing);
+      }
+      fix += "e.g. " + options + " would fit";
+    } else {
+      std::string options;
+      for (const auto& [name, size] : dims) {
+        const int others = p / size;
+        if (world % others == 0) {
+          if (!options.empty()) options += ", or ";
+          options += name + " " + std::to_string(world / others);
+        }
+      }
+      fix = options.empty()
+                ? "no single size can be changed to fit; choose sizes whose product is " +
+                      std::to_string(world) + ", or run " + std::to_string(p) + " processes"
+                : "e.g. " + options + " would fit, or run " + std::to_string(p) + " processes";
+    }
+    throw std::invalid_argument("device mesh " + describe(dims) + " has " + std::to_string(p) +
+                                " ranks but the job has " + std::to_string(world) + ": " + fix);
+  }
+  if (local_world_size > 0) {
+    for (const auto& [name, size] : dims) {
+      if (name != "tp" || size == 1) continue;
+      if (size > local_world_size || local_world_size % size != 0)
+        throw std::invalid_argument(
+            "tensor parallel size " + std::to_string(size) + " does not fit in the " +
+            std::to_string(local_world_size) +
+            " processes of one machine: a tensor-parallel group moves activations at every "
+            "layer and must stay within a machine (tp must divide the processes per machine). "
+            "Choose a tp size that divides " + std::to_string(local_world_size) +
+            " and use the other ranks for data or pipeline parallel");
+    }
+  }
+}
+
+MeshShape MeshShape::resolve(int world, int local_world_size) const {
+  MeshShape r = *this;
+  if (r.pp == 0) r.pp = 1;
+  if (r.tp == 0) r.tp = 1;
+  auto derive = [&](int given, const char* name) {
+    const int fixed = r.pp * r.tp * given;
+    if (fixed < 1 || world % fixed != 0)
+      throw std::invalid_argument("parallelism sizes " + to_string() + ": " + std::to_string(world) +
+                                  " processes are not a multiple of pp x tp x the dp size given (" +
+                                  std::to_string(fixed) + "), so " + name +
+                                  " cannot be derived; set sizes whose product is " +
+                                  std::to_string(world));
+    return world / fixed;
+  };
+  if (r.dp_replicate == 0 && r.dp_shard == 0) {
+    r.dp_shard = 1;
+    r.dp_replicate = derive(1, "dp_replicate_size");
+  } else if (r.dp_replicate == 0) {
+    r.dp_replicate = derive(r.dp_shard, "dp_replicate_size");
+  } else if (r.dp_shard == 0) {
+    r.dp_shard = derive(r.dp_replicate, "dp_shard_size");
+  }
+  validate_mesh_shape(world, r.dims(), local_world_size);
+  return r;
+}
+
+MeshDims MeshShape::dims() const {
+  auto one = [](int v) { return v == 0 ? 1 : v; };
+  return {{"pp", one(pp)}, {"dp_replicate", one(dp_replicate)}, {"dp_shard", one(dp_shard)},
+          {"tp", one(tp)}};
+}
+
+std::string MeshShape::to_string() const {
+  auto s = [](int v) { return v == 0 ? std::string("unset") : std::to_string(v); };
+  return "pp " + s(pp) + " x dp_replicate " + s(dp_replicate) + " x dp_shard " + s(dp_shard) +
+         " x tp " + s(tp);
+}
+
+MeshShape mesh_shape_from_env(const EnvMap& env) {
+  MeshShape s;
+  s.pp = parse_size(env, "TANDEM_PP_SIZE");
+  s.dp_replicate = parse_size(env, "TANDEM_DP_REPLICATE_SIZE");
+  s.dp_shard = parse_size(env, "TANDEM_DP_SHARD_SIZE");
+  s.tp = parse_size(env, "TANDEM_TP_SIZE");
+  return s;
+}
+
+MeshShape mesh_shape_from_environment() { return mesh_shape_from_env(current_environment()); }
+
+EnvMap mesh_shape_environment(const MeshShape& shape) {
+  EnvMap env;
+  if (shape.pp) env["TANDEM_PP_SIZE"] = std::to_string(shape.pp);
+  if (shape.dp_replicate) env["TANDEM_DP_REPLICATE_SIZE"] = std::to_string(shape.dp_replicate);
+  if (shape.dp_shard) env["TANDEM_DP_SHARD_SIZE"] = std::to_string(shape.dp_shard);
+  if (shape.tp) env["TANDEM_TP_SIZE"] = std::to_string(shape.tp);
+  return env;
+}
+
+DeviceMesh::DeviceMesh(std::shared_ptr<ProcessGroup> world, MeshDims dims, int local_world_size)
+    : world_(std::move(world)) {
+  if (!world_) throw std::invalid_argument("DeviceMesh needs a world ProcessGroup (got nullptr)");
+  try {
+    validate_mesh_shape(world_->size(), dims, local_world_size);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(world_->prefix() + " " + e.what());
+  }
+  for (const auto& d : dims) shape_.push_back(d.second);
+  const auto coords = coordinates_of(world_->rank(), shape_);
+  for (size_t i = 0; i < dims.size(); ++i) {
+    Dim d;
+    d.name = dims[i].first;
+    d.size = dims[i].second;
+    d.coordinate = coords[i];
+    d.group = build({static_cast<int>(i)});
+    dims_.push_back(std::move(d));
+  }
+}
+
+std::shared_ptr<ProcessGroup> DeviceMesh::build(const std::vector<int>& dim_indices) {
+  // Every rank creates every slice's group, in the same order, so that new_subgroup's call
+  // counter (its store prefix) agrees on every rank; this rank keeps the one it belongs to.
+  std::shared_ptr<ProcessGroup> mine;
+  for (const auto& slice : mesh_slices(shape_, dim_indices)) {
+    // The mesh numbers ranks of `world_`; new_subgroup takes global ranks.
+    std::vector<int> global;
+    for (int r : slice) global.push_back(world_->global_rank(r));
+    auto g = world_->new_subgroup(global);
+    if (g) mine = std::move(g);
+  }
+  return mine;
+}
+
+void DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string& name) {
+  if (has(name))
+    throw std::invalid_argument(world_->prefix() + " DeviceMesh::flatten: dimension '" + name +
+                                "' exists already");
+  std::vector<int> indices;
+  Dim d;
+  d.name = name;
+  for (const auto& n : dims) {
+    int i = -1;
+    for (size_t k = 0; k < shape_.size(); ++k)
+      if (dims_[k].name == n) i = static_cast<int>(k);
+    if (i < 0)
+      throw std::invalid_argument(world_->prefix() + " DeviceMesh::flatten: '" + n +
+                                  "' is not one of the mesh's own dimensions");
+    indices.push_back(i);
+  }
+  std::sort(indices.begin(), indices.end());
+  for (int i : indices) {
+    d.coordinate = d.coordinate * dims_[static_cast<size_t>(i)].size +
+                   dims_[static_cast<size_t>(i)].coordinate;
+    d.size *= dims_[static_cast<size_t>(i)].size;
+  }
+  d.group = build(indices);
+  dims_.push_back(std::move(d));
+}
+
+const DeviceMesh::Dim& DeviceMesh::find(const std::string& dim) const {
+  for (const auto& d : dims_)
+    if (d.name == dim) return d;
+  std::string names;
+  for (const auto& d : dims_) names += (names.empty() ? "" : ", ") + d.name;
+  throw std::invalid_argument(world_->prefix() + " the device mesh has no dimension '" + dim +
+                              "'; it has " + names);
+}
+
+std::shared_ptr<ProcessGroup> DeviceMesh::operator[](const std::string& dim) const {
+  return find(dim).group;
+}
+int DeviceMesh::size(const std::string& dim) const { return find(dim).size; }
+int DeviceMesh::coordinate(const std::string& dim) const { return find(dim).coordinate; }
+std::vector<std::string> DeviceMesh::names() const {
+  std::vector<std::string> n;
+  for (const auto& d : dims_) n.push_back(d.name);
+  return n;
+}
+int DeviceMesh::world_size() const { return world_->size(); }
+bool DeviceMesh::has(const std::string& dim) const {
+  for (const auto& d : dims_)
+    if (d.name == dim) return true;
+  return false;
+}
+
+DeviceMesh make_device_mesh(std::shared_ptr<ProcessGroup> world, const MeshShape& shape,
+                            int local_world_size) {
+  const auto resolved = shape.resolve(world->size(), local_world_size);
+  DeviceMesh mesh(std::move(world), resolved.dims(), local_world_size);
+  mesh.flatten({"dp_replicate", "dp_shard"}, "dp");
+  return mesh;
+}
+
+}  // namespace tandem::comm

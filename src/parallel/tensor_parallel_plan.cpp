@@ -1,0 +1,330 @@
+// Tensor parallel: vocab-parallel cross entropy, plans (matching and applying them to a model),
+// and the per-rank RNG stream for dropout.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "parallel/detail/tp_shard.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/parallel/tensor_parallel.h"
+
+namespace tandem::parallel {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Megatron's vocab-parallel cross entropy, one loss per target (0 where ignored). The softmax
+// is formed from the globally reduced maximum and sum, so the gradient needs no communication.
+struct VocabParallelCrossEntropy : torch::autograd::Function<VocabParallelCrossEntropy> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& target, c10::IValue group_value,
+                            int64_t ignore_index) {
+    auto group = detail::unwrap_group(group_value);
+    const int64_t local = logits.size(-1);
+    const int64_t start = local * group->rank();
+    auto max = std::get<0>(logits.max(-1)).contiguous();
+    group->allreduce(max, ReduceOp::kMax);
+    auto shifted = logits - max.unsqueeze(-1);
+    auto local_target = target - start;
+    auto here = (local_target >= 0).logical_and(local_target < local);
+    auto index = local_target.masked_fill(here.logical_not(), 0);
+    auto predicted =
+        shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(here.logical_not(), 0.0)
+            .contiguous();
+    group->allreduce(predicted, ReduceOp::kSum);
+    auto exp = shifted.exp();
+    auto sum = exp.sum(-1).contiguous();
+    group->allreduce(sum, ReduceOp::kSum);
+    auto valid = target != ignore_index;
+    auto loss = (sum.log() - predicted).masked_fill(valid.logical_not(), 0.0);
+    exp.div_(sum.unsqueeze(-1));  // the softmax over every rank's classes, on this rank's part
+    ctx->saved_data["softmax"] = exp;
+    ctx->saved_data["index"] = index;
+    ctx->saved_data["here"] = here;
+    ctx->saved_data["valid"] = valid;
+    return loss;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    auto grad = ctx->saved_data["softmax"].toTensor().clone();
+    auto index = ctx->saved_data["index"].toTensor();
+    auto here = ctx->saved_data["here"].toTensor();
+    auto valid = ctx->saved_data["valid"].toTensor();
+    grad.scatter_add_(-1, index.unsqueeze(-1), here.to(grad.scalar_type()).neg().unsqueeze(-1));
+    grad.mul_((g[0] * valid.to(g[0].scalar_type())).unsqueeze(-1));
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Glob match where '*' is any run of characters other than '.'.
+bool glob(const char* p, const char* s) {
+  if (*p == '\0') return *s == '\0';
+  if (*p == '*') {
+    for (const char* t = s;; ++t) {
+      if (glob(p + 1, t)) return true;
+      if (*t == '\0' || *t == '.') return false;
+    }
+  }
+  return *p == *s && glob(p + 1, s + 1);
+}
+
+std::string style_name(ParallelStyle s) {
+  switch (s) {
+    case ParallelStyle::kColwise: return "colwise";
+    case ParallelStyle::kRowwise: return "rowwise";
+    case ParallelStyle::kVocab: return "vocab";
+  }
+  return "?";
+}
+
+at::Tensor param(torch::nn::Module& m, const std::string& name) {
+  auto params = m.named_parameters(/*recurse=*/false);
+  auto* p = params.find(name);
+  return p ? *p : at::Tensor();
+}
+
+// The dense tensors already replaced by their shard, and how they were split ("rows/3", "cols").
+struct ShardBook {
+  std::map<c10::TensorImpl*, std::string> split;
+
+  // `dense` becomes this rank's shard in place (set_data: every holder of the tensor sees it);
+  // a tensor already sharded the same way is left as is.
+  at::Tensor adopt(at::Tensor dense, const std::string& how, const ProcessGroup& g,
+                   const std::string& path, int64_t parts) {
+    auto it = split.find(dense.unsafeGetTensorImpl());
+    if (it != split.end()) {
+      if (it->second != how)
+        throw std::invalid_argument(g.prefix() + " parallelize_module: " + path +
+                                    " shares a parameter with a module sharded as " + it->second +
+                                    ", but its plan entry splits it as " + how +
+                                    "; tied parameters must be split the same way");
+      return dense;
+    }
+    at::Tensor shard;
+    {
+      torch::NoGradGuard no_grad;
+      shard = how == "cols" ? detail::shard_cols(dense, g.rank(), g.size())
+                            : detail::shard_rows(dense, g.rank(), g.size(), parts);
+    }
+    dense.set_data(shard);
+    if (dense.grad().defined()) dense.mutable_grad() = at::Tensor();
+    split[dense.unsafeGetTensorImpl()] = how;
+    return dense;
+  }
+  bool sharded(const at::Tensor& t) const { return split.count(t.unsafeGetTensorImpl()) > 0; }
+};
+
+}  // namespace
+
+at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at::Tensor& target,
+                                        std::shared_ptr<ProcessGroup> group,
+                                        const VocabParallelCrossEntropyOptions& options) {
+  if (!group)
+    throw std::invalid_argument("vocab_parallel_cross_entropy: the process group is null");
+  const auto& r = options.reduction();
+  if (r != "mean" && r != "sum" && r != "none")
+    throw std::invalid_argument(group->prefix() + " vocab_parallel_cross_entropy: reduction '" +
+                                r + "'; expected mean, sum or none");
+  auto expected = local_logits.sizes().vec();
+  expected.pop_back();
+  if (target.sizes().vec() != expected)
+    throw std::invalid_argument(group->prefix() + " vocab_parallel_cross_entropy: targets of shape " +
+                                c10::str(target.sizes()) + " for logits of shape " +
+                                c10::str(local_logits.sizes()) + "; expected " +
+                                c10::str(at::IntArrayRef(expected)));
+  auto loss = VocabParallelCrossEntropy::apply(local_logits, target, detail::wrap_group(group),
+                                               options.ignore_index());
+  if (r == "none") return loss;
+  if (r == "sum") return loss.sum();
+  const auto count = (target != options.ignore_index()).sum().clamp_min(1);
+  return loss.sum() / count.to(loss.scalar_type());
+}
+
+// --- Plans ------------------------------------------------------------------------------------
+
+TensorParallelPlan& TensorParallelPlan::add(PlanEntry entry) {
+  entries.push_back(std::move(entry));
+  return *this;
+}
+
+TensorParallelPlan& TensorParallelPlan::colwise(const std::string& pattern, int64_t parts,
+                                                bool gather_output) {
+  PlanEntry e;
+  e.pattern = pattern;
+  e.style = ParallelStyle::kColwise;
+  e.parts = parts;
+  e.gather_output = gather_output;
+  return add(e);
+}
+
+TensorParallelPlan& TensorParallelPlan::rowwise(const std::string& pattern, bool input_is_parallel) {
+  PlanEntry e;
+  e.pattern = pattern;
+  e.style = ParallelStyle::kRowwise;
+  e.input_is_parallel = input_is_parallel;
+  return add(e);
+}
+
+TensorParallelPlan& TensorParallelPlan::vocab(const std::string& pattern) {
+  PlanEntry e;
+  e.pattern = pattern;
+  e.style = ParallelStyle::kVocab;
+  return add(e);
+}
+
+bool plan_pattern_matches(const std::string& pattern, const std::string& path) {
+  return glob(pattern.c_str(), path.c_str());
+}
+
+std::vector<std::vector<std::string>> match_plan(const TensorParallelPlan& plan,
+                                                 const std::vector<std::string>& module_paths) {
+  std::vector<std::vector<std::string>> out(plan.entries.size());
+  std::map<std::string, std::string> claimed;
+  std::vector<std::string> unmatched;
+  for (size_t i = 0; i < plan.entries.size(); ++i) {
+    const auto& e = plan.entries[i];
+    if (e.parts < 1)
+      throw std::invalid_argument("tensor-parallel plan entry '" + e.pattern + "': parts " +
+                                  std::to_string(e.parts) + "; expected 1 or more");
+    for (const auto& p : module_paths) {
+      if (!plan_pattern_matches(e.pattern, p)) continue;
+      auto [it, fresh] = claimed.emplace(p, e.pattern);
+      if (!fresh)
+        throw std::invalid_argument("tensor-parallel plan: module " + p + " is matched by '" +
+                                    it->second + "' and by '" + e.pattern +
+                                    "'; make the patterns disjoint");
+      out[i].push_back(p);
+    }
+    if (out[i].empty()) unmatched.push_back("'" + e.pattern + "' (" + style_name(e.style) + ")");
+  }
+  if (!unmatched.empty()) {
+    std::string names, some;
+    for (const auto& u : unmatched) names += (names.empty() ? "" : ", ") + u;
+    for (size_t i = 0; i < module_paths.size() && i < 12; ++i)
+      some += (some.empty() ? "" : ", ") + module_paths[i];
+    if (module_paths.size() > 12) some += ", ...";
+    throw std::invalid_argument("tensor-parallel plan entr" +
+                                std::string(unmatched.size() == 1 ? "y " : "ies ") + names +
+                                " match no module of the model; paths are named as "
+                                "named_modules() names them (" + some +
+                                "), with * for any characters within one component");
+  }
+  return out;
+}
+
+void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> tp,
+                        const TensorParallelPlan& plan) {
+  if (!tp)
+    throw std::invalid_argument("parallelize_module: the tensor-parallel group is null (this "
+                                "rank is not in it); pass this rank's group, e.g. mesh[\"tp\"]");
+  auto named = model.named_modules(/*name_prefix=*/"", /*include_self=*/false);
+  std::vector<std::string> paths;
+  for (const auto& item : named) paths.push_back(item.key());
+  const auto matches = match_plan(plan, paths);
+  ShardBook book;
+  const int n = tp->size();
+  for (size_t i = 0; i < plan.entries.size(); ++i) {
+    const auto& e = plan.entries[i];
+    for (const auto& path : matches[i]) {
+      const auto dot = path.rfind('.');
+      torch::nn::Module& parent =
+          dot == std::string::npos ? model : *named[path.substr(0, dot)];
+      const std::string name = dot == std::string::npos ? path : path.substr(dot + 1);
+      auto& child = *named[path];
+      auto w = param(child, "weight"), b = param(child, "bias");
+      auto refuse = [&](const std::string& why) {
+        throw std::invalid_argument(tp->prefix() + " parallelize_module: " + path + " (" +
+                                    child.name() + ", plan entry '" + e.pattern + "', " +
+                                    style_name(e.style) + "): " + why);
+      };
+      if (!w.defined() || w.dim() != 2)
+        refuse("expected a module with a 2-D parameter 'weight' (a Linear or an Embedding)");
+      // The dense sizes (a tensor tied to a module sharded before is already a shard).
+      const int64_t rows = book.sharded(w) && e.style != ParallelStyle::kRowwise ? w.size(0) * n
+                                                                                 : w.size(0);
+      const int64_t cols = book.sharded(w) && e.style == ParallelStyle::kRowwise ? w.size(1) * n
+                                                                                 : w.size(1);
+      const std::string rows_how = "rows/" + std::to_string(e.parts);
+      std::shared_ptr<torch::nn::Module> replacement;
+      if (e.style == ParallelStyle::kColwise) {
+        detail::check_divisible(*tp, rows, e.parts, path + ".weight rows (out_features)");
+        auto o = ColumnParallelLinearOptions(cols, rows).parts(e.parts).gather_output(
+            e.gather_output);
+        auto ws = book.adopt(w, rows_how, *tp, path, e.parts);
+        auto bs = b.defined() ? book.adopt(b, rows_how, *tp, path, e.parts) : at::Tensor();
+        replacement = std::make_shared<ColumnParallelLinearImpl>(o, tp, ws, bs);
+      } else if (e.style == ParallelStyle::kRowwise) {
+        detail::check_divisible(*tp, cols, 1, path + ".weight columns (in_features)");
+        auto o = RowParallelLinearOptions(cols, rows).input_is_parallel(e.input_is_parallel);
+        auto ws = book.adopt(w, "cols", *tp, path, 1);
+        replacement = std::make_shared<RowParallelLinearImpl>(o, tp, ws, b.defined() ? b : at::Tensor());
+      } else {
+        if (b.defined()) refuse("an embedding has no bias; this module has one");
+        detail::check_divisible(*tp, rows, 1, path + ".weight rows (num_embeddings)");
+        auto ws = book.adopt(w, "rows/1", *tp, path, 1);
+        replacement = std::make_shared<VocabParallelEmbeddingImpl>(rows, tp, ws);
+      }
+      parent.replace_module(name, replacement);
+    }
+  }
+}
+
+std::shared_ptr<TensorParallelModule> planned_child(torch::nn::Module& parent,
+                                                    const std::string& name) {
+  auto children = parent.named_children();
+  auto* child = children.find(name);
+  return child ? std::dynamic_pointer_cast<TensorParallelModule>(*child) : nullptr;
+}
+
+// --- RNG --------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr uint64_t kTensorParallelSeedOffset = 2718;  // Megatron's
+
+bool cuda_generator_available() { return at::hasCUDA(); }
+
+at::Generator cuda_generator() { return at::detail::getCUDAHooks().getDefaultCUDAGenerator(-1); }
+
+// The state of `gen` seeded with `seed`, leaving `gen` as it was.
+at::Tensor seeded_state(at::Generator gen, uint64_t seed) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  auto saved = gen.get_state();
+  gen.set_current_seed(seed);
+  auto state = gen.get_state();
+  gen.set_state(saved);
+  return state;
+}
+
+// Puts `state` into `gen` and returns what it held.
+at::Tensor swap_state(at::Generator gen, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  auto old = gen.get_state();
+  gen.set_state(state);
+  return old;
+}
+
+}  // namespace
+
+TensorParallelRng::TensorParallelRng(uint64_t seed, int tp_rank) : seed_(seed) {
+  const uint64_t s = seed + kTensorParallelSeedOffset + static_cast<uint64_t>(tp_rank);
+  cpu_state_ = seeded_state(at::detail::getDefaultCPUGenerator(), s);
+  if (cuda_generator_available()) cuda_state_ = seeded_state(cuda_generator(), s);
+}
+
+TensorParallelRng::Scope::Scope(TensorParallelRng& rng) : rng_(rng) {
+  saved_cpu_ = swap_state(at::detail::getDefaultCPUGenerator(), rng_.cpu_state_);
+  if (rng_.cuda_state_.defined()) saved_cuda_ = swap_state(cuda_generator(), rng_.cuda_state_);
+}
+
+TensorParallelRng::Scope::~Scope() {
+  rng_.cpu_state_ = swap_state(at::detail::getDefaultCPUGenerator(), saved_cpu_);
+  if (saved_cuda_.defined()) rng_.cuda_state_ = swap_state(cuda_generator(), saved_cuda_);
+}
+
+}  // namespace tandem::parallel

@@ -1,0 +1,308 @@
+// A rank of the tensor-parallel tests (started by `tandem launch --cpu`). Every rank also builds
+// the dense model with the same seed, so each check compares this rank's tensor-parallel result
+// with the matching part of the dense one, and prints "check <name> <max difference>". Modes:
+//   layers  (2 ranks) each layer and region against its dense counterpart: outputs, input
+//           gradients and this rank's shard of the weight gradients.
+//   gpt     (2 ranks) the example GPT parallelized by its plan: loss, and every parameter's
+//           gradient (the shard of the dense gradient for split parameters).
+//   train   (4 ranks, launched with --tp_size 2) a mesh from the launcher's TANDEM_* sizes,
+//           tensor parallel within dp x tp: SGD steps (momentum, weight decay) with gradients averaged over mesh["dp"]
+//           against one dense process training on the global batch.
+#include <torch/torch.h>
+
+#include <iostream>
+#include <map>
+#include <set>
+
+#include "../../examples/common/gpt.h"
+#include "tandem/comm/mesh.h"
+#include "tandem/comm/process_group.h"
+#include "tandem/parallel/tensor_parallel.h"
+
+namespace tp = tandem::parallel;
+
+namespace {
+
+std::shared_ptr<tandem::ProcessGroup> g_world;
+
+void check(const std::string& name, const at::Tensor& got, const at::Tensor& expected) {
+  if (got.sizes() != expected.sizes()) {
+    std::cout << "check " << name << " shape " << got.sizes() << " != " << expected.sizes()
+              << std::endl;
+    throw std::runtime_error("shape mismatch in " + name);
+  }
+  const double d = (got - expected).abs().max().item<double>();
+  std::cout << "check " << name << " " << d << std::endl;
+}
+
+// This rank's block of `t` along `dim`, seen as `parts` fused blocks each split over n ranks.
+at::Tensor shard(const at::Tensor& t, int64_t dim, int r, int n, int64_t parts = 1) {
+  std::vector<at::Tensor> pieces;
+  for (auto& p : t.chunk(parts, dim)) pieces.push_back(p.chunk(n, dim)[static_cast<size_t>(r)]);
+  return at::cat(pieces, dim);
+}
+
+void layers() {
+  auto& pg = g_world;
+  const int r = pg->rank(), n = pg->size();
+  // Column-parallel, local output.
+  {
+    torch::manual_seed(1);
+    torch::nn::Linear dense(8, 12);
+    auto x = torch::randn({3, 5, 8}, torch::requires_grad());
+    auto gy = torch::randn({3, 5, 12});
+    auto y = dense(x);
+    (y * gy).sum().backward();
+    tp::ColumnParallelLinear col(tp::ColumnParallelLinearOptions(8, 12), pg);
+    col->load_dense(dense->weight, dense->bias);
+    auto xt = x.detach().clone().requires_grad_();
+    auto yt = col(xt);
+    (yt * shard(gy, -1, r, n)).sum().backward();
+    check("column_output", yt, shard(y, -1, r, n));
+    check("column_input_grad", xt.grad(), x.grad());
+    check("column_weight_grad", col->weight.grad(), shard(dense->weight.grad(), 0, r, n));
+    check("column_bias_grad", col->bias.grad(), shard(dense->bias.grad(), 0, r, n));
+  }
+  // Column-parallel in 3 fused parts, gathered output.
+  {
+    torch::manual_seed(2);
+    torch::nn::Linear dense(8, 12);
+    auto x = torch::randn({3, 5, 8}, torch::requires_grad());
+    auto gy = torch::randn({3, 5, 12});
+    auto y = dense(x);
+    (y * gy).sum().backward();
+    tp::ColumnParallelLinear col(tp::ColumnParallelLinearOptions(8, 12).parts(3).gather_output(true), pg);
+    col->load_dense(dense->weight, dense->bias);
+    auto xt = x.detach().clone().requires_grad_();
+    auto yt = col(xt);
+    (yt * gy).sum().backward();
+    check("column_fused_gathered_output", yt, y);
+    check("column_fused_input_grad", xt.grad(), x.grad());
+    check("column_fused_weight_grad", col->weight.grad(), shard(dense->weight.grad(), 0, r, n, 3));
+    check("column_fused_bias_grad", col->bias.grad(), shard(dense->bias.grad(), 0, r, n, 3));
+  }
+  // Row-parallel, from the full input and from a split input.
+  for (bool parallel_input : {false, true}) {
+    torch::manual_seed(3);
+    torch::nn::Linear dense(12, 8);
+    auto x = torch::randn({3, 5, 12}, torch::requires_grad());
+    auto gy = torch::randn({3, 5, 8});
+    auto y = dense(x);
+    (y * gy).sum().backward();
+    tp::RowParallelLinear row(tp::RowParallelLinearOptions(12, 8).input_is_parallel(parallel_input), pg);
+    row->load_dense(dense->weight, dense->bias);
+    auto xt = (parallel_input ? shard(x.detach(), -1, r, n) : x.detach()).clone().requires_grad_();
+    auto yt = row(xt);
+    (yt * gy).sum().backward();
+    const std::string name = parallel_input ? "row_split_input" : "row_full_input";
+    check(name + "_output", yt, y);
+    check(name + "_input_grad", xt.grad(), parallel_input ? shard(x.grad(), -1, r, n) : x.grad());
+    check(name + "_weight_grad", row->weight.grad(), shard(dense->weight.grad(), 1, r, n));
+    check(name + "_bias_grad", row->bias.grad(), dense->bias.grad());
+  }
+  // Vocab-parallel embedding.
+  {
+    torch::manual_seed(4);
+    torch::nn::Embedding dense(16, 6);
+    auto ids = torch::randint(0, 16, {3, 5});
+    auto gy = torch::randn({3, 5, 6});
+    auto y = dense(ids);
+    (y * gy).sum().backward();
+    tp::VocabParallelEmbedding emb(16, 6, pg);
+    emb->load_dense(dense->weight);
+    auto yt = emb(ids);
+    (yt * gy).sum().backward();
+    check("vocab_embedding_output", yt, y);
+    check("vocab_embedding_weight_grad", emb->weight.grad(), shard(dense->weight.grad(), 0, r, n));
+  }
+  // Vocab-parallel cross entropy, with ignored targets.
+  {
+    torch::manual_seed(5);
+    auto logits = (3 * torch::randn({3, 5, 16})).requires_grad_();
+    auto target = torch::randint(0, 16, {3, 5});
+    target.index_put_({1, 2}, -100);
+    target.index_put_({2, 0}, -100);
+    auto loss = torch::nn::functional::cross_entropy(logits.view({-1, 16}), target.view({-1}));
+    loss.backward();
+    auto local = shard(logits.detach(), -1, r, n).clone().requires_grad_();
+    auto lt = tp::vocab_parallel_cross_entropy(local, target, pg);
+    lt.backward();
+    check("vocab_cross_entropy_loss", lt, loss);
+    check("vocab_cross_entropy_logits_grad", local.grad(), shard(logits.grad(), -1, r, n));
+  }
+  // Sequence parallel: gather along the sequence, each rank with its own downstream use.
+  {
+    torch::manual_seed(6);
+    auto x = torch::randn({2, 8, 4}, torch::requires_grad());
+    auto gys = torch::randn({n, 2, 8, 4});
+    (x * gys.sum(0)).sum().backward();
+    auto xt = shard(x.detach(), 1, r, n).clone().requires_grad_();
+    auto yt = tp::gather_from_sequence_region(xt, pg);
+    (yt * gys[r]).sum().backward();
+    check("sequence_gather_output", yt, x.detach());
+    check("sequence_gather_input_grad", xt.grad(), shard(x.grad(), 1, r, n));
+  }
+  // Sequence parallel: reduce-scatter of every rank's partial sums.
+  {
+    torch::manual_seed(7);
+    auto parts = torch::randn({n, 2, 8, 4});
+    auto g = torch::randn({2, 8, 4});
+    auto zt = parts[r].clone().requires_grad_();
+    auto out = tp::reduce_scatter_to_sequence_region(zt, pg);
+    (out * shard(g, 1, r, n)).sum().backward();
+    check("sequence_reduce_scatter_output", out, shard(parts.sum(0), 1, r, n));
+    check("sequence_reduce_scatter_input_grad", zt.grad(), g);
+    std::string refused;
+    try {
+      tp::reduce_scatter_to_sequence_region(torch::randn({2, 3, 4}), pg);
+    } catch (const std::invalid_argument& e) {
+      refused = e.what();
+    }
+    std::cout << "sequence_refusal " << (refused.find("divisible by 2") != std::string::npos)
+              << std::endl;
+  }
+}
+
+examples::GPTConfig small_gpt() {
+  examples::GPTConfig c;
+  c.vocab = 64;
+  c.context = 16;
+  c.layers = 2;
+  c.heads = 4;
+  c.width = 32;
+  return c;
+}
+
+// The dense tensor's part that rank r of n holds after the GPT's plan.
+at::Tensor gpt_shard(const std::string& name, const at::Tensor& t, int r, int n) {
+  auto ends = [&](const std::string& s) {
+    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  if (ends("attn.qkv.weight") || ends("attn.qkv.bias")) return shard(t, 0, r, n, 3);
+  if (ends("attn.proj.weight") || ends("fc_proj.weight")) return shard(t, 1, r, n);
+  if (ends(".fc.weight") || ends(".fc.bias") || name == "wte.weight" || name == "head.weight")
+    return shard(t, 0, r, n);
+  return t;  // replicated: LayerNorms, position embedding, row-parallel biases
+}
+
+std::vector<at::Tensor> unique_parameters(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  std::set<c10::TensorImpl*> seen;
+  for (auto& p : m.parameters())
+    if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+  return out;
+}
+
+void gpt() {
+  auto& pg = g_world;
+  const int r = pg->rank(), n = pg->size();
+  torch::manual_seed(11);
+  examples::GPT dense(small_gpt());
+  torch::manual_seed(11);
+  examples::GPT model(small_gpt());
+  tp::parallelize_module(*model, pg, examples::gpt_tensor_parallel_plan());
+  torch::manual_seed(12);
+  auto idx = torch::randint(0, 64, {2, 16}), targets = torch::randint(0, 64, {2, 16});
+  auto loss = dense->loss_per_sample(idx, targets).mean();
+  loss.backward();
+  auto lt = model->loss_per_sample(idx, targets).mean();
+  lt.backward();
+  check("gpt_loss", lt, loss);
+  auto local = model->named_parameters();
+  int count = 0;
+  for (auto& p : dense->named_parameters()) {
+    auto* mine = local.find(p.key());
+    if (!mine) throw std::runtime_error("the parallel GPT has no parameter " + p.key());
+    check("gpt_param " + p.key(), *mine, gpt_shard(p.key(), p.value().detach(), r, n));
+    check("gpt_grad " + p.key(), mine->grad(), gpt_shard(p.key(), p.value().grad(), r, n));
+    ++count;
+  }
+  std::cout << "gpt_parameters " << count << " of " << local.size() << std::endl;
+  auto head = model->named_parameters().find("head.weight");
+  auto wte = model->named_parameters().find("wte.weight");
+  std::cout << "gpt_tied " << (head->unsafeGetTensorImpl() == wte->unsafeGetTensorImpl()) << " "
+            << head->size(0) << std::endl;
+}
+
+void train() {
+  auto& pg = g_world;
+  const auto state = tandem::ProcessState::from_environment();
+  auto mesh = tandem::comm::make_device_mesh(pg, tandem::comm::mesh_shape_from_environment(),
+                                             state.local_world_size);
+  const int t = mesh.coordinate("tp"), n = mesh.size("tp"), d = mesh.coordinate("dp");
+  const int dp = mesh.size("dp");
+  auto tp_group = mesh["tp"], dp_group = mesh["dp"];
+  std::cout << "mesh tp " << n << " dp " << dp << " rank " << pg->rank() << " tp_peers "
+            << tp_group->global_rank(0) << "," << tp_group->global_rank(1) << " dp_peers "
+            << dp_group->global_rank(0) << "," << dp_group->global_rank(1) << std::endl;
+
+  torch::manual_seed(21);
+  examples::GPT dense(small_gpt());
+  torch::manual_seed(21);
+  examples::GPT model(small_gpt());
+  tp::parallelize_module(*model, tp_group, examples::gpt_tensor_parallel_plan());
+  auto dense_params = unique_parameters(*dense), params = unique_parameters(*model);
+  // SGD with momentum: Adam's normalised step turns the 1e-9 differences of gradients near zero
+  // into differences of the order of the learning rate, which would test Adam, not the split.
+  auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01);
+  torch::optim::SGD dense_opt(dense_params, sgd);
+  torch::optim::SGD opt(params, sgd);
+  const int64_t global_batch = 4, per_dp = global_batch / dp;
+  for (int step = 0; step < 4; ++step) {
+    torch::manual_seed(100 + step);
+    auto idx = torch::randint(0, 64, {global_batch, 16});
+    auto targets = torch::randint(0, 64, {global_batch, 16});
+    dense_opt.zero_grad();
+    auto dl = dense->loss_per_sample(idx, targets).mean();
+    dl.backward();
+    dense_opt.step();
+    opt.zero_grad();
+    auto l = model->loss_per_sample(idx.narrow(0, d * per_dp, per_dp),
+                                    targets.narrow(0, d * per_dp, per_dp)).mean();
+    l.backward();
+    for (auto& p : params) {
+      auto g = p.mutable_grad();
+      dp_group->allreduce(g, tandem::ReduceOp::kMean);
+    }
+    opt.step();
+    auto avg = l.detach().clone();
+    dp_group->allreduce(avg, tandem::ReduceOp::kMean);
+    check("train_loss_step" + std::to_string(step), avg, dl.detach());
+  }
+  // Relative difference of every parameter (its shard) after training.
+  auto local = model->named_parameters();
+  double worst = 0;
+  for (auto& p : dense->named_parameters()) {
+    auto expected = gpt_shard(p.key(), p.value().detach(), t, n);
+    auto got = *local.find(p.key());
+    worst = std::max(worst, ((got - expected).abs() / expected.abs().clamp_min(1.0)).max().item<double>());
+  }
+  std::cout << "check train_params_relative " << worst << std::endl;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  torch::set_num_threads(1);
+  try {
+    g_world = tandem::ProcessGroup::create(tandem::ProcessState::from_environment());
+    std::cout << "tp_worker " << mode << " rank " << g_world->rank() << std::endl;
+    if (mode == "layers") {
+      layers();
+    } else if (mode == "gpt") {
+      gpt();
+    } else if (mode == "train") {
+      train();
+    } else {
+      std::cerr << "usage: tp_worker layers|gpt|train" << std::endl;
+      return 2;
+    }
+    g_world->barrier();
+  } catch (const std::exception& e) {
+    std::cerr << "tp_worker failed: " << e.what() << std::endl;
+    return 1;
+  }
+  std::cout << "tp_worker done" << std::endl;
+  return 0;
+}
