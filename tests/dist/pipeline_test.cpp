@@ -139,6 +139,21 @@ TEST(PipelineParallel, AStageThatDiesEndsTheJob) {
   EXPECT_EQ(count_of(r.output, "finished step 1"), 0) << r.output;
 }
 
+// The activation shapes travel once: a later batch of another size is refused by the stage that
+// would send it, saying what it found and what it expected, and the job ends.
+TEST(PipelineParallel, ABatchOfAnotherShapeIsRefused) {
+  auto r = launch(2, {"reshape"}, {{"PIPELINE_TIMEOUT_S", "300"}});
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "finished a step of 16 rows"), 2) << r.output;
+  EXPECT_EQ(count_of(r.output, "finished a step of 8 rows"), 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0/2] Pipeline::step: stage 0's output of micro-batch 0 is Float "
+                          "[2, 16], but the first step's was Float [4, 16]"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rank 0 (pid"), std::string::npos) << r.output;
+}
+
 TEST(PointToPoint, SendAndRecvWithTagsListsAndStridedReceivers) {
   auto r = launch(2, {"p2p"});
   EXPECT_EQ(r.exit_code, 0) << r.output;

@@ -9,6 +9,8 @@
 //              micro-batches than stages print the error they get.
 //   die        4 stages, 1F1B, 4 micro-batches; the rank named by PIPELINE_DIE_RANK exits with
 //              std::_Exit(3) in its 6th forward (step 1, micro-batch 1).
+//   reshape    2 stages, 4 micro-batches: a step on 16 rows, then one on 8; stage 0 must refuse
+//              to send activations of another shape than the first step's.
 //   p2p        rank 0 and 1 exchange tensors with send/recv (tags out of order, lists, a
 //              non-contiguous receiver) and check them.
 //   p2p_dead   rank 1 exits (code 0) without sending; rank 0's recv from it must fail.
@@ -165,6 +167,19 @@ int die() {
   return 0;
 }
 
+int reshape() {
+  auto pg = make_group();
+  const int s = pg->rank();
+  auto stage = tp::split_sequential(make_model(), pg->size(), s);
+  tp::Pipeline pipe(stage, pg, mse, tp::PipelineOptions().microbatches(4));
+  for (int64_t rows : {16, 8}) {
+    auto [x, y] = batch(0);
+    pipe.step(x.narrow(0, 0, rows), y.narrow(0, 0, rows));
+    std::cout << "rank " << s << " finished a step of " << rows << " rows" << std::endl;
+  }
+  return 0;
+}
+
 int p2p(const std::string& mode) {
   auto pg = make_group();
   const int r = pg->rank();
@@ -225,5 +240,6 @@ int main(int argc, char** argv) {
   if (mode == "reference") return reference(dir);
   if (mode == "train") return train(dir, stages, dp);
   if (mode == "die") return die();
+  if (mode == "reshape") return reshape();
   return p2p(mode);
 }
