@@ -210,7 +210,7 @@ int p2p(const std::string& mode) {
   }
   if (r == 1) {
     if (mode == "p2p_silent") {
-      std::this_thread::sleep_for(std::chrono::seconds(std::atoi(std::getenv("PIPELINE_TIMEOUT_S")) + 4));
+      std::this_thread::sleep_for(std::chrono::seconds(std::atoi(std::getenv("PIPELINE_TIMEOUT_S")) + 2));
     }
     std::cout << "rank 1 leaves without sending" << std::endl;
     std::_Exit(0);
