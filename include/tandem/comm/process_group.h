@@ -34,7 +34,8 @@ struct ProcessGroupOptions {
 
 class ProcessGroup;
 
-/// An asynchronous collective (or point-to-point transfer) in flight. wait() rethrows a failure with the operation's name.
+/// An asynchronous collective (or point-to-point transfer) in flight. wait() rethrows a failure
+/// with the operation's name.
 class Work {
  public:
   struct Impl;
@@ -93,12 +94,13 @@ class ProcessGroup {
 
   /// Point-to-point: sends `tensors` (one message each, in order) to group rank `dst`, where a
   /// recv_async from this rank with the same `tag` (>= 0) and the same shapes and dtypes receives
-  /// them. Messages between two ranks with one tag arrive in the order sent. The tensors must not
-  /// change until the work was waited on. wait() may return only once the receiver has posted its
-  /// receive (Gloo's sends are rendezvous for all but the smallest messages): order the sends
-  /// and receives of a program so that no two ranks wait on each other. A peer that exits or
-  /// stays silent longer than the group's timeout makes wait() throw an error naming the peer's
-  /// global rank, the operation and `what`.
+  /// them (a message larger than the receiving tensor aborts the receiving process inside Gloo,
+  /// so agree on shapes first, as Pipeline does with its one-off shape message). Messages between two ranks with one tag arrive in the order sent. The tensors must not
+  /// change until the work was waited on. wait() may not return before the receiver has posted
+  /// its receive (Gloo moves a message once the receiver is ready): order the sends and receives
+  /// of a program so that no two ranks wait on each other. A peer that exits or stays silent
+  /// longer than the group's timeout makes wait() throw an error naming the peer's global rank,
+  /// the operation and `what`. Empty tensors are not sent (nor expected).
   ///
   /// Example:
   ///   if (pg->rank() == 0) pg->send({x}, 1, /*tag=*/7);
