@@ -9,6 +9,7 @@
 #include "tandem/data/sampler.h"
 #include "tandem/optimizer.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/pipeline.h"
 #include "tandem/parallel/sharded.h"
 #include "tandem/parallel/strategy.h"
 #include "tandem/parallel/tensor_parallel.h"

@@ -73,6 +73,7 @@ void Work::wait() {
   if (!impl_ || impl_->done) return;
   try {
     impl_->work->wait();
+    for (auto& part : impl_->more) part->wait();
   } catch (const std::exception& e) {
     impl_->done = true;
     // Note [Secondary failures]: tell the launcher this rank failed because of a peer.
@@ -96,7 +97,12 @@ void Work::wait() {
   }
 }
 
-bool Work::completed() const { return !impl_ || impl_->done || impl_->work->isCompleted(); }
+bool Work::completed() const {
+  if (!impl_ || impl_->done) return true;
+  if (!impl_->work->isCompleted()) return false;
+  return std::all_of(impl_->more.begin(), impl_->more.end(),
+                     [](const auto& part) { return part->isCompleted(); });
+}
 
 // ---------------------------------------------------------------------------------------------
 // ProcessGroup::Impl
@@ -397,6 +403,77 @@ void ProcessGroup::barrier() {
   // (rather than hangs) when a peer is gone.
   auto t = at::zeros({1}, at::kInt);
   allreduce_async({t}, ReduceOp::kSum, "wait_for_everyone").wait();
+}
+
+// Note [Point-to-point]: Gloo's send and recv take one tensor each, so a list travels as one
+// message per tensor under the same tag (Gloo keeps messages of one pair and tag in order), and
+// one Work waits for all of them. Gloo's send and recv have no per-call timeout: their waits use
+// the group's timeout, set on its context when the group was built, and a peer that exits closes
+// the connection, which fails the wait at once. A receive into a non-contiguous tensor lands in a
+// contiguous buffer first and is copied once the work completed.
+Work ProcessGroup::send_async(std::vector<at::Tensor> tensors, int dst, int tag, std::string what) {
+  check_peer(dst, tag, "send to");
+  std::vector<at::Tensor> sent;  // keeps the bytes alive until the work is waited on
+  std::vector<c10::intrusive_ptr<compat::Work>> works;
+  for (const auto& t : tensors) {
+    if (t.numel() == 0) continue;  // Gloo aborts on empty messages; the receiver skips it too
+    std::vector<at::Tensor> one{t.contiguous()};
+    works.push_back(impl_->backend_for(t).send(one, dst, tag));
+    sent.push_back(one[0]);
+  }
+  if (works.empty()) return Work();
+  auto work = impl_->wrap(works.front(), what + " to rank " + std::to_string(global_rank(dst)) +
+                                             " (tag " + std::to_string(tag) + ")",
+                          std::move(sent), 1.0);
+  work.impl_->more.assign(works.begin() + 1, works.end());
+  return work;
+}
+
+Work ProcessGroup::recv_async(std::vector<at::Tensor> tensors, int src, int tag, std::string what) {
+  check_peer(src, tag, "recv from");
+  std::vector<at::Tensor> buffers;
+  std::vector<c10::intrusive_ptr<compat::Work>> works;
+  tensors.erase(std::remove_if(tensors.begin(), tensors.end(),
+                               [](const at::Tensor& t) { return t.numel() == 0; }),
+                tensors.end());
+  for (const auto& t : tensors) {
+    std::vector<at::Tensor> one{t.is_contiguous() ? t
+                                                  : at::empty_like(t, at::MemoryFormat::Contiguous)};
+    works.push_back(impl_->backend_for(t).recv(one, src, tag));
+    buffers.push_back(one[0]);
+  }
+  if (works.empty()) return Work();
+  auto work = impl_->wrap(works.front(), what + " from rank " + std::to_string(global_rank(src)) +
+                                             " (tag " + std::to_string(tag) + ")",
+                          buffers, 1.0);
+  work.impl_->more.assign(works.begin() + 1, works.end());
+  bool copy = false;
+  for (size_t i = 0; i < tensors.size(); ++i) copy |= !tensors[i].is_same(buffers[i]);
+  if (copy)
+    work.impl_->then = [tensors, buffers]() mutable {
+      for (size_t i = 0; i < tensors.size(); ++i)
+        if (!tensors[i].is_same(buffers[i])) tensors[i].copy_(buffers[i]);
+    };
+  return work;
+}
+
+void ProcessGroup::send(std::vector<at::Tensor> tensors, int dst, int tag, std::string what) {
+  send_async(std::move(tensors), dst, tag, std::move(what)).wait();
+}
+
+void ProcessGroup::recv(std::vector<at::Tensor> tensors, int src, int tag, std::string what) {
+  recv_async(std::move(tensors), src, tag, std::move(what)).wait();
+}
+
+void ProcessGroup::check_peer(int peer, int tag, const char* op) const {
+  if (peer < 0 || peer >= impl_->size || peer == impl_->rank)
+    throw std::invalid_argument(prefix() + " " + op + " group rank " + std::to_string(peer) +
+                                ": a peer must be another rank of this group of " +
+                                std::to_string(impl_->size) + " (group rank " +
+                                std::to_string(impl_->rank) + " is this process)");
+  if (tag < 0)
+    throw std::invalid_argument(prefix() + " " + op + " group rank " + std::to_string(peer) +
+                                " with tag " + std::to_string(tag) + ": tags must be >= 0");
 }
 
 bool rendezvous_store_can_listen_on_loopback() { return compat::kStoreCanListenOnLoopback; }

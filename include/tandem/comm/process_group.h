@@ -34,7 +34,8 @@ struct ProcessGroupOptions {
 
 class ProcessGroup;
 
-/// An asynchronous collective in flight. wait() rethrows a failure with the operation's name.
+/// An asynchronous collective (or point-to-point transfer) in flight. wait() rethrows a failure
+/// with the operation's name.
 class Work {
  public:
   struct Impl;
@@ -95,6 +96,28 @@ class ProcessGroup {
   /// Returns when every rank of the group has reached it.
   void barrier();
 
+  /// Point-to-point: sends `tensors` (one message each, in order) to group rank `dst`, where a
+  /// recv_async from this rank with the same `tag` (>= 0) and the same shapes and dtypes receives
+  /// them (a message larger than the receiving tensor aborts the receiving process inside Gloo,
+  /// so agree on shapes first, as Pipeline does with its one-off shape message). Messages between two ranks with one tag arrive in the order sent. The tensors must not
+  /// change until the work was waited on. wait() may not return before the receiver has posted
+  /// its receive (Gloo moves a message once the receiver is ready): order the sends and receives
+  /// of a program so that no two ranks wait on each other. A peer that exits or stays silent
+  /// longer than the group's timeout makes wait() throw an error naming the peer's global rank,
+  /// the operation and `what`. Empty tensors are not sent (nor expected).
+  ///
+  /// Example:
+  ///   if (pg->rank() == 0) pg->send({x}, 1, /*tag=*/7);
+  ///   else pg->recv({x}, 0, /*tag=*/7);
+  Work send_async(std::vector<at::Tensor> tensors, int dst, int tag, std::string what = "send");
+  /// Receives into `tensors` (their shapes and dtypes are what is expected) from group rank `src`
+  /// what it sends with `tag`; their contents are defined once the work was waited on.
+  Work recv_async(std::vector<at::Tensor> tensors, int src, int tag, std::string what = "recv");
+  /// send_async(...).wait().
+  void send(std::vector<at::Tensor> tensors, int dst, int tag, std::string what = "send");
+  /// recv_async(...).wait().
+  void recv(std::vector<at::Tensor> tensors, int src, int tag, std::string what = "recv");
+
   /// How reduce_scatter moves the bytes. kAlltoall: every rank sends each peer only the chunk
   /// it owns and sums what it receives ((n-1)/n of the tensor out and in: the optimal bytes).
   /// kAllreduceSlice: an allreduce of the whole tensor, then this rank's chunk (twice the bytes,
@@ -125,6 +148,8 @@ class ProcessGroup {
 
  private:
   explicit ProcessGroup(std::unique_ptr<Impl> impl);
+  /// Throws unless `peer` is another rank of this group and `tag` >= 0.
+  void check_peer(int peer, int tag, const char* op) const;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -31,6 +31,8 @@ struct ProcessGroup::Impl {
 
 struct Work::Impl {
   c10::intrusive_ptr<compat::Work> work;
+  /// Further parts of the operation, waited on after `work` (a send of several tensors).
+  std::vector<c10::intrusive_ptr<compat::Work>> more;
   std::string what;
   std::string prefix;
   std::vector<at::Tensor> tensors;

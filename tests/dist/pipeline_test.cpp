@@ -1,0 +1,184 @@
+// Pipeline parallel over real processes: GPipe and 1F1B on 2 and 4 stages, and 2 stages x 2
+// data-parallel replicas, train to the parameters and losses of one process training the whole
+// model; too few micro-batches are refused on every rank; a stage that dies ends the job; and
+// point-to-point transfers fail fast, naming the peer, when it leaves or stays silent.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../common/subprocess.h"
+
+using tandem::testing::count_of;
+using tandem::testing::read_floats;
+using tandem::testing::run_command;
+
+namespace {
+
+const std::string kCli = TANDEM_CLI;
+const std::string kWorker = PIPELINE_WORKER;
+
+tandem::testing::RunResult launch(int n, std::vector<std::string> args,
+                                  std::map<std::string, std::string> env = {}) {
+  std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
+                                "--num_cpu_threads_per_process", "1", kWorker};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_command(argv, env, 120);
+}
+
+std::string out_dir() {
+  static const std::string dir = [] {
+    auto d = tandem::testing::temp_path("pipeline", "out");
+    std::system(("mkdir -p " + d).c_str());
+    return d;
+  }();
+  return dir;
+}
+
+// Parameters and losses of one process training the whole model on the global batch.
+const std::pair<std::vector<float>, std::vector<float>>& reference() {
+  static const auto ref = [] {
+    auto r = launch(1, {"reference", "--out", out_dir()});
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return std::make_pair(read_floats(out_dir() + "/reference.bin"),
+                          read_floats(out_dir() + "/reference-loss.bin"));
+  }();
+  return ref;
+}
+
+// Lines of `out` that hold both `a` and `b`.
+int lines_with(const std::string& out, const std::string& a, const std::string& b) {
+  std::istringstream in(out);
+  int n = 0;
+  for (std::string line; std::getline(in, line);)
+    n += line.find(a) != std::string::npos && line.find(b) != std::string::npos;
+  return n;
+}
+
+// Largest |a - b| / |b| (b = the reference).
+double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double m = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    m = std::max(m, std::fabs(double(a[i]) - b[i]) / std::max(1e-30, std::fabs(double(b[i]))));
+  return m;
+}
+
+// Runs every configuration on stages x dp ranks and checks each against the reference: the
+// concatenated stage parameters of every replica, and every rank's losses, within rtol 1e-5;
+// configurations with fewer micro-batches than stages refused on every rank with the advice.
+void check_against_reference(int stages, int dp) {
+  const auto& [ref_params, ref_losses] = reference();
+  ASSERT_EQ(ref_params.size(), 8u * (16 * 16 + 16));
+  ASSERT_EQ(ref_losses.size(), 3u);
+  const int n = stages * dp;
+  auto r = launch(n, {"train", "--stages", std::to_string(stages), "--dp", std::to_string(dp),
+                      "--out", out_dir()});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  double worst_params = 0, worst_loss = 0;
+  for (const std::string kind : {"GPipe", "1F1B"}) {
+    for (int m : {1, 2, 4, 8}) {
+      const std::string name = kind + "-m" + std::to_string(m);
+      if (m < stages) {
+        EXPECT_EQ(count_of(r.output, "config " + name + " refused: "), n) << r.output;
+        EXPECT_EQ(lines_with(r.output, "config " + name + " refused: ",
+                             std::to_string(m) + " micro-batches for " + std::to_string(stages) +
+                                 " stages: use at least " + std::to_string(stages) +
+                                 " micro-batches"),
+                  n)
+            << r.output;
+        continue;
+      }
+      EXPECT_EQ(count_of(r.output, "config " + name + " trained"), n) << r.output;
+      for (int d = 0; d < dp; ++d) {
+        std::vector<float> params;
+        for (int s = 0; s < stages; ++s) {
+          auto part = read_floats(out_dir() + "/" + name + "-rank" + std::to_string(d * stages + s) + ".bin");
+          params.insert(params.end(), part.begin(), part.end());
+        }
+        const double diff = max_rel_diff(params, ref_params);
+        EXPECT_LE(diff, 1e-5) << name << " replica " << d;
+        worst_params = std::max(worst_params, diff);
+      }
+      for (int rank = 0; rank < n; ++rank) {
+        const double diff = max_rel_diff(
+            read_floats(out_dir() + "/" + name + "-rank" + std::to_string(rank) + "-loss.bin"),
+            ref_losses);
+        EXPECT_LE(diff, 1e-5) << name << " rank " << rank;
+        worst_loss = std::max(worst_loss, diff);
+      }
+    }
+  }
+  std::cout << stages << " stages x " << dp << " replicas: max relative difference to one process: "
+            << "parameters " << worst_params << ", losses " << worst_loss << " (" << r.seconds
+            << " s)" << std::endl;
+}
+
+}  // namespace
+
+TEST(PipelineParallel, TwoStagesEqualOneProcess) { check_against_reference(2, 1); }
+TEST(PipelineParallel, FourStagesEqualOneProcess) { check_against_reference(4, 1); }
+// Ranks 0, 1 and 2, 3 are pipelines; 0, 2 and 1, 3 average their stage's gradients.
+TEST(PipelineParallel, TwoStagesTimesTwoReplicasEqualOneProcess) { check_against_reference(2, 2); }
+
+// Stage 1 of 4 exits in the middle of step 1: the job ends with its exit code and the launcher
+// names it. The group's timeout (300 s) is longer than the harness's (120 s): the job ends
+// because the failure is seen, not because something timed out.
+TEST(PipelineParallel, AStageThatDiesEndsTheJob) {
+  auto r = launch(4, {"die"}, {{"PIPELINE_DIE_RANK", "1"}, {"PIPELINE_TIMEOUT_S", "300"}});
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("rank 1 exits in its forward"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 3"), std::string::npos) << r.output;
+  EXPECT_EQ(count_of(r.output, "finished step 0"), 4) << r.output;
+  EXPECT_EQ(count_of(r.output, "finished step 1"), 0) << r.output;
+}
+
+// The activation shapes travel once: a later batch of another size is refused by the stage that
+// would send it, saying what it found and what it expected, and the job ends.
+TEST(PipelineParallel, ABatchOfAnotherShapeIsRefused) {
+  auto r = launch(2, {"reshape"}, {{"PIPELINE_TIMEOUT_S", "300"}});
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "finished a step of 16 rows"), 2) << r.output;
+  EXPECT_EQ(count_of(r.output, "finished a step of 8 rows"), 0) << r.output;
+  EXPECT_NE(r.output.find("[rank 0/2] Pipeline::step: stage 0's output of micro-batch 0 is Float "
+                          "[2, 16], but the first step's was Float [4, 16]"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rank 0 (pid"), std::string::npos) << r.output;
+}
+
+TEST(PointToPoint, SendAndRecvWithTagsListsAndStridedReceivers) {
+  auto r = launch(2, {"p2p"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "p2p ok"), 2) << r.output;
+}
+
+// A peer that exits: the receive fails without waiting for the timeout (300 s, longer than the
+// harness's 120 s), naming the operation and the peer.
+TEST(PointToPoint, ARecvFromAPeerThatLeftFailsNamingIt) {
+  auto r = launch(2, {"p2p_dead"}, {{"PIPELINE_TIMEOUT_S", "300"}});
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("rank 0 error: [rank 0/2] recv of the test tensor from rank 1 (tag 3) "
+                          "failed"),
+            std::string::npos)
+      << r.output;
+}
+
+// A peer that stays silent: the receive fails after the group's timeout (3 s), not never.
+TEST(PointToPoint, ARecvFromASilentPeerFailsAfterTheTimeout) {
+  auto r = launch(2, {"p2p_silent"}, {{"PIPELINE_TIMEOUT_S", "3"}});
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("rank 0 error: [rank 0/2] recv of the test tensor from rank 1 (tag 3) "
+                          "failed"),
+            std::string::npos)
+      << r.output;
+}

@@ -1,0 +1,245 @@
+// A rank of the pipeline tests (started by `tandem launch`). Modes:
+//   reference  one process trains the whole model (8 Linear(16, 16) + Tanh pairs, MSE, SGD) for
+//              3 steps on the global batch; writes its parameters and losses (raw float32).
+//   train      --stages P --dp D on P x D ranks: rank = d * P + s (row-major (dp, pp): pipeline
+//              groups {0..P-1}, {P..2P-1}, ..., data-parallel groups {s, P + s, ...}). Trains the
+//              same model split into P stages with every configuration in turn (GPipe and 1F1B,
+//              1, 2, 4, 8 micro-batches), replica d on its 1/D of the global batch; writes each
+//              configuration's stage parameters and losses per rank. Configurations with fewer
+//              micro-batches than stages print the error they get.
+//   die        4 stages, 1F1B, 4 micro-batches; the rank named by PIPELINE_DIE_RANK exits with
+//              std::_Exit(3) in its 6th forward (step 1, micro-batch 1).
+//   reshape    2 stages, 4 micro-batches: a step on 16 rows, then one on 8; stage 0 must refuse
+//              to send activations of another shape than the first step's.
+//   p2p        rank 0 and 1 exchange tensors with send/recv (tags out of order, lists, a
+//              non-contiguous receiver) and check them.
+//   p2p_dead   rank 1 exits (code 0) without sending; rank 0's recv from it must fail.
+//   p2p_silent rank 1 sleeps past the timeout, then exits 0; rank 0's recv from it must fail.
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <thread>
+
+#include "tandem/comm/process_group.h"
+#include "tandem/parallel/pipeline.h"
+#include "tandem/state.h"
+
+namespace tp = tandem::parallel;
+
+namespace {
+
+constexpr int64_t kWidth = 16, kPairs = 8, kBatch = 16, kSteps = 3;
+constexpr double kLr = 0.1;
+
+torch::nn::Sequential make_model() {
+  torch::manual_seed(11);
+  torch::nn::Sequential model;
+  for (int64_t i = 0; i < kPairs; ++i) {
+    model->push_back(torch::nn::Linear(kWidth, kWidth));
+    model->push_back(torch::nn::Tanh());
+  }
+  return model;
+}
+
+// The global batch of `step`: the same on every rank and in the reference.
+std::pair<torch::Tensor, torch::Tensor> batch(int64_t step) {
+  auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(100 + step));
+  auto x = torch::randn({kBatch, kWidth}, gen);
+  auto y = torch::randn({kBatch, kWidth}, gen) * 0.5;
+  return {x, y};
+}
+
+at::Tensor mse(const at::Tensor& y, const at::Tensor& t) { return torch::mse_loss(y, t); }
+
+void write_floats(const std::string& path, const std::vector<torch::Tensor>& tensors) {
+  std::ofstream out(path, std::ios::binary);
+  for (const auto& t : tensors) {
+    auto f = t.detach().to(torch::kFloat).contiguous();
+    out.write(static_cast<const char*>(f.data_ptr()), static_cast<std::streamsize>(f.numel() * 4));
+  }
+}
+
+std::shared_ptr<tandem::ProcessGroup> make_group() {
+  auto state = tandem::ProcessState::from_environment();
+  const char* t = std::getenv("PIPELINE_TIMEOUT_S");
+  return tandem::ProcessGroup::create(
+      state, tandem::ProcessGroupOptions().timeout(std::chrono::seconds(t ? std::atoi(t) : 20)));
+}
+
+int reference(const std::string& dir) {
+  auto model = make_model();
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(kLr));
+  std::vector<torch::Tensor> losses;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    auto loss = mse(model->forward(x), y);
+    loss.backward();
+    opt.step();
+    opt.zero_grad();
+    losses.push_back(loss.detach());
+  }
+  write_floats(dir + "/reference.bin", model->parameters());
+  write_floats(dir + "/reference-loss.bin", losses);
+  std::cout << "reference trained" << std::endl;
+  return 0;
+}
+
+int train(const std::string& dir, int stages, int dp_size) {
+  auto world = make_group();
+  const int rank = world->rank();
+  if (world->size() != stages * dp_size)
+    throw std::invalid_argument("train: launch " + std::to_string(stages * dp_size) + " ranks");
+  const int d = rank / stages, s = rank % stages;
+  // Every rank builds every group, in the same order (ProcessGroup::new_subgroup).
+  std::shared_ptr<tandem::ProcessGroup> pp, dp;
+  for (int r = 0; r < dp_size; ++r) {
+    std::vector<int> ranks;
+    for (int k = 0; k < stages; ++k) ranks.push_back(r * stages + k);
+    if (auto g = world->new_subgroup(ranks)) pp = g;
+  }
+  if (dp_size > 1)
+    for (int k = 0; k < stages; ++k) {
+      std::vector<int> ranks;
+      for (int r = 0; r < dp_size; ++r) ranks.push_back(r * stages + k);
+      if (auto g = world->new_subgroup(ranks)) dp = g;
+    }
+  const int64_t rows = kBatch / dp_size;
+  for (auto kind : {tp::ScheduleKind::kGPipe, tp::ScheduleKind::k1F1B}) {
+    for (int m : {1, 2, 4, 8}) {
+      const std::string name = tp::to_string(kind) + "-m" + std::to_string(m);
+      auto stage = tp::split_sequential(make_model(), stages, s);
+      std::unique_ptr<tp::Pipeline> pipe;
+      try {
+        pipe = std::make_unique<tp::Pipeline>(stage, pp, mse,
+                                              tp::PipelineOptions().schedule(kind).microbatches(m), dp);
+      } catch (const std::invalid_argument& e) {
+        std::cout << "config " << name << " refused: " << e.what() << std::endl;
+        continue;
+      }
+      torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(kLr));
+      std::vector<torch::Tensor> losses;
+      for (int64_t step = 0; step < kSteps; ++step) {
+        auto [x, y] = batch(step);
+        x = x.narrow(0, d * rows, rows);
+        y = y.narrow(0, d * rows, rows);
+        const double loss = pipe->step(s == 0 ? x : torch::Tensor(), s == stages - 1 ? y : torch::Tensor());
+        opt.step();
+        opt.zero_grad();
+        losses.push_back(torch::full({1}, loss, torch::kDouble));
+      }
+      const std::string base = dir + "/" + name + "-rank" + std::to_string(rank);
+      write_floats(base + ".bin", stage->parameters());
+      write_floats(base + "-loss.bin", losses);
+      std::cout << "config " << name << " trained rank " << rank << std::endl;
+    }
+  }
+  return 0;
+}
+
+int die() {
+  auto pg = make_group();
+  const int s = pg->rank();
+  const char* who = std::getenv("PIPELINE_DIE_RANK");
+  const int die_rank = who ? std::atoi(who) : -1;
+  auto stage = tp::split_sequential(make_model(), pg->size(), s);
+  int forwards = 0;
+  tp::Pipeline pipe(
+      stage.ptr(),
+      [&](const at::Tensor& x) {
+        if (s == die_rank && ++forwards == 6) {
+          std::cout << "rank " << s << " exits in its forward" << std::endl;
+          std::_Exit(3);
+        }
+        return stage->forward(x);
+      },
+      pg, mse, tp::PipelineOptions().schedule(tp::ScheduleKind::k1F1B).microbatches(4));
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    pipe.step(x, y);
+    std::cout << "rank " << s << " finished step " << step << std::endl;
+  }
+  return 0;
+}
+
+int reshape() {
+  auto pg = make_group();
+  const int s = pg->rank();
+  auto stage = tp::split_sequential(make_model(), pg->size(), s);
+  tp::Pipeline pipe(stage, pg, mse, tp::PipelineOptions().microbatches(4));
+  for (int64_t rows : {16, 8}) {
+    auto [x, y] = batch(0);
+    pipe.step(x.narrow(0, 0, rows), y.narrow(0, 0, rows));
+    std::cout << "rank " << s << " finished a step of " << rows << " rows" << std::endl;
+  }
+  return 0;
+}
+
+int p2p(const std::string& mode) {
+  auto pg = make_group();
+  const int r = pg->rank();
+  if (mode == "p2p") {
+    auto a = torch::arange(6, torch::kFloat), b = torch::arange(4, torch::kLong) * 10;
+    if (r == 0) {
+      // Sent in tag order 0, 1; received in the other order below: tags keep them apart.
+      auto w0 = pg->send_async({a}, 1, 0);
+      auto w1 = pg->send_async({b, a * 2}, 1, 1);
+      w0.wait();
+      w1.wait();
+      auto back = torch::empty({3, 2});
+      pg->recv({back}, 1, 5);
+      if (!back.equal(a.view({3, 2}) + 1)) throw std::runtime_error("p2p: wrong reply");
+    } else {
+      auto got_b = torch::empty({4}, torch::kLong), got_a2 = torch::empty({6});
+      auto got_a = torch::empty({6, 2}).select(1, 0);  // not contiguous
+      auto w1 = pg->recv_async({got_b, got_a2}, 0, 1);
+      auto w0 = pg->recv_async({got_a}, 0, 0);
+      w1.wait();
+      w0.wait();
+      if (!got_a.equal(a) || !got_b.equal(b) || !got_a2.equal(a * 2))
+        throw std::runtime_error("p2p: wrong data");
+      pg->send({a.view({3, 2}) + 1}, 0, 5);
+    }
+    std::cout << "rank " << r << " p2p ok" << std::endl;
+    return 0;
+  }
+  if (r == 1) {
+    if (mode == "p2p_silent") {
+      std::this_thread::sleep_for(std::chrono::seconds(std::atoi(std::getenv("PIPELINE_TIMEOUT_S")) + 2));
+    }
+    std::cout << "rank 1 leaves without sending" << std::endl;
+    std::_Exit(0);
+  }
+  auto t = torch::empty({8});
+  try {
+    pg->recv({t}, 1, 3, "recv of the test tensor");
+  } catch (const std::exception& e) {
+    std::cout << "rank 0 error: " << e.what() << std::endl;
+    return 1;
+  }
+  std::cout << "rank 0 received" << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app("pipeline test worker");
+  std::string mode = "train", dir = "/tmp";
+  int stages = 2, dp = 1;
+  app.add_option("mode", mode);
+  app.add_option("--out", dir);
+  app.add_option("--stages", stages);
+  app.add_option("--dp", dp);
+  CLI11_PARSE(app, argc, argv);
+  if (mode == "reference") return reference(dir);
+  if (mode == "train") return train(dir, stages, dp);
+  if (mode == "die") return die();
+  if (mode == "reshape") return reshape();
+  return p2p(mode);
+}
