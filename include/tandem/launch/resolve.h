@@ -50,7 +50,8 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
 /// they apply TANDEM_USE_CPU=1, TANDEM_DEBUG=1, TANDEM_DOWNCAST_BF16=1, TANDEM_GPU_IDS with
 /// CUDA_VISIBLE_DEVICES, TANDEM_ZERO_STAGE, TANDEM_OFFLOAD_OPTIMIZER_DEVICE,
 /// TANDEM_OFFLOAD_PARAM_DEVICE, TANDEM_GRADIENT_CLIPPING, TANDEM_ZERO3_INIT_FLAG,
-/// TANDEM_ZERO3_SAVE_16BIT_MODEL (DeepSpeed), TANDEM_FSDP_<KEY> (FSDP), TANDEM_FP8_<KEY> (fp8).
+/// TANDEM_ZERO3_SAVE_16BIT_MODEL (DeepSpeed), TANDEM_FSDP_<KEY> (FSDP), TANDEM_FP8_<KEY> (fp8),
+/// TANDEM_ACTIVATION_CHECKPOINTING=true (fsdp_config.fsdp_activation_checkpointing: true).
 EnvMap program_environment(const ResolvedLaunch& resolved);
 
 /// The LaunchOptions of a resolved launch: processes on this machine, machines, address, port,
