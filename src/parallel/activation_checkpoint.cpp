@@ -100,8 +100,10 @@ AutocastState capture_autocast() {
 // Note [No cast cache in a checkpointed region]: autocast caches the low-precision copies of
 // fp32 leaf weights for the rest of the region. A copy cast during the run without gradients
 // carries no backward, and a later use of the same weight in the region would take it from the
-// cache and lose its gradient; the regions run with the cache off (a cast is deterministic, so
-// the results are bitwise the same).
+// cache and lose its gradient; the regions run with the cache off. A weight used once in a region
+// gives bitwise the gradient of the run without checkpointing; one used twice (or inside and
+// outside the region) gets its contributions summed after the cast instead of before, so its
+// gradient can differ in the last bits of the low-precision type (as in PyTorch's checkpoint).
 class NoCastCache {
  public:
   NoCastCache() : previous_(at::autocast::is_autocast_cache_enabled()) {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <iostream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -145,21 +146,31 @@ TEST(ActivationCheckpoint, AutocastBf16OnCpuBitwiseEqual) {
 }
 
 TEST(ActivationCheckpoint, AutocastCacheDoesNotLoseAWeightsGradient) {
-  // The same weight inside a checkpointed region and after it, in one autocast region.
+  // The same leaf weight inside a checkpointed region and after it, in one autocast region
+  // (mm casts the leaf itself, which autocast caches; Linear casts a transposed view, which it
+  // does not). A cast cached while the region ran without gradients would carry no backward.
   torch::manual_seed(3);
-  torch::nn::Linear fc(kWidth, kWidth);
+  auto w = torch::randn({kWidth, kWidth}, torch::requires_grad());
   auto x = torch::randn({4, kWidth});
   auto grad_of = [&](bool ckpt) {
-    fc->zero_grad();
+    w.mutable_grad() = torch::Tensor();
     tandem::precision::AutocastGuard bf16(c10::kCPU, c10::kBFloat16);
-    auto f = [&](const torch::Tensor& t) { return fc(t).relu(); };
+    auto f = [&](const torch::Tensor& t) { return torch::mm(t, w).relu(); };
     auto h = ckpt ? checkpoint(f, x) : f(x);
-    auto loss = fc(h).to(torch::kFloat).pow(2).sum();
-    loss.backward();
-    return fc->weight.grad().clone();
+    auto y = torch::mm(h, w);
+    EXPECT_EQ(y.scalar_type(), c10::kBFloat16);
+    EXPECT_TRUE(y.requires_grad());
+    y.to(torch::kFloat).pow(2).sum().backward();
+    return w.grad().clone();
   };
   auto a = grad_of(false), b = grad_of(true);
-  EXPECT_TRUE(torch::equal(a, b)) << (a - b).abs().max().item<double>();
+  // Not bitwise: without checkpointing both uses share one cached bf16 copy, whose backward sums
+  // their gradients in bf16 before the cast to fp32; with it, each use casts on its own and the
+  // two gradients are summed in fp32. Both are the gradient of both uses, to bf16's precision.
+  const double diff = (a - b).abs().max().item<double>(), scale = a.abs().max().item<double>();
+  std::cout << "shared weight under bf16 autocast: max |diff| " << diff << " of max |grad| "
+            << scale << std::endl;
+  EXPECT_LE(diff, 1e-2 * scale);
 }
 
 TEST(ActivationCheckpoint, NestedCheckpoints) {

@@ -46,6 +46,11 @@ using CheckpointFunction = std::function<std::vector<at::Tensor>(const std::vect
 /// nested backward (as PyTorch's reentrant checkpoint). After the second run the random number
 /// state is put back, so the computation around the region is unaffected.
 ///
+/// Under autocast the region runs without autocast's cache of low-precision weight copies (a copy
+/// cast without gradients must not be reused), so a weight used twice under autocast (in the
+/// region, or in it and after it) gets its gradient contributions summed after the cast instead
+/// of before: equal to the plain run to the low-precision type's rounding, not bitwise.
+///
 /// With gradients disabled, or when neither an input nor the region needs gradients, this is
 /// `fn(inputs)`. When no input requires gradients (the first block of a model), the outputs
 /// still carry a backward (so that the parameters inside `fn` get gradients). Backward must be
