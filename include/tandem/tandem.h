@@ -8,6 +8,7 @@
 #include "tandem/data/loader.h"
 #include "tandem/data/sampler.h"
 #include "tandem/optimizer.h"
+#include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/ddp.h"
 #include "tandem/parallel/pipeline.h"
 #include "tandem/parallel/sharded.h"

@@ -204,6 +204,11 @@ EnvMap program_environment(const ResolvedLaunch& r) {
   } else if (c.deepspeed_config.count("gradient_clipping")) {
     env["TANDEM_GRADIENT_CLIPPING"] = c.deepspeed_config.at("gradient_clipping");
   }
+  // Activation checkpointing is not tied to FSDP in tandem (parallel/activation_checkpoint.h):
+  // Accelerate's key asks for it under any strategy.
+  if (auto it = c.fsdp_config.find("fsdp_activation_checkpointing");
+      it != c.fsdp_config.end() && it->second == "true")
+    env["TANDEM_ACTIVATION_CHECKPOINTING"] = "true";
   if (r.distributed_type == "FSDP") {
     env["TANDEM_FSDP_SHARDING_STRATEGY"] = "FULL_SHARD";
     for (const auto& [k, v] : c.fsdp_config) env["TANDEM_FSDP_" + upper(k.substr(5))] = v;

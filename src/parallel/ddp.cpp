@@ -16,6 +16,7 @@
 #include "../compat/autograd_hooks.h"
 #include "../compat/c10d.h"
 #include "detail/flat_alias.h"
+#include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/buckets.h"
 
 namespace tandem::parallel {
@@ -165,9 +166,9 @@ void GradientReducer::on_gradient_ready(size_t i) {
   if (!sync_) return;
   if (!callback_queued_) {
     // Finish the reduction when the whole backward pass is done, even if the user called
-    // loss.backward() directly.
+    // loss.backward() directly (the outer backward's end: Note [Callbacks in a recompute]).
     callback_queued_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+    queue_backward_callback([this] { finalize(); });
   }
   if (ready_[i]) {
     twice_.push_back(names_[i]);

@@ -307,3 +307,37 @@ TEST(ForkSafety, EachHazardIsRefusedWithItsFix) {
   EXPECT_FALSE(here.cuda_initialized);
   EXPECT_GE(here.threads, 1);
 }
+
+// fsdp_config.fsdp_activation_checkpointing (Accelerate's key) and --activation_checkpointing
+// reach the ranks as TANDEM_ACTIVATION_CHECKPOINTING=true, under any distributed type; false or
+// absent exports nothing.
+TEST(LaunchResolve, ActivationCheckpointingKey) {
+  auto env = program_environment(resolve_launch(file("fsdp"), {}, cpu_machine()));
+  EXPECT_EQ(env.count("TANDEM_ACTIVATION_CHECKPOINTING"), 0u);  // the file says false
+  EXPECT_EQ(env.at("TANDEM_FSDP_ACTIVATION_CHECKPOINTING"), "false");
+  env = program_environment(resolve_launch(
+      file("fsdp"), {{"fsdp_config.fsdp_activation_checkpointing", "true"}}, cpu_machine()));
+  EXPECT_EQ(env.at("TANDEM_ACTIVATION_CHECKPOINTING"), "true");
+
+  auto c = parse_config(
+      "distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n"
+      "fsdp_config:\n  fsdp_activation_checkpointing: yes\n",
+      "inline.yaml");
+  EXPECT_EQ(c.fsdp_config.at("fsdp_activation_checkpointing"), "true");
+  env = program_environment(resolve_launch(c, {}, cpu_machine()));
+  EXPECT_EQ(env.at("TANDEM_DISTRIBUTED_TYPE"), "MULTI_CPU");
+  EXPECT_EQ(env.at("TANDEM_ACTIVATION_CHECKPOINTING"), "true");
+  EXPECT_EQ(env.count("TANDEM_FSDP_ACTIVATION_CHECKPOINTING"), 0u);  // not an FSDP run
+
+  // Without the key in any file, the flag's key alone.
+  env = program_environment(resolve_launch(
+      LaunchConfig(), {{"num_processes", "2"}, {"fsdp_config.fsdp_activation_checkpointing", "true"}},
+      cpu_machine()));
+  EXPECT_EQ(env.at("TANDEM_ACTIVATION_CHECKPOINTING"), "true");
+
+  // A value that is not a boolean is refused with the key's name.
+  auto err = error_of([] {
+    parse_config("fsdp_config:\n  fsdp_activation_checkpointing: sometimes\n", "bad.yaml");
+  });
+  EXPECT_TRUE(contains(err, "activation_checkpointing")) << err;
+}

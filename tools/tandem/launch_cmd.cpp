@@ -119,6 +119,9 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
   value("zero3_init_flag", "deepspeed_config.zero3_init_flag", "true or false", shard);
   value("zero3_save_16bit_model", "deepspeed_config.zero3_save_16bit_model", "true or false",
         shard);
+  flag(both("activation_checkpointing"), "fsdp_config.fsdp_activation_checkpointing", "true",
+       "Recompute checkpointed blocks' activations in backward (fsdp_activation_checkpointing)",
+       shard);
   for (const char* f :
        {"fsdp_sharding_strategy", "fsdp_offload_params", "fsdp_auto_wrap_policy",
         "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap", "fsdp_state_dict_type",

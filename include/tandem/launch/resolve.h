@@ -53,6 +53,7 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
 /// TANDEM_ZERO3_SAVE_16BIT_MODEL (DeepSpeed), TANDEM_FSDP_<KEY> (FSDP), TANDEM_FP8_<KEY> (fp8),
 /// TANDEM_TP_SIZE, TANDEM_PP_SIZE, TANDEM_DP_REPLICATE_SIZE, TANDEM_DP_SHARD_SIZE (the
 /// parallelism_config sizes that were set; comm::mesh_shape_from_environment).
+/// TANDEM_ACTIVATION_CHECKPOINTING=true (fsdp_config.fsdp_activation_checkpointing: true).
 EnvMap program_environment(const ResolvedLaunch& resolved);
 
 /// The LaunchOptions of a resolved launch: processes on this machine, machines, address, port,

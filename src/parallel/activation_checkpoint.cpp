@@ -1,0 +1,386 @@
+// Activation checkpointing: the checkpoint autograd function, the Checkpointed module holder and
+// the in-place wrapping of Sequential entries (see activation_checkpoint.h).
+#include "tandem/parallel/activation_checkpoint.h"
+
+#include <torch/torch.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <stdexcept>
+
+#include "../compat/autocast.h"
+#include "tandem/precision/autocast.h"
+
+namespace tandem::parallel {
+namespace {
+
+// Note [Callbacks in a recompute] (activation_checkpoint.h): recomputes running on this thread,
+// and the final callbacks queued inside them, to be queued on the outer graph task.
+thread_local int t_recompute_depth = 0;
+thread_local std::vector<std::function<void()>> t_deferred_callbacks;
+
+// The random number generators a region may draw from: the CPU one, and every CUDA device's.
+struct RngState {
+  at::Tensor cpu;
+  std::vector<at::Tensor> cuda;
+};
+
+std::vector<at::Generator> generators() {
+  std::vector<at::Generator> g{at::detail::getDefaultCPUGenerator()};
+  if (at::hasCUDA()) {
+    const int n = at::detail::getCUDAHooks().getNumGPUs();
+    for (int i = 0; i < n; ++i)
+      g.push_back(at::globalContext().defaultGenerator(
+          c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))));
+  }
+  return g;
+}
+
+RngState capture_rng() {
+  RngState s;
+  auto gens = generators();
+  for (size_t i = 0; i < gens.size(); ++i) {
+    std::lock_guard<std::mutex> lock(gens[i].mutex());
+    (i == 0 ? s.cpu : s.cuda.emplace_back()) = gens[i].get_state();
+  }
+  return s;
+}
+
+void restore_rng(const RngState& s) {
+  auto gens = generators();
+  for (size_t i = 0; i < gens.size(); ++i) {
+    const at::Tensor& state = i == 0 ? s.cpu : (i - 1 < s.cuda.size() ? s.cuda[i - 1] : at::Tensor());
+    if (!state.defined()) continue;
+    std::lock_guard<std::mutex> lock(gens[i].mutex());
+    gens[i].set_state(state);
+  }
+}
+
+// Sets the generators to `s` for a scope, then puts back what they were.
+class RngFork {
+ public:
+  explicit RngFork(const RngState* s) : active_(s != nullptr) {
+    if (!active_) return;
+    saved_ = capture_rng();
+    restore_rng(*s);
+  }
+  ~RngFork() {
+    if (active_) restore_rng(saved_);
+  }
+  RngFork(const RngFork&) = delete;
+  RngFork& operator=(const RngFork&) = delete;
+
+ private:
+  bool active_;
+  RngState saved_;
+};
+
+struct AutocastState {
+  bool cpu_enabled = false;
+  c10::ScalarType cpu_dtype = c10::kBFloat16;
+  bool cuda_enabled = false;
+  c10::ScalarType cuda_dtype = c10::kHalf;
+};
+
+AutocastState capture_autocast() {
+  AutocastState a;
+  a.cpu_enabled = compat::autocast_enabled(c10::kCPU);
+  a.cpu_dtype = compat::autocast_dtype(c10::kCPU);
+  a.cuda_enabled = compat::autocast_enabled(c10::kCUDA);
+  a.cuda_dtype = compat::autocast_dtype(c10::kCUDA);
+  return a;
+}
+
+// Note [No cast cache in a checkpointed region]: autocast caches the low-precision copies of
+// fp32 leaf weights for the rest of the region. A copy cast during the run without gradients
+// carries no backward, and a later use of the same weight in the region would take it from the
+// cache and lose its gradient; the regions run with the cache off. A weight used once in a region
+// gives bitwise the gradient of the run without checkpointing; one used twice (or inside and
+// outside the region) gets its contributions summed after the cast instead of before, so its
+// gradient can differ in the last bits of the low-precision type (as in PyTorch's checkpoint).
+class NoCastCache {
+ public:
+  NoCastCache() : previous_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~NoCastCache() { at::autocast::set_autocast_cache_enabled(previous_); }
+  NoCastCache(const NoCastCache&) = delete;
+  NoCastCache& operator=(const NoCastCache&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// The nested backward of a recompute: callbacks queued inside it wait for the outer graph task.
+class RecomputeScope {
+ public:
+  RecomputeScope() { ++t_recompute_depth; }
+  ~RecomputeScope() {
+    --t_recompute_depth;
+    auto pending = std::move(t_deferred_callbacks);
+    t_deferred_callbacks.clear();
+    for (auto& cb : pending) {
+      try {
+        queue_backward_callback(std::move(cb));
+      } catch (...) {
+        // No graph task to queue on (cannot happen inside a node's backward); nothing to run.
+      }
+    }
+  }
+  RecomputeScope(const RecomputeScope&) = delete;
+  RecomputeScope& operator=(const RecomputeScope&) = delete;
+};
+
+// What the backward needs of the forward: the function, the random number and autocast state
+// before the first run, and which inputs required gradients.
+struct CheckpointState : torch::CustomClassHolder {
+  CheckpointFunction fn;
+  bool preserve_rng = true;
+  RngState rng;
+  AutocastState autocast;
+  std::vector<char> requires_grad;  // per real input (not the extra one, see checkpoint())
+};
+
+struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                c10::intrusive_ptr<CheckpointState> state,
+                                                at::TensorList inputs) {
+    // Outputs without a gradient stay without one (no zeros made for them).
+    ctx->set_materialize_grads(false);
+    const size_t n = state->requires_grad.size();
+    std::vector<at::Tensor> real(inputs.begin(), inputs.begin() + static_cast<std::ptrdiff_t>(n));
+    ctx->save_for_backward(real);
+    ctx->saved_data["state"] = at::IValue::make_capsule(state);
+    ctx->saved_data["num_inputs"] = static_cast<int64_t>(inputs.size());
+    NoCastCache no_cache;
+    return state->fn(real);  // autograd's apply runs this with gradients disabled
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
+                "a checkpointed region met torch::autograd::grad (or backward with inputs=): "
+                "its recompute accumulates gradients into .grad, so call "
+                "torch::autograd::backward / tensor.backward() instead");
+    auto state = c10::static_intrusive_pointer_cast<CheckpointState>(
+        ctx->saved_data["state"].toCapsule());
+    auto saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> detached(saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) {
+      if (!saved[i].defined()) continue;
+      detached[i] = saved[i].detach();
+      if (state->requires_grad[i]) detached[i].requires_grad_(true);
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      RngFork rng(state->preserve_rng ? &state->rng : nullptr);
+      const auto& a = state->autocast;
+      precision::AutocastGuard cpu(c10::kCPU, a.cpu_dtype, a.cpu_enabled);
+      precision::AutocastGuard cuda(c10::kCUDA, a.cuda_dtype, a.cuda_enabled);
+      NoCastCache no_cache;
+      torch::AutoGradMode grad_mode(true);
+      outputs = state->fn(detached);
+    }
+    std::vector<at::Tensor> roots, root_grads;
+    for (size_t i = 0; i < outputs.size() && i < grads.size(); ++i) {
+      if (!outputs[i].defined() || !outputs[i].requires_grad() || !grads[i].defined()) continue;
+      roots.push_back(outputs[i]);
+      root_grads.push_back(grads[i]);
+    }
+    if (!roots.empty()) {
+      RecomputeScope scope;
+      torch::autograd::backward(roots, root_grads);
+    }
+    // One gradient per forward argument: none for the state, one per input (none for the extra
+    // input that only makes the outputs differentiable).
+    torch::autograd::variable_list result{at::Tensor()};
+    for (size_t i = 0; i < detached.size(); ++i)
+      result.push_back(state->requires_grad[i] && detached[i].defined() ? detached[i].grad()
+                                                                        : at::Tensor());
+    const size_t total = ctx->saved_data["num_inputs"].toInt();
+    while (result.size() < total + 1) result.emplace_back();
+    return result;
+  }
+};
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s;
+}
+
+}  // namespace
+
+void queue_backward_callback(std::function<void()> callback) {
+  if (t_recompute_depth > 0) {
+    t_deferred_callbacks.push_back(std::move(callback));
+    return;
+  }
+  torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
+}
+
+int checkpoint_recompute_depth() { return t_recompute_depth; }
+
+std::vector<at::Tensor> checkpoint(CheckpointFunction fn, std::vector<at::Tensor> inputs,
+                                   CheckpointOptions options) {
+  TORCH_CHECK(fn, "checkpoint: the function is empty");
+  if (!at::GradMode::is_enabled()) return fn(inputs);
+  auto state = c10::make_intrusive<CheckpointState>();
+  state->fn = std::move(fn);
+  state->preserve_rng = options.preserve_rng_state();
+  bool any = false;
+  for (const auto& t : inputs) {
+    const bool rg = t.defined() && t.requires_grad();
+    state->requires_grad.push_back(rg ? 1 : 0);
+    any = any || rg;
+  }
+  if (state->preserve_rng) state->rng = capture_rng();
+  state->autocast = capture_autocast();
+  // No input needs a gradient (the first block of a model): an extra input that does makes the
+  // outputs differentiable, so that the backward reaches the region and the parameters inside
+  // it get their gradients.
+  if (!any) inputs.push_back(at::empty({0}).requires_grad_(true));
+  return CheckpointNode::apply(state, at::TensorList(inputs));
+}
+
+at::Tensor checkpoint(std::function<at::Tensor(const at::Tensor&)> fn, at::Tensor input,
+                      CheckpointOptions options) {
+  TORCH_CHECK(fn, "checkpoint: the function is empty");
+  auto outs = checkpoint(
+      [fn = std::move(fn)](const std::vector<at::Tensor>& in) {
+        return std::vector<at::Tensor>{fn(in[0])};
+      },
+      {std::move(input)}, options);
+  return outs[0];
+}
+
+// ---- Checkpointed ----
+
+void CheckpointedImpl::adopt() {
+  auto m = inner_.ptr();
+  for (const auto& kv : m->named_children()) register_module(kv.key(), kv.value());
+  for (const auto& kv : m->named_parameters(/*recurse=*/false))
+    register_parameter(kv.key(), kv.value(), kv.value().requires_grad());
+  for (const auto& kv : m->named_buffers(/*recurse=*/false)) register_buffer(kv.key(), kv.value());
+}
+
+torch::Tensor CheckpointedImpl::forward(torch::Tensor input) {
+  auto inner = std::make_shared<torch::nn::AnyModule>(inner_);
+  return checkpoint(
+      [inner](const at::Tensor& x) { return inner->forward<torch::Tensor>(torch::Tensor(x)); },
+      std::move(input), options_);
+}
+
+// ---- wrapping in place ----
+
+namespace {
+
+std::shared_ptr<CheckpointedImpl> wrap_entry(torch::nn::SequentialImpl& seq, size_t index,
+                                             const std::string& name, CheckpointOptions options) {
+  auto& any = *(seq.begin() + static_cast<std::ptrdiff_t>(index));
+  Checkpointed wrapper(any, options);
+  any = torch::nn::AnyModule(wrapper);
+  seq.replace_module(name, wrapper.ptr());
+  return wrapper.ptr();
+}
+
+std::vector<std::string> entry_names(torch::nn::SequentialImpl& seq) {
+  std::vector<std::string> names;
+  for (const auto& kv : seq.named_children()) names.push_back(kv.key());
+  TORCH_CHECK(names.size() == seq.size(), "activation checkpointing: a Sequential has ",
+              seq.size(), " entries but ", names.size(),
+              " registered children; register nothing on a Sequential besides its entries");
+  return names;
+}
+
+void visit(torch::nn::Module& m, const std::string& prefix, const CheckpointPredicate& predicate,
+           CheckpointOptions options, std::vector<std::shared_ptr<CheckpointedImpl>>& made,
+           std::vector<std::string>& unreachable) {
+  if (dynamic_cast<CheckpointedImpl*>(&m)) return;
+  if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&m)) {
+    const auto names = entry_names(*seq);
+    for (size_t i = 0; i < names.size(); ++i) {
+      auto ptr = (seq->begin() + static_cast<std::ptrdiff_t>(i))->ptr();
+      if (dynamic_cast<CheckpointedImpl*>(ptr.get())) continue;
+      const std::string name = prefix + names[i];
+      if (predicate(name, *ptr))
+        made.push_back(wrap_entry(*seq, i, names[i], options));
+      else
+        visit(*ptr, name + ".", predicate, options, made, unreachable);
+    }
+    return;
+  }
+  for (const auto& kv : m.named_children()) {
+    const std::string name = prefix + kv.key();
+    if (predicate(name, *kv.value()))
+      unreachable.push_back(name);
+    else
+      visit(*kv.value(), name + ".", predicate, options, made, unreachable);
+  }
+}
+
+}  // namespace
+
+std::vector<std::shared_ptr<CheckpointedImpl>> checkpoint_sequential_entries(
+    torch::nn::SequentialImpl& sequential, CheckpointOptions options) {
+  std::vector<std::shared_ptr<CheckpointedImpl>> made;
+  const auto names = entry_names(sequential);
+  for (size_t i = 0; i < names.size(); ++i) {
+    auto ptr = (sequential.begin() + static_cast<std::ptrdiff_t>(i))->ptr();
+    if (dynamic_cast<CheckpointedImpl*>(ptr.get())) continue;
+    made.push_back(wrap_entry(sequential, i, names[i], options));
+  }
+  return made;
+}
+
+std::vector<std::shared_ptr<CheckpointedImpl>> checkpoint_sequential_entries(
+    torch::nn::Sequential& sequential, CheckpointOptions options) {
+  return checkpoint_sequential_entries(*sequential, options);
+}
+
+std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
+    torch::nn::Module& model, const CheckpointPredicate& predicate, CheckpointOptions options) {
+  TORCH_CHECK(predicate, "apply_activation_checkpointing: the predicate is empty");
+  std::vector<std::shared_ptr<CheckpointedImpl>> made;
+  std::vector<std::string> unreachable;
+  visit(model, "", predicate, options, made, unreachable);
+  if (made.empty() && !unreachable.empty()) {
+    std::string names;
+    for (size_t k = 0; k < unreachable.size() && k < 8; ++k) names += (k ? ", " : "") + unreachable[k];
+    if (unreachable.size() > 8) names += ", ... (" + std::to_string(unreachable.size()) + " in all)";
+    throw std::invalid_argument(
+        "apply_activation_checkpointing: the predicate matches " + names +
+        ", but none of them is an entry of a Sequential, so nothing was wrapped (a module that "
+        "its parent calls through its own member cannot be redirected from outside). Wrap them "
+        "where they are built, e.g. register_module(\"h0\", "
+        "tandem::parallel::Checkpointed(Block(...))), or hold them in a torch::nn::Sequential");
+  }
+  return made;
+}
+
+bool activation_checkpointing_from_environment(const EnvMap& env) {
+  for (const char* var : {"TANDEM_ACTIVATION_CHECKPOINTING", "TANDEM_FSDP_ACTIVATION_CHECKPOINTING"}) {
+    auto it = env.find(var);
+    if (it == env.end()) continue;
+    const auto v = lower(it->second);
+    if (v == "true" || v == "1" || v == "yes") return true;
+    if (v == "false" || v == "0" || v == "no" || v.empty()) return false;
+    throw std::invalid_argument(std::string(var) + "='" + it->second +
+                                "': expected true or false (fsdp_config."
+                                "fsdp_activation_checkpointing, or tandem launch "
+                                "--activation_checkpointing)");
+  }
+  return false;
+}
+
+bool activation_checkpointing_from_environment() {
+  return activation_checkpointing_from_environment(current_environment());
+}
+
+}  // namespace tandem::parallel
