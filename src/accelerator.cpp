@@ -4,11 +4,15 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <cmath>
 #include <filesystem>
+#include <set>
 #include <stdexcept>
 
 #include "detail/env.h"
 #include "tandem/launch/resolve.h"
+#include "tandem/parallel/activation_checkpoint.h"
+#include "tandem/parallel/tensor_parallel.h"
 #include "tandem/runtime.h"
 
 namespace tandem {
@@ -110,8 +114,26 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
       if (!w.empty()) std::cerr << w << std::endl;
   }
   pg_ = ProcessGroup::create(state_, ProcessGroupOptions().timeout(options_.timeout()));
+  // Model parallel: a device mesh when tp or pp is above 1; data parallel then runs over its
+  // "dp" dimension.
+  dp_ = pg_;
+  try {
+    auto shape = options_.parallelism().value_or(comm::mesh_shape_from_environment());
+    if (!shape.empty()) {
+      shape = shape.resolve(state_.world_size, state_.local_world_size);
+      if (shape.tp > 1 || shape.pp > 1) {
+        mesh_ = std::make_unique<comm::DeviceMesh>(
+            comm::make_device_mesh(pg_, shape, state_.local_world_size));
+        dp_ = (*mesh_)["dp"];
+      }
+    }
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(state_.prefix() + " parallelism: " + e.what());
+  }
+  activation_checkpointing_ = options_.activation_checkpointing().value_or(
+      parallel::activation_checkpointing_from_environment());
   parallel::StrategyContext ctx;
-  ctx.pg = pg_;
+  ctx.pg = dp_;
   ctx.device = device_;
   ctx.master_weights = precision_->policy().master_weights;
   ctx.reducer = parallel::ReducerOptions()
@@ -156,10 +178,40 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
                 " prepare: this model was already prepared; prepare each model once");
   model->to(device_);
   precision_->cast_model(*model);
-  parallel::broadcast_module_state(*model, *pg_, true, true);
+  if (activation_checkpointing_) {
+    if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model))
+      parallel::checkpoint_sequential_entries(*seq);
+    else
+      parallel::apply_activation_checkpointing(
+          *model, [](const std::string&, torch::nn::Module&) { return true; });
+  }
+  parallel::broadcast_module_state(*model, *dp_, true, true);
   strategy_->prepare_model(model);
   models_.push_back(model);
   return model;
+}
+
+void Accelerator::parallelize(torch::nn::Module& model, const parallel::TensorParallelPlan& plan) {
+  TORCH_CHECK(mesh_ && mesh_->size("tp") > 1, state_.prefix(),
+              " parallelize: this run has no tensor-parallel dimension; set tp_size (tandem launch "
+              "--tp_size, parallelism_config_tp_size, or AcceleratorOptions().parallelism)");
+  model.to(device_);
+  parallel::parallelize_module(model, (*mesh_)["tp"], plan);
+}
+
+std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
+    torch::nn::Sequential model, parallel::Pipeline::Loss loss, parallel::PipelineOptions options) {
+  TORCH_CHECK(mesh_ && mesh_->size("pp") > 1, state_.prefix(),
+              " prepare_pipeline: this run has no pipeline dimension; set pp_size (tandem launch "
+              "--pp_size, parallelism_config pp_size, or AcceleratorOptions().parallelism)");
+  auto pp = (*mesh_)["pp"];
+  auto stage = parallel::split_sequential(model, pp->size(), pp->rank());
+  stage->to(device_);
+  precision_->cast_model(*stage);
+  if (activation_checkpointing_) parallel::checkpoint_sequential_entries(stage);
+  parallel::broadcast_module_state(*stage, *dp_, true, true);
+  return std::make_shared<parallel::Pipeline>(stage, pp, std::move(loss), options,
+                                              dp_->size() > 1 ? dp_ : nullptr);
 }
 
 AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimizer> optimizer) {
@@ -179,8 +231,8 @@ std::shared_ptr<torch::optim::LRScheduler> Accelerator::prepare_scheduler(
 
 data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o) const {
   data::detail::Placement p;
-  p.rank = state_.rank;
-  p.world = state_.world_size;
+  p.rank = dp_->rank();
+  p.world = dp_->size();
   p.device = device_;
   p.even_batches = o.even_batches().value_or(options_.even_batches());
   p.split_batches = o.split_batches().value_or(options_.split_batches());
@@ -230,8 +282,49 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
   // Sharded gradients: the norm of every rank's shards together (as FSDP's clip_grad_norm_,
   // the whole model's).
   if (auto norm = strategy_->clip_grad_norm(max_norm, norm_type)) return *norm;
-  return torch::nn::utils::clip_grad_norm_(precision_->grads_to_clip(parameters), max_norm,
-                                          norm_type);
+  auto tensors = precision_->grads_to_clip(parameters);
+  if (mesh_ && mesh_->size("tp") > 1) return clip_tensor_parallel(tensors, max_norm, norm_type);
+  return torch::nn::utils::clip_grad_norm_(tensors, max_norm, norm_type);
+}
+
+// Note [Clipping under tensor parallel]: the total norm is that of the dense model's gradients.
+// A split parameter (a TensorParallelModule's weight, and its bias unless it is a row-parallel
+// bias, which every tp rank holds whole) contributes the norms of every tp rank's shard; a
+// replicated one (LayerNorm, a row-parallel bias) contributes once, from this rank's copy, which
+// equals every other's.
+double Accelerator::clip_tensor_parallel(const std::vector<at::Tensor>& tensors, double max_norm,
+                                         double norm_type) {
+  std::set<const void*> split;
+  for (const auto& m : models_)
+    for (const auto& item : m->named_modules()) {
+      auto* tpm = dynamic_cast<parallel::TensorParallelModule*>(item.value().get());
+      if (!tpm) continue;
+      const bool row = dynamic_cast<parallel::RowParallelLinearImpl*>(tpm) != nullptr;
+      for (const auto& p : tpm->named_parameters(false))
+        if (p.key() == "weight" || !row) split.insert(p.value().unsafeGetTensorImpl());
+    }
+  torch::NoGradGuard no_grad;
+  const bool inf = std::isinf(norm_type);
+  auto part = [&](bool sharded) {
+    double acc = 0;
+    for (const auto& t : tensors) {
+      if (!t.grad().defined() || split.count(t.unsafeGetTensorImpl()) != static_cast<size_t>(sharded))
+        continue;
+      const double n = t.grad().detach().to(at::kDouble).norm(norm_type).item<double>();
+      acc = inf ? std::max(acc, n) : acc + std::pow(n, norm_type);
+    }
+    return acc;
+  };
+  auto sharded = at::full({1}, part(true), at::TensorOptions().dtype(at::kDouble));
+  (*mesh_)["tp"]->allreduce(sharded, inf ? ReduceOp::kMax : ReduceOp::kSum);
+  const double replicated = part(false);
+  const double total = inf ? std::max(sharded.item<double>(), replicated)
+                           : std::pow(sharded.item<double>() + replicated, 1.0 / norm_type);
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1)
+    for (const auto& t : tensors)
+      if (t.grad().defined()) t.grad().detach().mul_(coef);
+  return total;
 }
 
 void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
@@ -248,7 +341,7 @@ at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
   if (t.dim() > 0 && st.valid_rows >= 0 && st.valid_rows < st.batch_rows &&
       t.size(0) == st.batch_rows)
     t = t.narrow(0, 0, st.valid_rows);
-  return precision_->metric_result(comm::gather(*pg_, precision_->metric_input(t)));
+  return precision_->metric_result(comm::gather(*dp_, precision_->metric_input(t)));
 }
 
 at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) {
@@ -277,7 +370,7 @@ void Accelerator::clip_before_step(torch::optim::Optimizer& optimizer) {
 void Accelerator::after_optimizer_step() {
   ++optimizer_steps_;
   if (options_.broadcast_buffers())
-    for (auto& m : models_) parallel::broadcast_module_state(*m, *pg_, false, true);
+    for (auto& m : models_) parallel::broadcast_module_state(*m, *dp_, false, true);
 }
 
 Accelerator::MainProcessFirst::MainProcessFirst(Accelerator* acc) : acc_(acc) {

@@ -18,10 +18,12 @@
 #include <vector>
 
 #include "tandem/comm/collectives.h"
+#include "tandem/comm/mesh.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/data/loader.h"
 #include "tandem/optimizer.h"
 #include "tandem/parallel/ddp.h"
+#include "tandem/parallel/pipeline.h"
 #include "tandem/parallel/strategy.h"
 #include "tandem/precision/autocast.h"
 #include "tandem/precision/fp8.h"
@@ -35,6 +37,9 @@
 
 namespace tandem {
 
+namespace parallel {
+struct TensorParallelPlan;
+}
 namespace checkpoint {
 struct StatePart;
 class StateReader;
@@ -89,6 +94,15 @@ struct AcceleratorOptions {
   /// gradient_clipping; env TANDEM_GRADIENT_CLIPPING). Unset or 0: only when the user calls
   /// clip_grad_norm_.
   TORCH_ARG(std::optional<double>, gradient_clipping) = std::nullopt;
+  /// The model-parallel layout (Accelerate's parallelism_config sizes dp_replicate, dp_shard,
+  /// tp, and tandem's pp; docs/model_parallel.md). Unset: from the launcher's environment
+  /// (TANDEM_TP_SIZE, TANDEM_PP_SIZE, ...). With tp or pp above 1 the Accelerator builds a
+  /// comm::DeviceMesh, and data parallel (gradients, loaders, metrics) runs over mesh["dp"].
+  TORCH_ARG(std::optional<comm::MeshShape>, parallelism) = std::nullopt;
+  /// Wrap the entries of every Sequential in a prepared model (and of a pipeline stage) in
+  /// parallel::Checkpointed, so that their activations are recomputed in backward (Accelerate's
+  /// fsdp_activation_checkpointing; env TANDEM_ACTIVATION_CHECKPOINTING). Default off.
+  TORCH_ARG(std::optional<bool>, activation_checkpointing) = std::nullopt;
   /// Re-broadcast buffers (e.g. BatchNorm statistics) from rank 0 after every optimizer step.
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// no, bf16, fp16, bf16-true, fp16-true or fp8 (env TANDEM_MIXED_PRECISION, set by
@@ -156,6 +170,11 @@ class Accelerator {
   bool is_local_main_process() const { return state_.local_rank == 0; }
   c10::Device device() const { return device_; }
   ProcessGroup& process_group() { return *pg_; }
+  /// The device mesh of a model-parallel run (tp or pp above 1), or nullptr.
+  const comm::DeviceMesh* mesh() const { return mesh_.get(); }
+  /// The group that data parallel runs over: mesh["dp"] in a model-parallel run, else every
+  /// rank. Gradients are averaged, loaders sharded and metrics gathered over it.
+  ProcessGroup& data_parallel_group() { return *dp_; }
   int gradient_accumulation_steps() const { return accumulation_steps_; }
 
   // ---- prepare --------------------------------------------------------------------------------
@@ -175,6 +194,17 @@ class Accelerator {
     prepare_model(model);
     return model;
   }
+  /// Splits a model's layers over mesh["tp"] by a tensor-parallel plan (parallel::
+  /// parallelize_module, loading each rank's shard of the dense weights). Call it before
+  /// prepare(model), on every rank, with the same dense model (same seed).
+  void parallelize(torch::nn::Module& model, const parallel::TensorParallelPlan& plan);
+  /// This rank's pipeline stage of `model` (consecutive entries, parallel::split_sequential)
+  /// over mesh["pp"], on the device, with the gradients of each step averaged over mesh["dp"].
+  /// Create the optimizer over `pipeline->module()->parameters()`, prepare it, and call
+  /// `pipeline->step(input, target)` once per batch.
+  std::shared_ptr<parallel::Pipeline> prepare_pipeline(torch::nn::Sequential model,
+                                                       parallel::Pipeline::Loss loss,
+                                                       parallel::PipelineOptions options = {});
   /// Wraps an optimizer (create it over the prepared model's parameters).
   AcceleratedOptimizer prepare(std::shared_ptr<torch::optim::Optimizer> optimizer);
   /// Registers a learning-rate scheduler so that save_state/load_state keep its step count.
@@ -401,6 +431,8 @@ class Accelerator {
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
   void after_optimizer_step();
   void clip_before_step(torch::optim::Optimizer& optimizer);  // gradient_clipping
+  double clip_tensor_parallel(const std::vector<at::Tensor>& tensors, double max_norm,
+                              double norm_type);
   // The parts of a checkpoint, in the order every rank saves and loads them
   // (src/accelerator_state.cpp).
   std::vector<checkpoint::StatePart> checkpoint_parts();
@@ -413,6 +445,9 @@ class Accelerator {
   ProcessState state_;
   c10::Device device_ = c10::Device(c10::kCPU);
   std::shared_ptr<ProcessGroup> pg_;
+  std::unique_ptr<comm::DeviceMesh> mesh_;  // model-parallel runs only
+  std::shared_ptr<ProcessGroup> dp_;        // mesh["dp"] or pg_
+  bool activation_checkpointing_ = false;
   int accumulation_steps_ = 1;
   int64_t micro_step_ = 0;
   bool sync_gradients_ = true;

@@ -182,11 +182,9 @@ std::optional<ShardingOptions> sharding_from_environment(const EnvMap& env) {
                   "expected FULL_STATE_DICT or SHARDED_STATE_DICT");
       o.state_dict_type(t);
     }
-    if (auto v = get("TANDEM_FSDP_ACTIVATION_CHECKPOINTING");
-        v && parse_bool("TANDEM_FSDP_ACTIVATION_CHECKPOINTING", *v))
-      throw bad("TANDEM_FSDP_ACTIVATION_CHECKPOINTING (fsdp_config.fsdp_activation_checkpointing)",
-                *v, "activation checkpointing is not implemented; set it to false");
-    for (const char* b : {"TANDEM_FSDP_SYNC_MODULE_STATES", "TANDEM_FSDP_USE_ORIG_PARAMS",
+    // fsdp_activation_checkpointing is the Accelerator's (parallel/activation_checkpoint.h); it
+    // is only checked here.
+    for (const char* b : {"TANDEM_FSDP_ACTIVATION_CHECKPOINTING", "TANDEM_FSDP_SYNC_MODULE_STATES", "TANDEM_FSDP_USE_ORIG_PARAMS",
                           "TANDEM_FSDP_FORWARD_PREFETCH", "TANDEM_FSDP_CPU_RAM_EFFICIENT_LOADING"})
       if (auto v = get(b)) parse_bool(b, *v);
     if (auto v = get("TANDEM_FSDP_BACKWARD_PREFETCH")) {

@@ -128,6 +128,37 @@ TEST(PipelineParallel, TwoStagesTimesTwoReplicasEqualOneProcess) { check_against
 // Stage 1 of 4 exits in the middle of step 1: the job ends with its exit code and the launcher
 // names it. The group's timeout (300 s) is longer than the harness's (120 s): the job ends
 // because the failure is seen, not because something timed out.
+// Through the Accelerator: `tandem launch --pp_size 2 --activation_checkpointing` on 4 ranks
+// gives a (pp 2, dp 2) mesh; prepare_pipeline splits the model, wraps the stage's entries in
+// Checkpointed, and averages gradients over mesh["dp"]. Equal to one process within rtol 1e-5.
+TEST(PipelineParallel, AcceleratorPipelineTimesDataParallelWithCheckpointingEqualsOneProcess) {
+  const auto& [ref_params, ref_losses] = reference();
+  auto r = run_command({kCli, "launch", "--num_processes", "4", "--cpu", "--num_cpu_threads_per_process",
+                       "1", "--pp_size", "2", "--activation_checkpointing", kWorker, "accelerate",
+                       "--out", out_dir()},
+                      {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* line : {"acc rank 0 stage 0 of 2 replica 0 of 2 checkpointed 8",
+                           "acc rank 1 stage 0 of 2 replica 1 of 2 checkpointed 8",
+                           "acc rank 2 stage 1 of 2 replica 0 of 2 checkpointed 8",
+                           "acc rank 3 stage 1 of 2 replica 1 of 2 checkpointed 8"})
+    EXPECT_EQ(count_of(r.output, line), 1) << line << "\n" << r.output;
+  for (int d = 0; d < 2; ++d) {
+    std::vector<float> params;
+    for (int s = 0; s < 2; ++s) {
+      auto part = read_floats(out_dir() + "/acc-d" + std::to_string(d) + "-s" + std::to_string(s) + ".bin");
+      params.insert(params.end(), part.begin(), part.end());
+      EXPECT_LE(max_rel_diff(read_floats(out_dir() + "/acc-d" + std::to_string(d) + "-s" +
+                                         std::to_string(s) + "-loss.bin"),
+                             ref_losses),
+                1e-5);
+    }
+    const double diff = max_rel_diff(params, ref_params);
+    std::cout << "replica " << d << ": max relative difference to one process " << diff << std::endl;
+    EXPECT_LE(diff, 1e-5) << "replica " << d;
+  }
+}
+
 TEST(PipelineParallel, AStageThatDiesEndsTheJob) {
   auto r = launch(4, {"die"}, {{"PIPELINE_DIE_RANK", "1"}, {"PIPELINE_TIMEOUT_S", "300"}});
   EXPECT_FALSE(r.timed_out) << r.output;

@@ -7,6 +7,10 @@
 //              1, 2, 4, 8 micro-batches), replica d on its 1/D of the global batch; writes each
 //              configuration's stage parameters and losses per rank. Configurations with fewer
 //              micro-batches than stages print the error they get.
+//   accelerate --pp_size 2 on 4 ranks (with --activation_checkpointing): the Accelerator's mesh
+//              (pp outermost: pipeline groups {0,2}, {1,3}, data-parallel groups {0,1}, {2,3}),
+//              prepare_pipeline() (1F1B, 4 micro-batches) and a prepared SGD; writes
+//              acc-d<replica>-s<stage>.bin and -loss.bin.
 //   die        4 stages, 1F1B, 4 micro-batches; the rank named by PIPELINE_DIE_RANK exits with
 //              std::_Exit(3) in its 6th forward (step 1, micro-batch 1).
 //   reshape    2 stages, 4 micro-batches: a step on 16 rows, then one on 8; stage 0 must refuse
@@ -26,6 +30,7 @@
 #include <iostream>
 #include <thread>
 
+#include "tandem/accelerator.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/pipeline.h"
 #include "tandem/state.h"
@@ -142,6 +147,39 @@ int train(const std::string& dir, int stages, int dp_size) {
   return 0;
 }
 
+int accelerate(const std::string& dir) {
+  tandem::Accelerator acc;
+  auto& dpg = acc.data_parallel_group();
+  const int d = dpg.rank(), dp_size = dpg.size();
+  auto pipe = acc.prepare_pipeline(make_model(), mse,
+                                   tp::PipelineOptions().schedule(tp::ScheduleKind::k1F1B).microbatches(4));
+  const int s = pipe->stage(), stages = pipe->stages();
+  int wrapped = 0;
+  for (const auto& child : pipe->module()->children())
+    wrapped += std::dynamic_pointer_cast<tp::CheckpointedImpl>(child) != nullptr;
+  std::cout << "acc rank " << acc.process_index() << " stage " << s << " of " << stages
+            << " replica " << d << " of " << dp_size << " checkpointed " << wrapped << std::endl;
+  auto opt = acc.prepare(std::make_shared<torch::optim::SGD>(pipe->module()->parameters(),
+                                                             torch::optim::SGDOptions(kLr)));
+  const int64_t rows = kBatch / dp_size;
+  std::vector<torch::Tensor> losses;
+  for (int64_t step = 0; step < kSteps; ++step) {
+    auto [x, y] = batch(step);
+    x = x.narrow(0, d * rows, rows);
+    y = y.narrow(0, d * rows, rows);
+    const double loss = pipe->step(pipe->is_first() ? x : torch::Tensor(),
+                                   pipe->is_last() ? y : torch::Tensor());
+    opt.step();
+    opt.zero_grad();
+    losses.push_back(torch::full({1}, loss, torch::kDouble));
+  }
+  const std::string base = dir + "/acc-d" + std::to_string(d) + "-s" + std::to_string(s);
+  write_floats(base + ".bin", pipe->module()->parameters());
+  write_floats(base + "-loss.bin", losses);
+  std::cout << "acc trained rank " << acc.process_index() << std::endl;
+  return 0;
+}
+
 int die() {
   auto pg = make_group();
   const int s = pg->rank();
@@ -240,6 +278,7 @@ int main(int argc, char** argv) {
   if (mode == "reference") return reference(dir);
   if (mode == "train") return train(dir, stages, dp);
   if (mode == "die") return die();
+  if (mode == "accelerate") return accelerate(dir);
   if (mode == "reshape") return reshape();
   return p2p(mode);
 }

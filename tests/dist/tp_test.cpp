@@ -116,6 +116,21 @@ TEST(TensorParallel, TensorTimesDataParallelTrainingEqualsOneProcess) {
   expect_all_within(c, 4, 1e-5, r.output);
 }
 
+// The same through the Accelerator: AcceleratorOptions come from the launcher's --tp_size, the
+// Accelerator builds the mesh, splits the GPT by the plan, and averages gradients over
+// mesh["dp"] with its bucketed data parallel; equal to one dense process within 1e-5.
+TEST(TensorParallel, AcceleratorTensorTimesDataParallelEqualsOneProcess) {
+  auto r = launch(4, "accelerate", {"--tp_size", "2"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* line : {"acc mesh tp 2 dp 2 rank 0 dp_rank 0", "acc mesh tp 2 dp 2 rank 1 dp_rank 0",
+                           "acc mesh tp 2 dp 2 rank 2 dp_rank 1", "acc mesh tp 2 dp 2 rank 3 dp_rank 1"})
+    EXPECT_EQ(count_of(r.output, line), 1) << line << "\n" << r.output;
+  auto c = parse_checks(r.output);
+  EXPECT_EQ(c.count["acc_loss_step3"], 4);
+  EXPECT_EQ(c.count["acc_params_relative"], 4);
+  expect_all_within(c, 4, 1e-5, r.output);
+}
+
 // A mesh that does not fit is refused before any rank starts, naming the flag and the fix.
 TEST(TensorParallel, LauncherRefusesAMeshThatDoesNotFit) {
   auto r = launch(4, "train", {"--tp_size", "3"});

@@ -8,6 +8,8 @@
 //   train   (4 ranks, launched with --tp_size 2) a mesh from the launcher's TANDEM_* sizes,
 //           tensor parallel within dp x tp: SGD steps (momentum, weight decay) with gradients averaged over mesh["dp"]
 //           against one dense process training on the global batch.
+//   accelerate (4 ranks, --tp_size 2) the same through the Accelerator: its mesh, parallelize(),
+//           prepare() (data parallel over mesh["dp"]), backward() and the prepared optimizer.
 #include <torch/torch.h>
 
 #include <iostream>
@@ -15,6 +17,7 @@
 #include <set>
 
 #include "../../examples/common/gpt.h"
+#include "tandem/accelerator.h"
 #include "tandem/comm/mesh.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/tensor_parallel.h"
@@ -280,12 +283,72 @@ void train() {
   std::cout << "check train_params_relative " << worst << std::endl;
 }
 
+// The Accelerator's model-parallel path: the same training as train(), with data parallel
+// (gradient buckets over mesh["dp"]) done by the Accelerator.
+void accelerate() {
+  tandem::Accelerator acc;
+  const auto* mesh = acc.mesh();
+  if (!mesh) throw std::runtime_error("the Accelerator built no mesh for --tp_size 2");
+  auto& dp_group = acc.data_parallel_group();
+  const int t = mesh->coordinate("tp"), n = mesh->size("tp");
+  const int d = dp_group.rank(), dp = dp_group.size();
+  std::cout << "acc mesh tp " << n << " dp " << dp << " rank " << acc.process_index() << " dp_rank "
+            << d << std::endl;
+  torch::manual_seed(21);
+  examples::GPT dense(small_gpt());
+  torch::manual_seed(21);
+  examples::GPT model(small_gpt());
+  acc.parallelize(*model, examples::gpt_tensor_parallel_plan());
+  model = acc.prepare(model);
+  auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01);
+  torch::optim::SGD dense_opt(unique_parameters(*dense), sgd);
+  auto opt = acc.prepare(std::make_shared<torch::optim::SGD>(unique_parameters(*model), sgd));
+  const int64_t global_batch = 4, per_dp = global_batch / dp;
+  for (int step = 0; step < 4; ++step) {
+    torch::manual_seed(100 + step);
+    auto idx = torch::randint(0, 64, {global_batch, 16});
+    auto targets = torch::randint(0, 64, {global_batch, 16});
+    dense_opt.zero_grad();
+    auto dl = dense->loss_per_sample(idx, targets).mean();
+    dl.backward();
+    // A norm that binds (the gradients' norm is about 1-3 here), so the dense model's norm is
+    // what both sides must agree on.
+    const double dense_norm = torch::nn::utils::clip_grad_norm_(unique_parameters(*dense), 0.5);
+    dense_opt.step();
+    auto scope = acc.accumulate();
+    auto l = model->loss_per_sample(idx.narrow(0, d * per_dp, per_dp),
+                                    targets.narrow(0, d * per_dp, per_dp)).mean();
+    acc.backward(l);
+    const double norm = acc.clip_grad_norm_(unique_parameters(*model), 0.5);
+    check("acc_grad_norm_step" + std::to_string(step), torch::full({1}, norm, torch::kDouble),
+          torch::full({1}, dense_norm, torch::kDouble));
+    std::cout << "grad_norm " << norm << " dense " << dense_norm << std::endl;
+    opt.step();
+    opt.zero_grad();
+    auto avg = l.detach().clone();
+    dp_group.allreduce(avg, tandem::ReduceOp::kMean);
+    check("acc_loss_step" + std::to_string(step), avg, dl.detach());
+  }
+  auto local = model->named_parameters();
+  double worst = 0;
+  for (auto& p : dense->named_parameters()) {
+    auto expected = gpt_shard(p.key(), p.value().detach(), t, n);
+    auto got = *local.find(p.key());
+    worst = std::max(worst, ((got - expected).abs() / expected.abs().clamp_min(1.0)).max().item<double>());
+  }
+  std::cout << "check acc_params_relative " << worst << std::endl;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   torch::set_num_threads(1);
   try {
+    if (mode == "accelerate") {  // the Accelerator joins the job itself
+      accelerate();
+      return 0;
+    }
     g_world = tandem::ProcessGroup::create(tandem::ProcessState::from_environment());
     std::cout << "tp_worker " << mode << " rank " << g_world->rank() << std::endl;
     if (mode == "layers") {
