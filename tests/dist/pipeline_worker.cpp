@@ -32,6 +32,7 @@
 
 #include "tandem/accelerator.h"
 #include "tandem/comm/process_group.h"
+#include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/pipeline.h"
 #include "tandem/state.h"
 
