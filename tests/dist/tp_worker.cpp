@@ -227,6 +227,18 @@ void gpt() {
             << head->size(0) << std::endl;
 }
 
+// Largest relative difference of a parameter (this rank's shard) to the dense model's.
+double worst_relative(torch::nn::Module& model, torch::nn::Module& dense, int t, int n) {
+  auto local = model.named_parameters();
+  double worst = 0;
+  for (auto& p : dense.named_parameters()) {
+    auto expected = gpt_shard(p.key(), p.value().detach(), t, n);
+    auto got = *local.find(p.key());
+    worst = std::max(worst, ((got - expected).abs() / expected.abs().clamp_min(1.0)).max().item<double>());
+  }
+  return worst;
+}
+
 void train() {
   auto& pg = g_world;
   const auto state = tandem::ProcessState::from_environment();
@@ -272,15 +284,7 @@ void train() {
     dp_group->allreduce(avg, tandem::ReduceOp::kMean);
     check("train_loss_step" + std::to_string(step), avg, dl.detach());
   }
-  // Relative difference of every parameter (its shard) after training.
-  auto local = model->named_parameters();
-  double worst = 0;
-  for (auto& p : dense->named_parameters()) {
-    auto expected = gpt_shard(p.key(), p.value().detach(), t, n);
-    auto got = *local.find(p.key());
-    worst = std::max(worst, ((got - expected).abs() / expected.abs().clamp_min(1.0)).max().item<double>());
-  }
-  std::cout << "check train_params_relative " << worst << std::endl;
+  std::cout << "check train_params_relative " << worst_relative(*model, *dense, t, n) << std::endl;
 }
 
 // The Accelerator's model-parallel path: the same training as train(), with data parallel
@@ -329,14 +333,7 @@ void accelerate() {
     dp_group.allreduce(avg, tandem::ReduceOp::kMean);
     check("acc_loss_step" + std::to_string(step), avg, dl.detach());
   }
-  auto local = model->named_parameters();
-  double worst = 0;
-  for (auto& p : dense->named_parameters()) {
-    auto expected = gpt_shard(p.key(), p.value().detach(), t, n);
-    auto got = *local.find(p.key());
-    worst = std::max(worst, ((got - expected).abs() / expected.abs().clamp_min(1.0)).max().item<double>());
-  }
-  std::cout << "check acc_params_relative " << worst << std::endl;
+  std::cout << "check acc_params_relative " << worst_relative(*model, *dense, t, n) << std::endl;
 }
 
 }  // namespace

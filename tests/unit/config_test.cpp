@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "tandem/config/config.h"
+#include "../common/errors.h"
 
 using tandem::config::LaunchConfig;
 using tandem::config::load_config_file;
@@ -18,25 +19,13 @@ using tandem::config::validate;
 
 namespace {
 
-const std::string kData = TANDEM_CONFIG_DATA;
+using tandem::testing::error_of;
+using tandem::testing::contains;
 
-// The message of the std::invalid_argument that `f` throws ("" when it throws nothing).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
-}
+const std::string kData = TANDEM_CONFIG_DATA;
 
 std::string parse_error(const std::string& yaml) {
   return error_of([&] { parse_config(yaml, "test.yaml"); });
-}
-
-bool contains(const std::string& hay, const std::string& needle) {
-  return hay.find(needle) != std::string::npos;
 }
 
 }  // namespace

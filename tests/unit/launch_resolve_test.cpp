@@ -5,6 +5,7 @@
 #include "tandem/config/config.h"
 #include "tandem/launch/fork_launcher.h"
 #include "tandem/launch/resolve.h"
+#include "../common/errors.h"
 
 using tandem::config::LaunchConfig;
 using tandem::config::parse_config;
@@ -16,21 +17,13 @@ using tandem::launch::resolve_launch;
 
 namespace {
 
-const std::string kData = TANDEM_CONFIG_DATA;
-
 template <typename F>
 std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
+  return tandem::testing::error_of<std::exception>(std::forward<F>(f));
 }
+using tandem::testing::contains;
 
-bool contains(const std::string& hay, const std::string& needle) {
-  return hay.find(needle) != std::string::npos;
-}
+const std::string kData = TANDEM_CONFIG_DATA;
 
 MachineInfo cpu_machine() {
   return MachineInfo{};

@@ -4,24 +4,14 @@
 
 #include "tandem/comm/mesh.h"
 #include "tandem/comm/process_group.h"
+#include "../common/errors.h"
 
 using namespace tandem::comm;
 
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
-}
-
-bool contains(const std::string& hay, const std::string& needle) {
-  return hay.find(needle) != std::string::npos;
-}
+using tandem::testing::error_of;
+using tandem::testing::contains;
 
 using Slices = std::vector<std::vector<int>>;
 

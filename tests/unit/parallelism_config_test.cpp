@@ -5,25 +5,15 @@
 #include "tandem/comm/mesh.h"
 #include "tandem/config/config.h"
 #include "tandem/launch/resolve.h"
+#include "../common/errors.h"
 
 using tandem::config::LaunchConfig;
 using tandem::config::parse_config;
 
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
-}
-
-bool contains(const std::string& hay, const std::string& needle) {
-  return hay.find(needle) != std::string::npos;
-}
+using tandem::testing::error_of;
+using tandem::testing::contains;
 
 const std::string kBase = "distributed_type: MULTI_CPU\nnum_processes: 4\nuse_cpu: true\n";
 

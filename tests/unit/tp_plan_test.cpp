@@ -5,24 +5,14 @@
 
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/tensor_parallel.h"
+#include "../common/errors.h"
 
 using namespace tandem::parallel;
 
 namespace {
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const std::invalid_argument& e) {
-    return e.what();
-  }
-  return "";
-}
-
-bool contains(const std::string& hay, const std::string& needle) {
-  return hay.find(needle) != std::string::npos;
-}
+using tandem::testing::error_of;
+using tandem::testing::contains;
 
 struct TinyImpl : torch::nn::Module {
   TinyImpl() {
