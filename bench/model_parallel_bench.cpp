@@ -2,6 +2,8 @@
 // gpt.h's Blocks in a torch::nn::Sequential: embeddings, the blocks, LayerNorm + untied head)
 // trained with AdamW on a fixed global batch, in every way tandem splits the work:
 //   model_parallel_bench plain   plain LibTorch, one process, the whole batch (the reference);
+//                                with --microbatches m, the batch in m accumulated micro-batches
+//                                (what a pipeline stage computes, without the pipeline);
 //   model_parallel_bench ddp     the Accelerator's data parallel, each rank its share of the
 //                                batch (under `tandem launch`; with --activation_checkpointing
 //                                every entry of the Sequential is checkpointed: named "ckpt");
@@ -93,7 +95,7 @@ int main(int argc, char** argv) {
   at::globalContext().setUserEnabledMkldnn(false);
   CLI::App app("model_parallel_bench");
   std::string mode = "plain", schedule = "1f1b";
-  int steps = 10, warmup = 2, microbatches = 4;
+  int steps = 10, warmup = 2, microbatches = 0;
   int64_t batch = 8;
   GPTConfig c;
   c.vocab = 256;
@@ -106,7 +108,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "steps before the timed ones");
   app.add_option("--batch", batch, "global batch (sequences per step, over all data-parallel ranks)");
   app.add_option("--schedule", schedule, "pp: gpipe or 1f1b")->check(CLI::IsMember({"gpipe", "1f1b"}));
-  app.add_option("--microbatches", microbatches, "pp: micro-batches per step");
+  app.add_option("--microbatches", microbatches, "micro-batches per step (pp: default 4; plain: default 1, accumulated)");
   app.add_option("--layers", c.layers);
   app.add_option("--width", c.width);
   app.add_option("--heads", c.heads);
@@ -128,6 +130,9 @@ int main(int argc, char** argv) {
   };
 
   if (mode == "plain") {
+    const int m = microbatches > 0 ? microbatches : 1;
+    TORCH_CHECK(batch % m == 0, "the batch of ", batch, " does not split into ", m,
+                " micro-batches of equal size: use a multiple of ", m);
     auto opt = adamw(net->parameters());
     Clock::time_point start;
     for (int i = 0; i < warmup + steps; ++i) {
@@ -136,13 +141,15 @@ int main(int argc, char** argv) {
         start = Clock::now();
       }
       auto [x, y] = global_batch(i);
-      lm_loss(net->forward(x), y).backward();
+      const auto xs = x.chunk(m), ys = y.chunk(m);
+      for (int j = 0; j < m; ++j) (lm_loss(net->forward(xs[j]), ys[j]) / m).backward();
       opt->step();
       opt->zero_grad();
     }
     const double s = std::chrono::duration<double>(Clock::now() - start).count();
     const auto peak = tandem::track::cpu_memory_stats().peak_bytes;
-    std::cout << "RESULT model_parallel plain samples_per_s=" << batch * steps / s
+    std::cout << "RESULT model_parallel " << (m > 1 ? "plain_m" + std::to_string(m) : "plain")
+              << " samples_per_s=" << batch * steps / s
               << " step_s=" << s / steps << " peak_bytes=" << peak << " peak_bytes_ranks=" << peak
               << " parameters=" << parameters << std::endl;
     return 0;
@@ -183,6 +190,7 @@ int main(int argc, char** argv) {
   } else {
     namespace par = tandem::parallel;
     const auto kind = schedule == "gpipe" ? par::ScheduleKind::kGPipe : par::ScheduleKind::k1F1B;
+    if (microbatches <= 0) microbatches = 4;
     name = "pp_" + schedule + "_m" + std::to_string(microbatches);
     pipe = acc.prepare_pipeline(net, lm_loss, par::PipelineOptions().schedule(kind).microbatches(microbatches));
     opt = acc.prepare(adamw(pipe->module()->parameters()));
