@@ -16,8 +16,8 @@
 // for plain "parameters=<n>".
 // peak_bytes come from tandem's counting CPU allocator over the timed steps (after the warm-up
 // steps created the optimizer state).
-#include <CLI/CLI.hpp>
 #include <torch/torch.h>
+#include <CLI/CLI.hpp>
 
 #include <chrono>
 #include <iostream>
@@ -37,7 +37,8 @@ struct EmbeddingsImpl : torch::nn::Module {
       : wte(register_module("wte", torch::nn::Embedding(c.vocab, c.width))),
         wpe(register_module("wpe", torch::nn::Embedding(c.context, c.width))) {}
   torch::Tensor forward(const torch::Tensor& idx) {
-    auto pos = torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+    auto pos =
+        torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
     return wte(idx) + wpe(pos);
   }
   torch::nn::Embedding wte, wpe;
@@ -48,7 +49,8 @@ TORCH_MODULE(Embeddings);
 struct HeadImpl : torch::nn::Module {
   explicit HeadImpl(const GPTConfig& c)
       : ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
-        out(register_module("out", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)))) {}
+        out(register_module(
+            "out", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)))) {}
   torch::Tensor forward(const torch::Tensor& x) { return out(ln_f(x)); }
   torch::nn::LayerNorm ln_f;
   torch::nn::Linear out;
@@ -73,7 +75,10 @@ torch::nn::Sequential make_model(const GPTConfig& c) {
 /// the embeddings and the head stay replicated.
 tandem::parallel::TensorParallelPlan block_plan() {
   tandem::parallel::TensorParallelPlan plan;
-  plan.colwise("*.attn.qkv", /*parts=*/3).rowwise("*.attn.proj").colwise("*.fc").rowwise("*.fc_proj");
+  plan.colwise("*.attn.qkv", /*parts=*/3)
+      .rowwise("*.attn.proj")
+      .colwise("*.fc")
+      .rowwise("*.fc_proj");
   return plan;
 }
 
@@ -106,9 +111,12 @@ int main(int argc, char** argv) {
   app.add_option("mode", mode)->check(CLI::IsMember({"plain", "ddp", "tp", "pp"}));
   app.add_option("--steps", steps, "timed steps");
   app.add_option("--warmup", warmup, "steps before the timed ones");
-  app.add_option("--batch", batch, "global batch (sequences per step, over all data-parallel ranks)");
-  app.add_option("--schedule", schedule, "pp: gpipe or 1f1b")->check(CLI::IsMember({"gpipe", "1f1b"}));
-  app.add_option("--microbatches", microbatches, "micro-batches per step (pp: default 4; plain: default 1, accumulated)");
+  app.add_option("--batch", batch,
+                 "global batch (sequences per step, over all data-parallel ranks)");
+  app.add_option("--schedule", schedule, "pp: gpipe or 1f1b")
+      ->check(CLI::IsMember({"gpipe", "1f1b"}));
+  app.add_option("--microbatches", microbatches,
+                 "micro-batches per step (pp: default 4; plain: default 1, accumulated)");
   app.add_option("--layers", c.layers);
   app.add_option("--width", c.width);
   app.add_option("--heads", c.heads);
@@ -126,7 +134,8 @@ int main(int argc, char** argv) {
   int64_t parameters = 0;
   for (const auto& p : net->parameters()) parameters += p.numel();
   auto adamw = [](std::vector<torch::Tensor> params) {
-    return std::make_shared<torch::optim::AdamW>(std::move(params), torch::optim::AdamWOptions(1e-4));
+    return std::make_shared<torch::optim::AdamW>(std::move(params),
+                                                 torch::optim::AdamWOptions(1e-4));
   };
 
   if (mode == "plain") {
@@ -149,8 +158,8 @@ int main(int argc, char** argv) {
     const double s = std::chrono::duration<double>(Clock::now() - start).count();
     const auto peak = tandem::track::cpu_memory_stats().peak_bytes;
     std::cout << "RESULT model_parallel " << (m > 1 ? "plain_m" + std::to_string(m) : "plain")
-              << " samples_per_s=" << batch * steps / s
-              << " step_s=" << s / steps << " peak_bytes=" << peak << " peak_bytes_ranks=" << peak
+              << " samples_per_s=" << batch * steps / s << " step_s=" << s / steps
+              << " peak_bytes=" << peak << " peak_bytes_ranks=" << peak
               << " parameters=" << parameters << std::endl;
     return 0;
   }
@@ -172,7 +181,8 @@ int main(int argc, char** argv) {
     train_step = [&, rows, first](int i) {
       auto [x, y] = global_batch(i);
       auto scope = acc.accumulate();
-      acc.backward(lm_loss(net->forward(x.slice(0, first, first + rows)), y.slice(0, first, first + rows)));
+      acc.backward(
+          lm_loss(net->forward(x.slice(0, first, first + rows)), y.slice(0, first, first + rows)));
       opt->step();
       opt->zero_grad();
     };
@@ -192,7 +202,8 @@ int main(int argc, char** argv) {
     const auto kind = schedule == "gpipe" ? par::ScheduleKind::kGPipe : par::ScheduleKind::k1F1B;
     if (microbatches <= 0) microbatches = 4;
     name = "pp_" + schedule + "_m" + std::to_string(microbatches);
-    pipe = acc.prepare_pipeline(net, lm_loss, par::PipelineOptions().schedule(kind).microbatches(microbatches));
+    pipe = acc.prepare_pipeline(net, lm_loss,
+                                par::PipelineOptions().schedule(kind).microbatches(microbatches));
     opt = acc.prepare(adamw(pipe->module()->parameters()));
     const int p = pipe->stages();
     schedule_bubble = static_cast<double>(p - 1) / (microbatches + p - 1);

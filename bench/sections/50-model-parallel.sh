@@ -25,7 +25,7 @@ L2=("$cli" launch -q --num_processes 2 --cpu --num_cpu_threads_per_process 1)
 # one NAME CMD...: appends the values of CMD's RESULT line to $work/NAME.<key>
 one() {
   local name=$1; shift
-  local line v
+  local line v key peaks
   line=$("$@" 2>&1 | grep "RESULT model_parallel" | tail -1) || true
   for key in samples_per_s step_s parameters; do
     v=$(echo "$line" | grep -o " $key=[0-9.e+-]*" | cut -d= -f2 || true)
@@ -33,7 +33,8 @@ one() {
   done
   v=$(echo "$line" | grep -o "peak_bytes_ranks=[0-9,]*" | cut -d= -f2 || true)
   IFS=, read -r -a peaks <<< "${v:-nan,nan}"
-  for r in "${!peaks[@]}"; do echo "${peaks[$r]}" >> "$work/$name.peak$r"; done
+  local rank
+  for rank in "${!peaks[@]}"; do echo "${peaks[$rank]}" >> "$work/$name.peak$rank"; done
 }
 median() {
   [ -f "$work/$1" ] || { echo nan; return; }
