@@ -13,7 +13,8 @@
 //                                gpipe|1f1b, --microbatches m, the whole batch through the stages.
 // Prints "RESULT model_parallel <name> samples_per_s=<x> step_s=<t> peak_bytes=<max over ranks>
 // peak_bytes_ranks=<r0,r1,...>" on rank 0, for pp also "schedule_bubble=<(p-1)/(m+p-1)>", and
-// for plain "parameters=<n>".
+// for plain "parameters=<n>"; and "loss=<the last step's loss on the global batch>", the same
+// in every mode up to rounding (every mode trains the same model on the same batches).
 // peak_bytes come from tandem's counting CPU allocator over the timed steps (after the warm-up
 // steps created the optimizer state).
 #include <torch/torch.h>
@@ -143,6 +144,7 @@ int main(int argc, char** argv) {
     TORCH_CHECK(batch % m == 0, "the batch of ", batch, " does not split into ", m,
                 " micro-batches of equal size: use a multiple of ", m);
     auto opt = adamw(net->parameters());
+    double last_loss = 0;
     Clock::time_point start;
     for (int i = 0; i < warmup + steps; ++i) {
       if (i == warmup) {
@@ -151,7 +153,12 @@ int main(int argc, char** argv) {
       }
       auto [x, y] = global_batch(i);
       const auto xs = x.chunk(m), ys = y.chunk(m);
-      for (int j = 0; j < m; ++j) (lm_loss(net->forward(xs[j]), ys[j]) / m).backward();
+      last_loss = 0;
+      for (int j = 0; j < m; ++j) {
+        auto loss = lm_loss(net->forward(xs[j]), ys[j]) / m;
+        loss.backward();
+        last_loss += loss.item<double>();
+      }
       opt->step();
       opt->zero_grad();
     }
@@ -160,13 +167,14 @@ int main(int argc, char** argv) {
     std::cout << "RESULT model_parallel " << (m > 1 ? "plain_m" + std::to_string(m) : "plain")
               << " samples_per_s=" << batch * steps / s << " step_s=" << s / steps
               << " peak_bytes=" << peak << " peak_bytes_ranks=" << peak
-              << " parameters=" << parameters << std::endl;
+              << " parameters=" << parameters << " loss=" << last_loss << std::endl;
     return 0;
   }
 
   tandem::Accelerator acc;
   std::string name = mode;
   std::function<void(int)> train_step;
+  torch::Tensor last_loss;  // this rank's loss of the last step
   std::shared_ptr<tandem::parallel::Pipeline> pipe;
   std::optional<tandem::AcceleratedOptimizer> opt;
   double schedule_bubble = -1;
@@ -181,8 +189,9 @@ int main(int argc, char** argv) {
     train_step = [&, rows, first](int i) {
       auto [x, y] = global_batch(i);
       auto scope = acc.accumulate();
-      acc.backward(
-          lm_loss(net->forward(x.slice(0, first, first + rows)), y.slice(0, first, first + rows)));
+      last_loss =
+          lm_loss(net->forward(x.slice(0, first, first + rows)), y.slice(0, first, first + rows));
+      acc.backward(last_loss);
       opt->step();
       opt->zero_grad();
     };
@@ -193,7 +202,8 @@ int main(int argc, char** argv) {
     train_step = [&](int i) {
       auto [x, y] = global_batch(i);
       auto scope = acc.accumulate();
-      acc.backward(lm_loss(net->forward(x), y));
+      last_loss = lm_loss(net->forward(x), y);
+      acc.backward(last_loss);
       opt->step();
       opt->zero_grad();
     };
@@ -209,7 +219,9 @@ int main(int argc, char** argv) {
     schedule_bubble = static_cast<double>(p - 1) / (microbatches + p - 1);
     train_step = [&](int i) {
       auto [x, y] = global_batch(i);
-      pipe->step(pipe->is_first() ? x : torch::Tensor(), pipe->is_last() ? y : torch::Tensor());
+      last_loss = torch::tensor(
+          pipe->step(pipe->is_first() ? x : torch::Tensor(), pipe->is_last() ? y : torch::Tensor()),
+          torch::kDouble);
       opt->step();
       opt->zero_grad();
     };
@@ -227,6 +239,11 @@ int main(int argc, char** argv) {
   const double s = std::chrono::duration<double>(Clock::now() - start).count();
   auto peaks = acc.process_group().allgather(torch::tensor(
       {static_cast<int64_t>(tandem::track::cpu_memory_stats().peak_bytes)}, torch::kLong));
+  // The global batch's loss: ddp ranks hold equal shares of it; tp and pp ranks the whole of it.
+  double loss = 0;
+  for (const auto& l :
+       acc.process_group().allgather(last_loss.detach().to(torch::kDouble).reshape({1})))
+    loss += l.item<double>() / acc.num_processes();
   int64_t peak_max = 0;
   std::ostringstream per_rank;
   for (size_t r = 0; r < peaks.size(); ++r) {
@@ -238,6 +255,7 @@ int main(int argc, char** argv) {
     std::cout << "RESULT model_parallel " << name << " samples_per_s=" << batch * steps / s
               << " step_s=" << s / steps << " peak_bytes=" << peak_max
               << " peak_bytes_ranks=" << per_rank.str();
+    std::cout << " loss=" << loss;
     if (schedule_bubble >= 0) std::cout << " schedule_bubble=" << schedule_bubble;
     std::cout << std::endl;
   }

@@ -27,7 +27,7 @@ one() {
   local name=$1; shift
   local line v key peaks
   line=$("$@" 2>&1 | grep "RESULT model_parallel" | tail -1) || true
-  for key in samples_per_s step_s parameters; do
+  for key in samples_per_s step_s parameters loss; do
     v=$(echo "$line" | grep -o " $key=[0-9.e+-]*" | cut -d= -f2 || true)
     echo "${v:-nan}" >> "$work/$name.$key"
   done
@@ -67,13 +67,13 @@ echo "## Model parallel (GPT 8 blocks, width 256, 4 heads, context 64, vocab 256
 echo
 echo "Command: \`bench/sections/50-model-parallel.sh\`: \`model_parallel_bench plain|ddp|tp|pp --batch $batch --steps $steps --warmup 2\`, the parallel modes under \`tandem launch --num_processes 2 --cpu --num_cpu_threads_per_process 1\` plus \`--tp_size 2\` (tp), \`--pp_size 2\` (pp, with \`--schedule gpipe|1f1b --microbatches m\`) or \`--activation_checkpointing\` (ckpt, data parallel)."
 echo "The model is one \`torch::nn::Sequential\` (token + position embeddings, 8 \`examples::Block\`s, LayerNorm + Linear head; $(awk -v n="$(median plain.parameters)" 'BEGIN { printf "%.2fM", n / 1e6 }') parameters) for every mode: tp splits every block's q/k/v and MLP input column-wise and their output projections row-wise (\`acc.parallelize\`, plan \`*.attn.qkv\`, \`*.attn.proj\`, \`*.fc\`, \`*.fc_proj\`), every rank running the whole batch; pp cuts the Sequential into stage 0 = embeddings + 4 blocks and stage 1 = 4 blocks + head (\`acc.prepare_pipeline\`), the whole batch in m micro-batches of $batch/m sequences; ddp and ckpt give each rank $((batch / 2)) sequences, ckpt with every entry of the Sequential in \`parallel::Checkpointed\`. AdamW, $steps timed steps after 2 warm-up steps; every figure the median of $reps runs (±: (max - min) / median of samples/s)."
-echo "Peak tensor memory: tandem's counting CPU allocator over the timed steps (weights, gradients, AdamW state, activations, communication buffers), per rank. Measured bubble (pp): 1 - (plain step time / p) / pipeline step time, with the plain one-process step on the same global batch ($(printf %.3f "$plain_step") s); it counts everything that keeps the pipeline from p times the plain speed, communication and per-micro-batch overhead included, not only the schedule's idle time; the last column takes the plain process running the same m micro-batches (gradient accumulation) instead, which leaves out the cost of smaller matrix products."
+echo "Peak tensor memory: tandem's counting CPU allocator over the timed steps (weights, gradients, AdamW state, activations, communication buffers), per rank. Measured bubble (pp): 1 - (plain step time / p) / pipeline step time, with the plain one-process step on the same global batch ($(printf %.3f "$plain_step") s); it counts everything that keeps the pipeline from p times the plain speed, communication and per-micro-batch overhead included, not only the schedule's idle time; the last column takes the plain process running the same m micro-batches (gradient accumulation) instead, which leaves out the cost of smaller matrix products. Loss: the global batch's loss at the last step, the same in every mode when every mode trains the same model on the same batches."
 echo "oneDNN is off in every mode (the counting allocator cannot serve its buffers: see model_parallel_bench.cpp), so GELU runs LibTorch's own kernel; matrix products go to BLAS."
 echo "- $("$cli" env | grep '^BLAS: ')"
 echo "- $("$cli" env | grep '^BLAS kernels: ')"
 echo
-echo "| mode | samples/s | step s | / plain 1p | peak tensor MB rank 0 | peak tensor MB rank 1 | schedule bubble (p-1)/(m+p-1) | measured bubble | measured vs plain with m micro-batches |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| mode | samples/s | step s | / plain 1p | peak tensor MB rank 0 | peak tensor MB rank 1 | schedule bubble (p-1)/(m+p-1) | measured bubble | measured vs plain with m micro-batches | loss, last step |"
+echo "|---|---|---|---|---|---|---|---|---|---|"
 for c in "${configs[@]}"; do
   case $c in
     plain) label="plain LibTorch, 1 process" ;;
@@ -96,11 +96,11 @@ for c in "${configs[@]}"; do
   else
     theory="-"; measured="-"; same_m="-"
   fi
-  printf "| %s | %s ±%s%% | %s | %s | %s | %s | %s | %s | %s |\n" "$label" \
+  printf "| %s | %s ±%s%% | %s | %s | %s | %s | %s | %s | %s | %s |\n" "$label" \
     "$(awk -v v="$sps" 'BEGIN { printf "%.1f", v }')" "$(spread $c.samples_per_s)" \
     "$(awk -v v="$step" 'BEGIN { printf "%.3f", v }')" \
     "$(awk -v a="$sps" -v b="$plain_sps" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')" \
     "$(awk -v b="$p0" 'BEGIN { if (b == "nan") print "-"; else printf "%.1f", b / 1e6 }')" \
     "$(awk -v b="$p1" 'BEGIN { if (b == "nan" || b == "") print "-"; else printf "%.1f", b / 1e6 }')" \
-    "$theory" "$measured" "$same_m"
+    "$theory" "$measured" "$same_m" "$(median $c.loss)"
 done
