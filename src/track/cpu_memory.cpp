@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <unordered_map>
 
 #include "../compat/allocator.h"
 
@@ -11,16 +12,30 @@ namespace {
 
 std::atomic<int64_t> g_current{0}, g_peak{0}, g_allocations{0};
 
-// The wrapped allocation: the original DataPtr and its size, released together.
+// Note [Counted allocations]: the DataPtr handed out has the data pointer as its context (what
+// c10::Allocator::raw_allocate, used by oneDNN's kernels, requires), and the original DataPtr
+// and size wait in a table keyed by that pointer until release() gives them back.
 struct Counted {
   c10::DataPtr original;
   size_t bytes;
 };
+std::mutex g_mutex;
+std::unordered_map<void*, Counted>& table() {
+  static auto* t = new std::unordered_map<void*, Counted>();  // never destroyed (frees at exit)
+  return *t;
+}
 
-void release(void* ctx) {
-  auto* c = static_cast<Counted*>(ctx);
-  g_current.fetch_sub(static_cast<int64_t>(c->bytes));
-  delete c;  // frees the original through its own deleter
+void release(void* data) {
+  if (!data) return;
+  c10::DataPtr original;  // freed through its own deleter, outside the lock
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = table().find(data);
+    if (it == table().end()) return;
+    g_current.fetch_sub(static_cast<int64_t>(it->second.bytes));
+    original = std::move(it->second.original);
+    table().erase(it);
+  }
 }
 
 class CountingAllocator final : public compat::Allocator {
@@ -30,14 +45,19 @@ class CountingAllocator final : public compat::Allocator {
     c10::DataPtr dp = base_->allocate(n);
     void* data = dp.get();
     const auto device = dp.device();
-    auto* ctx = new Counted{std::move(dp), n};
+    if (!data) return dp;  // zero bytes: nothing to count
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      table().emplace(data, Counted{std::move(dp), n});
+    }
     const int64_t now = g_current.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
     int64_t peak = g_peak.load();
     while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
     }
     g_allocations.fetch_add(1);
-    return c10::DataPtr(data, ctx, &release, device);
+    return c10::DataPtr(data, data, &release, device);
   }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
  private:
   c10::Allocator* base_;
