@@ -210,6 +210,7 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   precision_->cast_model(*stage);
   if (activation_checkpointing_) parallel::checkpoint_sequential_entries(stage);
   parallel::broadcast_module_state(*stage, *dp_, true, true);
+  models_.push_back(stage.ptr());  // saved and loaded per rank (Note [Model-parallel checkpoints])
   return std::make_shared<parallel::Pipeline>(stage, pp, std::move(loss), options,
                                               dp_->size() > 1 ? dp_ : nullptr);
 }

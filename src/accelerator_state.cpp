@@ -76,6 +76,37 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
   using checkpoint::StateReader;
   using checkpoint::StateWriter;
   std::vector<checkpoint::StatePart> parts;
+  // Note [Model-parallel checkpoints]: with a mesh (tp or pp above 1) every rank holds other
+  // parameters (its shards, its stage) and other optimizer state, so every rank writes its own
+  // model.mp<r> and optimizer.mp<r> files, and a resume needs the same mesh.
+  const bool per_rank = mesh_ != nullptr;
+  auto mine = [this, per_rank](const std::string& stem, size_t i, const std::string& ext) {
+    return indexed(stem, i, "") + (per_rank ? ".mp" + std::to_string(state_.rank) : "") + ext;
+  };
+  if (per_rank && options_.sharding() && options_.sharding()->stage() > 0)
+    throw std::invalid_argument(
+        state_.prefix() + " save_state/load_state: a ZeRO stage on a tensor- or pipeline-parallel "
+        "mesh has no checkpoint format yet; save the weights with save_model, or run the mesh "
+        "with plain data parallel");
+
+  parts.push_back({"mesh",
+                   [this](StateWriter& w) {
+                     if (w.is_main() && mesh_)
+                       w.set_state("mesh", json(mesh_shape_string()).dump());
+                   },
+                   [this](const StateReader& r) {
+                     auto saved = r.state("mesh");
+                     const std::string mine_shape = mesh_ ? mesh_shape_string() : "";
+                     const std::string theirs = saved ? json::parse(*saved).get<std::string>() : "";
+                     if (mine_shape != theirs)
+                       throw std::runtime_error(
+                           state_.prefix() + " load_state: " + r.dir() + " was saved by a run on " +
+                           (theirs.empty() ? "no model-parallel mesh" : "the mesh " + theirs) +
+                           " and this run has " +
+                           (mine_shape.empty() ? "none" : "the mesh " + mine_shape) +
+                           ": every rank's shards resume only on the same mesh; launch with the "
+                           "sizes it was saved with");
+                   }});
 
   parts.push_back({"loaders",
                    [this](StateWriter& w) {
@@ -130,21 +161,21 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                    }});
 
   parts.push_back({"models",
-                   [this](StateWriter& w) {
+                   [this, per_rank, mine](StateWriter& w) {
                      // On every rank together: a sharded strategy gathers unit by unit.
                      for (size_t i = 0; i < models_.size(); ++i) {
                        auto tensors = strategy_->model_state(*models_[i]);
-                       if (w.is_main()) w.write_tensors(indexed("model", i, ".safetensors"), tensors);
+                       if (w.is_main() || per_rank) w.write_tensors(mine("model", i, ".safetensors"), tensors);
                      }
                    },
-                   [this](const StateReader& r) {
+                   [this, mine](const StateReader& r) {
                      for (size_t i = 0; i < models_.size(); ++i)
                        strategy_->load_model_state(*models_[i],
-                                                   r.verified(indexed("model", i, ".safetensors")));
+                                                   r.verified(mine("model", i, ".safetensors")));
                    }});
 
   parts.push_back({"optimizers",
-                   [this](StateWriter& w) {
+                   [this, per_rank, mine](StateWriter& w) {
                      for (size_t i = 0; i < optimizers_.size(); ++i) {
                        auto& opt = *optimizers_[i];
                        if (strategy_->shards_optimizer(opt)) {  // every rank its shards
@@ -155,13 +186,13 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                          w.write_bytes(stem + ".json", st.json);
                          continue;
                        }
-                       if (!w.is_main()) continue;
+                       if (!w.is_main() && !per_rank) continue;
                        auto st = checkpoint::optimizer_state(opt);
-                       w.write_tensors(indexed("optimizer", i, ".safetensors"), st.tensors);
-                       w.write_bytes(indexed("optimizer", i, ".json"), st.json);
+                       w.write_tensors(mine("optimizer", i, ".safetensors"), st.tensors);
+                       w.write_bytes(mine("optimizer", i, ".json"), st.json);
                        auto masters = precision_->master_weights_of(opt);
                        if (!masters.empty())
-                         w.write_tensors(indexed("master_weights", i, ".safetensors"), masters);
+                         w.write_tensors(mine("master_weights", i, ".safetensors"), masters);
                      }
                    },
                    [this](const StateReader& r) { load_optimizers(r); }});
@@ -247,12 +278,13 @@ void Accelerator::load_optimizers(const checkpoint::StateReader& r) {
           });
       continue;
     }
+    const std::string mp = mesh_ ? ".mp" + std::to_string(state_.rank) : "";  // Note [Model-parallel checkpoints]
     checkpoint::OptimizerState os;
-    const auto& f = r.tensors(indexed("optimizer", i, ".safetensors"));
+    const auto& f = r.tensors(stem + mp + ".safetensors");
     for (const auto& n : f.names()) os.tensors.emplace_back(n, f.tensor(n));
-    os.json = r.read_bytes(indexed("optimizer", i, ".json"));
+    os.json = r.read_bytes(stem + mp + ".json");
     checkpoint::load_optimizer_state(opt, os);
-    const auto masters_name = indexed("master_weights", i, ".safetensors");
+    const auto masters_name = indexed("master_weights", i, "") + mp + ".safetensors";
     precision_->load_master_weights(opt, r.has(masters_name) ? &r.tensors(masters_name) : nullptr,
                                     r.dir(), is_main_process());
   }
@@ -290,6 +322,13 @@ void Accelerator::load_state(const std::string& dir_arg) {
                                "; save one with save_state() first, or pass a directory");
   }
   checkpoint::load_training_state(*pg_, dir, checkpoint_parts());
+}
+
+std::string Accelerator::mesh_shape_string() const {
+  std::string out;
+  for (const auto& name : mesh_->names())
+    out += (out.empty() ? "" : " x ") + name + " " + std::to_string(mesh_->size(name));
+  return out;
 }
 
 }  // namespace tandem

@@ -437,6 +437,7 @@ class Accelerator {
   // (src/accelerator_state.cpp).
   std::vector<checkpoint::StatePart> checkpoint_parts();
   void load_optimizers(const checkpoint::StateReader& reader);
+  std::string mesh_shape_string() const;  // "pp 1 x dp_replicate 2 x ..." of the mesh
 
   AcceleratorOptions options_;
   // Cell the prepared optimizers reach this Accelerator through; null once it is destroyed

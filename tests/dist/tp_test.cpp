@@ -2,6 +2,7 @@
 // training equal the dense model computed in one process (tp_worker prints the differences);
 // a mesh that does not fit the job is refused by the launcher before any rank starts.
 #include <gtest/gtest.h>
+#include <fstream>
 
 #include <map>
 #include <sstream>
@@ -129,6 +130,47 @@ TEST(TensorParallel, AcceleratorTensorTimesDataParallelEqualsOneProcess) {
   EXPECT_EQ(c.count["acc_loss_step3"], 4);
   EXPECT_EQ(c.count["acc_params_relative"], 4);
   expect_all_within(c, 4, 1e-5, r.output);
+}
+
+// save_state in a model-parallel run writes every rank's shards (model.mp<r>, optimizer.mp<r>);
+// stopped after 2 of 4 steps and resumed in a new job, the run ends with bitwise the parameters
+// of the uninterrupted one on every rank.
+TEST(TensorParallel, AcceleratorCheckpointResumesBitwise) {
+  auto digests = [](const std::string& out) {
+    std::map<std::string, std::string> d;
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);) {
+      auto at = line.find("param_digest rank ");
+      if (at != std::string::npos) d[line.substr(at + 18, 1)] = line.substr(at + 20);
+    }
+    return d;
+  };
+  auto whole = launch(4, "accelerate", {"--tp_size", "2"});
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  const auto dir = tandem::testing::temp_path("tp", "ckpt");
+  std::vector<std::string> save{kCli, "launch", "--num_processes", "4", "--cpu",
+                                "--num_cpu_threads_per_process", "1", "--tp_size", "2",
+                                kWorker, "accelerate", "--save_dir", dir};
+  auto saved = run_command(save, {}, 180);
+  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  EXPECT_EQ(count_of(saved.output, "saved at step 2"), 4) << saved.output;
+  for (int r = 0; r < 4; ++r)
+    EXPECT_TRUE(std::ifstream(dir + "/model.mp" + std::to_string(r) + ".safetensors").good()) << r;
+  auto load = save;
+  load[load.size() - 2] = "--load_dir";
+  auto resumed = run_command(load, {}, 180);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  auto a = digests(whole.output), b = digests(resumed.output);
+  EXPECT_EQ(a.size(), 4u) << whole.output;
+  EXPECT_EQ(a, b) << resumed.output;
+  // The shards resume only on the mesh that saved them: without --tp_size every rank refuses.
+  auto other = load;
+  other.erase(other.begin() + 7, other.begin() + 9);  // "--tp_size", "2"
+  auto refused = run_command(other, {}, 180);
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  EXPECT_GE(count_of(refused.output, "every rank's shards resume only on the same mesh"), 1)
+      << refused.output;
+  std::system(("rm -rf " + dir).c_str());
 }
 
 // A mesh that does not fit is refused before any rank starts, naming the flag and the fix.

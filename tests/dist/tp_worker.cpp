@@ -12,6 +12,7 @@
 //           prepare() (data parallel over mesh["dp"]), backward() and the prepared optimizer.
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <iostream>
 #include <map>
 #include <set>
@@ -289,10 +290,16 @@ void train() {
 
 // The Accelerator's model-parallel path: the same training as train(), with data parallel
 // (gradient buckets over mesh["dp"]) done by the Accelerator.
-void accelerate() {
+// `save_dir`: stop after step 2 and save_state there; `load_dir`: load_state from there first and
+// train steps 2 and 3 only. Prints a digest of this rank's parameters at the end, so that a
+// resumed run can be compared bitwise with an uninterrupted one.
+void accelerate(const std::string& save_dir, const std::string& load_dir) {
   tandem::Accelerator acc;
   const auto* mesh = acc.mesh();
-  if (!mesh) throw std::runtime_error("the Accelerator built no mesh for --tp_size 2");
+  if (!mesh) {
+    if (!load_dir.empty()) acc.load_state(load_dir);  // a tensor-parallel checkpoint: refused
+    throw std::runtime_error("the Accelerator built no mesh for --tp_size 2");
+  }
   auto& dp_group = acc.data_parallel_group();
   const int t = mesh->coordinate("tp"), n = mesh->size("tp");
   const int d = dp_group.rank(), dp = dp_group.size();
@@ -308,7 +315,9 @@ void accelerate() {
   torch::optim::SGD dense_opt(unique_parameters(*dense), sgd);
   auto opt = acc.prepare(std::make_shared<torch::optim::SGD>(unique_parameters(*model), sgd));
   const int64_t global_batch = 4, per_dp = global_batch / dp;
-  for (int step = 0; step < 4; ++step) {
+  const int first = load_dir.empty() ? 0 : 2, last = save_dir.empty() ? 4 : 2;
+  if (!load_dir.empty()) acc.load_state(load_dir);
+  for (int step = 0; step < last; ++step) {
     torch::manual_seed(100 + step);
     auto idx = torch::randint(0, 64, {global_batch, 16});
     auto targets = torch::randint(0, 64, {global_batch, 16});
@@ -319,6 +328,7 @@ void accelerate() {
     // what both sides must agree on.
     const double dense_norm = torch::nn::utils::clip_grad_norm_(unique_parameters(*dense), 0.5);
     dense_opt.step();
+    if (step < first) continue;
     auto scope = acc.accumulate();
     auto l = model->loss_per_sample(idx.narrow(0, d * per_dp, per_dp),
                                     targets.narrow(0, d * per_dp, per_dp)).mean();
@@ -333,7 +343,16 @@ void accelerate() {
     dp_group.allreduce(avg, tandem::ReduceOp::kMean);
     check("acc_loss_step" + std::to_string(step), avg, dl.detach());
   }
+  if (!save_dir.empty()) {
+    acc.save_state(save_dir);
+    std::cout << "saved at step " << last << std::endl;
+    return;
+  }
   std::cout << "check acc_params_relative " << worst_relative(*model, *dense, t, n) << std::endl;
+  double digest = 0;
+  for (auto& p : model->parameters()) digest += p.detach().to(torch::kDouble).abs().sum().item<double>();
+  std::printf("param_digest rank %d %.17g\n", acc.process_index(), digest);
+  std::fflush(stdout);
 }
 
 }  // namespace
@@ -343,7 +362,12 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   try {
     if (mode == "accelerate") {  // the Accelerator joins the job itself
-      accelerate();
+      std::string save_dir, load_dir;
+      for (int i = 2; i + 1 < argc; i += 2) {
+        if (std::string(argv[i]) == "--save_dir") save_dir = argv[i + 1];
+        if (std::string(argv[i]) == "--load_dir") load_dir = argv[i + 1];
+      }
+      accelerate(save_dir, load_dir);
       return 0;
     }
     g_world = tandem::ProcessGroup::create(tandem::ProcessState::from_environment());
