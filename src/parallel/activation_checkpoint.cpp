@@ -15,6 +15,7 @@
 #include <stdexcept>
 
 #include "../compat/autocast.h"
+#include "detail/adopt.h"
 #include "tandem/precision/autocast.h"
 
 namespace tandem::parallel {
@@ -262,13 +263,7 @@ at::Tensor checkpoint(std::function<at::Tensor(const at::Tensor&)> fn, at::Tenso
 
 // ---- Checkpointed ----
 
-void CheckpointedImpl::adopt() {
-  auto m = inner_.ptr();
-  for (const auto& kv : m->named_children()) register_module(kv.key(), kv.value());
-  for (const auto& kv : m->named_parameters(/*recurse=*/false))
-    register_parameter(kv.key(), kv.value(), kv.value().requires_grad());
-  for (const auto& kv : m->named_buffers(/*recurse=*/false)) register_buffer(kv.key(), kv.value());
-}
+void CheckpointedImpl::adopt() { detail::adopt_members(*this, *inner_.ptr()); }
 
 torch::Tensor CheckpointedImpl::forward(torch::Tensor input) {
   auto inner = std::make_shared<torch::nn::AnyModule>(inner_);

@@ -3,15 +3,11 @@
 
 #include <torch/nn/modules/container/sequential.h>
 
+#include "detail/adopt.h"
+
 namespace tandem::parallel {
 
-void ShardedImpl::adopt() {
-  auto m = inner_.ptr();
-  for (const auto& kv : m->named_children()) register_module(kv.key(), kv.value());
-  for (const auto& kv : m->named_parameters(/*recurse=*/false))
-    register_parameter(kv.key(), kv.value(), kv.value().requires_grad());
-  for (const auto& kv : m->named_buffers(/*recurse=*/false)) register_buffer(kv.key(), kv.value());
-}
+void ShardedImpl::adopt() { detail::adopt_members(*this, *inner_.ptr()); }
 
 torch::Tensor ShardedImpl::forward(torch::Tensor input) {
   if (!hooks_) return inner_.forward(std::move(input));

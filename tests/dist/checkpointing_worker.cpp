@@ -11,21 +11,14 @@
 #include <fstream>
 #include <iostream>
 
+#include "../common/drop_block.h"
 #include "tandem/tandem.h"
 
 namespace {
 
-constexpr int64_t kWidth = 16;
+constexpr int64_t kWidth = tandem::testing::kDropWidth;
 
-struct DropBlockImpl : torch::nn::Module {
-  DropBlockImpl()
-      : fc(register_module("fc", torch::nn::Linear(kWidth, kWidth))),
-        drop(register_module("drop", torch::nn::Dropout(0.5))) {}
-  torch::Tensor forward(torch::Tensor x) { return drop(torch::relu(fc(x))); }
-  torch::nn::Linear fc;
-  torch::nn::Dropout drop;
-};
-TORCH_MODULE(DropBlock);
+using tandem::testing::DropBlock;
 
 }  // namespace
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/drop_block.h"
 #include "../../examples/common/gpt.h"
 #include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/sharded.h"
@@ -26,18 +27,10 @@ using tandem::parallel::CheckpointOptions;
 
 namespace {
 
-constexpr int64_t kWidth = 16;
+constexpr int64_t kWidth = tandem::testing::kDropWidth;
 
-// Linear, ReLU, Dropout(0.5).
-struct DropBlockImpl : torch::nn::Module {
-  DropBlockImpl()
-      : fc(register_module("fc", torch::nn::Linear(kWidth, kWidth))),
-        drop(register_module("drop", torch::nn::Dropout(0.5))) {}
-  torch::Tensor forward(torch::Tensor x) { return drop(torch::relu(fc(x))); }
-  torch::nn::Linear fc;
-  torch::nn::Dropout drop;
-};
-TORCH_MODULE(DropBlock);
+using tandem::testing::DropBlock;
+using tandem::testing::DropBlockImpl;
 
 DropBlock block() { return DropBlock(); }
 
