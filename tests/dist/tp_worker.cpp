@@ -222,8 +222,9 @@ void gpt() {
     ++count;
   }
   std::cout << "gpt_parameters " << count << " of " << local.size() << std::endl;
-  auto head = model->named_parameters().find("head.weight");
-  auto wte = model->named_parameters().find("wte.weight");
+  const auto named = model->named_parameters();  // find() points into it: keep it alive
+  auto head = named.find("head.weight");
+  auto wte = named.find("wte.weight");
   std::cout << "gpt_tied " << (head->unsafeGetTensorImpl() == wte->unsafeGetTensorImpl()) << " "
             << head->size(0) << std::endl;
 }
