@@ -289,7 +289,8 @@ constexpr uint64_t kTensorParallelSeedOffset = 2718;  // Megatron's
 
 bool cuda_generator_available() { return at::hasCUDA(); }
 
-at::Generator cuda_generator() { return at::detail::getCUDAHooks().getDefaultCUDAGenerator(-1); }
+// The current CUDA device's default generator (Context::defaultGenerator exists in 1.13 and 2.x).
+at::Generator cuda_generator() { return at::globalContext().defaultGenerator(c10::Device(c10::kCUDA)); }
 
 // The state of `gen` seeded with `seed`, leaving `gen` as it was.
 at::Tensor seeded_state(at::Generator gen, uint64_t seed) {
