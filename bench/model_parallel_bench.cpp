@@ -29,47 +29,13 @@
 
 namespace {
 
-using examples::Block;
 using examples::GPTConfig;
 
-/// Token and position embeddings: ids [B, T] -> activations [B, T, width].
-struct EmbeddingsImpl : torch::nn::Module {
-  explicit EmbeddingsImpl(const GPTConfig& c)
-      : wte(register_module("wte", torch::nn::Embedding(c.vocab, c.width))),
-        wpe(register_module("wpe", torch::nn::Embedding(c.context, c.width))) {}
-  torch::Tensor forward(const torch::Tensor& idx) {
-    auto pos =
-        torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-    return wte(idx) + wpe(pos);
-  }
-  torch::nn::Embedding wte, wpe;
-};
-TORCH_MODULE(Embeddings);
-
-/// The final LayerNorm and the (untied) output projection: [B, T, width] -> logits [B, T, vocab].
-struct HeadImpl : torch::nn::Module {
-  explicit HeadImpl(const GPTConfig& c)
-      : ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
-        out(register_module(
-            "out", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return out(ln_f(x)); }
-  torch::nn::LayerNorm ln_f;
-  torch::nn::Linear out;
-};
-TORCH_MODULE(Head);
-
-/// The same dense model on every rank and in every mode: entry 0 the embeddings, 1..layers the
-/// blocks, the last the head.
+/// The same dense model on every rank and in every mode (examples::gpt_sequential): entry 0 the
+/// embeddings, 1..layers the blocks, the last the head.
 torch::nn::Sequential make_model(const GPTConfig& c) {
   torch::manual_seed(1);
-  torch::nn::Sequential net;
-  net->push_back(Embeddings(c));
-  for (int64_t i = 0; i < c.layers; ++i) net->push_back(Block(c));
-  net->push_back(Head(c));
-  torch::NoGradGuard no_grad;
-  for (auto& p : net->named_parameters())
-    if (p.value().dim() == 2) p.value().normal_(0.0, 0.02);
-  return net;
+  return examples::gpt_sequential(c);
 }
 
 /// Tensor parallel over the Sequential's paths ("3.attn.qkv"): Megatron's split of every block;
@@ -84,8 +50,7 @@ tandem::parallel::TensorParallelPlan block_plan() {
 }
 
 torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& target) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                              target.reshape({-1}));
+  return examples::gpt_sequential_loss(logits, target);
 }
 
 }  // namespace

@@ -31,6 +31,35 @@ int env_positive_int(const char* key, const std::string& v) {
   throw std::invalid_argument(std::string(key) + "='" + v + "' must be a positive integer");
 }
 
+// The entries of `plan` that match modules of this pipeline stage. Every entry must match on at
+// least one stage (counted over `pp`, so every rank agrees and refuses together).
+parallel::TensorParallelPlan stage_plan(const parallel::TensorParallelPlan& plan,
+                                        torch::nn::Module& stage, ProcessGroup& pp) {
+  std::vector<std::string> paths;
+  for (const auto& item : stage.named_modules("", /*include_self=*/false))
+    paths.push_back(item.key());
+  auto counts = at::zeros({static_cast<int64_t>(plan.entries.size())}, at::kLong);
+  parallel::TensorParallelPlan mine;
+  for (size_t i = 0; i < plan.entries.size(); ++i) {
+    for (const auto& p : paths)
+      if (parallel::plan_pattern_matches(plan.entries[i].pattern, p))
+        counts[static_cast<int64_t>(i)] += 1;
+    if (counts[static_cast<int64_t>(i)].item<int64_t>() > 0) mine.add(plan.entries[i]);
+  }
+  pp.allreduce(counts, ReduceOp::kSum);
+  std::string unmatched;
+  for (size_t i = 0; i < plan.entries.size(); ++i)
+    if (counts[static_cast<int64_t>(i)].item<int64_t>() == 0)
+      unmatched += (unmatched.empty() ? "'" : ", '") + plan.entries[i].pattern + "'";
+  if (!unmatched.empty())
+    throw std::invalid_argument(
+        pp.prefix() + " prepare_pipeline: the tensor-parallel plan entr" +
+        (unmatched.find(',') == std::string::npos ? "y " : "ies ") + unmatched +
+        " match no module of any pipeline stage; stage modules are named by their index in the "
+        "Sequential (\"3.attn.qkv\"): write patterns such as \"*.attn.qkv\"");
+  return mine;
+}
+
 }  // namespace
 
 Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(options)) {
@@ -201,12 +230,25 @@ void Accelerator::parallelize(torch::nn::Module& model, const parallel::TensorPa
 
 std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
     torch::nn::Sequential model, parallel::Pipeline::Loss loss, parallel::PipelineOptions options) {
+  return prepare_pipeline(std::move(model), std::move(loss), options, parallel::TensorParallelPlan());
+}
+
+std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
+    torch::nn::Sequential model, parallel::Pipeline::Loss loss, parallel::PipelineOptions options,
+    const parallel::TensorParallelPlan& plan) {
   TORCH_CHECK(mesh_ && mesh_->size("pp") > 1, state_.prefix(),
               " prepare_pipeline: this run has no pipeline dimension; set pp_size (tandem launch "
               "--pp_size, parallelism_config pp_size, or AcceleratorOptions().parallelism)");
   auto pp = (*mesh_)["pp"];
   auto stage = parallel::split_sequential(model, pp->size(), pp->rank());
   stage->to(device_);
+  if (!plan.entries.empty()) {
+    TORCH_CHECK(mesh_->size("tp") > 1, state_.prefix(),
+                " prepare_pipeline: a tensor-parallel plan was given, but this run has no "
+                "tensor-parallel dimension; set tp_size (tandem launch --tp_size, "
+                "parallelism_config_tp_size, or AcceleratorOptions().parallelism), or pass no plan");
+    parallel::parallelize_module(*stage, (*mesh_)["tp"], stage_plan(plan, *stage, *pp));
+  }
   precision_->cast_model(*stage);
   if (activation_checkpointing_) parallel::checkpoint_sequential_entries(stage);
   parallel::broadcast_module_state(*stage, *dp_, true, true);
@@ -284,17 +326,18 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
   // the whole model's).
   if (auto norm = strategy_->clip_grad_norm(max_norm, norm_type)) return *norm;
   auto tensors = precision_->grads_to_clip(parameters);
-  if (mesh_ && mesh_->size("tp") > 1) return clip_tensor_parallel(tensors, max_norm, norm_type);
+  if (mesh_) return clip_model_parallel(tensors, max_norm, norm_type);
   return torch::nn::utils::clip_grad_norm_(tensors, max_norm, norm_type);
 }
 
-// Note [Clipping under tensor parallel]: the total norm is that of the dense model's gradients.
+// Note [Clipping under model parallel]: the total norm is that of the dense model's gradients.
 // A split parameter (a TensorParallelModule's weight, and its bias unless it is a row-parallel
 // bias, which every tp rank holds whole) contributes the norms of every tp rank's shard; a
 // replicated one (LayerNorm, a row-parallel bias) contributes once, from this rank's copy, which
-// equals every other's.
-double Accelerator::clip_tensor_parallel(const std::vector<at::Tensor>& tensors, double max_norm,
-                                         double norm_type) {
+// equals every other's. Each pipeline stage holds other parameters, so the stages' sums add up
+// over mesh["pp"]. (For the infinity norm, maxima instead of sums.)
+double Accelerator::clip_model_parallel(const std::vector<at::Tensor>& tensors, double max_norm,
+                                        double norm_type) {
   std::set<const void*> split;
   for (const auto& m : models_)
     for (const auto& item : m->named_modules()) {
@@ -306,6 +349,7 @@ double Accelerator::clip_tensor_parallel(const std::vector<at::Tensor>& tensors,
     }
   torch::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
+  const auto op = inf ? ReduceOp::kMax : ReduceOp::kSum;
   auto part = [&](bool sharded) {
     double acc = 0;
     for (const auto& t : tensors) {
@@ -316,11 +360,12 @@ double Accelerator::clip_tensor_parallel(const std::vector<at::Tensor>& tensors,
     }
     return acc;
   };
-  auto sharded = at::full({1}, part(true), at::TensorOptions().dtype(at::kDouble));
-  (*mesh_)["tp"]->allreduce(sharded, inf ? ReduceOp::kMax : ReduceOp::kSum);
+  auto stage = at::full({1}, part(true), at::TensorOptions().dtype(at::kDouble));
+  if (mesh_->size("tp") > 1) (*mesh_)["tp"]->allreduce(stage, op);
   const double replicated = part(false);
-  const double total = inf ? std::max(sharded.item<double>(), replicated)
-                           : std::pow(sharded.item<double>() + replicated, 1.0 / norm_type);
+  stage.fill_(inf ? std::max(stage.item<double>(), replicated) : stage.item<double>() + replicated);
+  if (mesh_->size("pp") > 1) (*mesh_)["pp"]->allreduce(stage, op);
+  const double total = inf ? stage.item<double>() : std::pow(stage.item<double>(), 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1)
     for (const auto& t : tensors)

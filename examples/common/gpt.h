@@ -155,6 +155,75 @@ struct GPTImpl : torch::nn::Module {
 };
 TORCH_MODULE(GPT);
 
+// --- The same GPT as a torch::nn::Sequential, for pipelines ------------------------------------
+// Entry 0 the embeddings, 1..layers the blocks, the last the final LayerNorm and an untied head
+// (a pipeline splits a Sequential by entries; the tied head of GPT would join the first and the
+// last stage).
+
+/// Token and position embeddings: ids [B, T] -> activations [B, T, width].
+struct GPTEmbeddingsImpl : torch::nn::Module {
+  explicit GPTEmbeddingsImpl(const GPTConfig& c)
+      : wte(register_module("wte", torch::nn::Embedding(c.vocab, c.width))),
+        wpe(register_module("wpe", torch::nn::Embedding(c.context, c.width))) {}
+  torch::Tensor forward(const torch::Tensor& idx) {
+    auto pos =
+        torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+    return call_child(*this, "wte", wte, idx) + wpe(pos);
+  }
+  torch::nn::Embedding wte, wpe;
+};
+TORCH_MODULE(GPTEmbeddings);
+
+/// The final LayerNorm and the output projection: [B, T, width] -> logits [B, T, vocab] (with a
+/// tensor-parallel plan: this rank's part of the vocabulary).
+struct GPTHeadImpl : torch::nn::Module {
+  explicit GPTHeadImpl(const GPTConfig& c)
+      : ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
+        out(register_module(
+            "out", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return call_child(*this, "out", out, ln_f(x)); }
+  torch::nn::LayerNorm ln_f;
+  torch::nn::Linear out;
+};
+TORCH_MODULE(GPTHead);
+
+/// The GPT as a Sequential (GPT-2's N(0, 0.02) initialisation of every matrix). Seed before the
+/// call for the same model on every rank.
+inline torch::nn::Sequential gpt_sequential(const GPTConfig& c) {
+  torch::nn::Sequential net;
+  net->push_back(GPTEmbeddings(c));
+  for (int64_t i = 0; i < c.layers; ++i) net->push_back(Block(c));
+  net->push_back(GPTHead(c));
+  torch::NoGradGuard no_grad;
+  for (auto& p : net->named_parameters())
+    if (p.value().dim() == 2) p.value().normal_(0.0, 0.02);
+  return net;
+}
+
+/// The tensor-parallel plan of gpt_sequential (paths "3.attn.qkv"): every block split as in
+/// gpt_tensor_parallel_plan, the token embedding vocab-parallel and the head column-parallel,
+/// so the logits stay split by vocabulary (gpt_sequential_loss). On a pipeline stage only the
+/// entries that match its layers apply (Accelerator::prepare_pipeline).
+inline tandem::parallel::TensorParallelPlan gpt_sequential_tensor_parallel_plan() {
+  tandem::parallel::TensorParallelPlan plan;
+  plan.colwise("*.attn.qkv", /*parts=*/3)
+      .rowwise("*.attn.proj")
+      .colwise("*.fc")
+      .rowwise("*.fc_proj")
+      .vocab("*.wte")
+      .colwise("*.out");
+  return plan;
+}
+
+/// Mean cross entropy of gpt_sequential's logits: of logits split by vocabulary over `tp`
+/// (vocab_parallel_cross_entropy) when `tp` is given, else of whole logits.
+inline torch::Tensor gpt_sequential_loss(const torch::Tensor& logits, const torch::Tensor& targets,
+                                         std::shared_ptr<tandem::ProcessGroup> tp = nullptr) {
+  if (tp) return tandem::parallel::vocab_parallel_cross_entropy(logits, targets, std::move(tp));
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                              targets.reshape({-1}));
+}
+
 /// Bytes of this project's own text (README, docs, headers and sources), in a fixed order.
 inline std::string project_text(const std::string& root) {
   namespace fs = std::filesystem;

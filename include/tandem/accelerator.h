@@ -205,6 +205,16 @@ class Accelerator {
   std::shared_ptr<parallel::Pipeline> prepare_pipeline(torch::nn::Sequential model,
                                                        parallel::Pipeline::Loss loss,
                                                        parallel::PipelineOptions options = {});
+  /// As above on a mesh with a tensor-parallel dimension too (pp x tp, and dp): the stage's
+  /// layers are split over mesh["tp"] by `plan` before anything else (parallel::
+  /// parallelize_module). A stage holds only some of the model's layers, so an entry applies
+  /// where it matches, and must match on at least one stage (else every rank refuses the plan,
+  /// naming the entry). `loss` receives the last stage's output as the plan leaves it (logits
+  /// split by vocabulary after a column-parallel head: parallel::vocab_parallel_cross_entropy).
+  std::shared_ptr<parallel::Pipeline> prepare_pipeline(torch::nn::Sequential model,
+                                                       parallel::Pipeline::Loss loss,
+                                                       parallel::PipelineOptions options,
+                                                       const parallel::TensorParallelPlan& plan);
   /// Wraps an optimizer (create it over the prepared model's parameters).
   AcceleratedOptimizer prepare(std::shared_ptr<torch::optim::Optimizer> optimizer);
   /// Registers a learning-rate scheduler so that save_state/load_state keep its step count.
@@ -286,7 +296,9 @@ class Accelerator {
   /// Clips the (reduced) gradients' total norm to max_norm; returns the total norm before
   /// clipping. Does nothing off a synchronisation boundary (returns 0). Under fp16 the
   /// gradients are unscaled first (unscale_gradients), so the norm is that of the true
-  /// gradients; with master weights the fp32 masters' gradients are clipped.
+  /// gradients; with master weights the fp32 masters' gradients are clipped. On a mesh the norm
+  /// is the whole model's: tensor-parallel shards summed over mesh["tp"], and every pipeline
+  /// stage's parameters over mesh["pp"] (pass each rank's own parameters).
   double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
                          double norm_type = 2.0);
   /// Clamps every (reduced) gradient into [-clip_value, clip_value].
@@ -431,8 +443,8 @@ class Accelerator {
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
   void after_optimizer_step();
   void clip_before_step(torch::optim::Optimizer& optimizer);  // gradient_clipping
-  double clip_tensor_parallel(const std::vector<at::Tensor>& tensors, double max_norm,
-                              double norm_type);
+  double clip_model_parallel(const std::vector<at::Tensor>& tensors, double max_norm,
+                             double norm_type);
   // The parts of a checkpoint, in the order every rank saves and loads them
   // (src/accelerator_state.cpp).
   std::vector<checkpoint::StatePart> checkpoint_parts();

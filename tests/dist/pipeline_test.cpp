@@ -159,6 +159,40 @@ TEST(PipelineParallel, AcceleratorPipelineTimesDataParallelWithCheckpointingEqua
   }
 }
 
+// DP x PP x TP on one 4-rank mesh (pp 2, tp 2): the example GPT as a Sequential, each stage's
+// blocks, embedding and head split over its tp pair by the plan, 1F1B with 2 micro-batches and a
+// vocab-parallel loss, with the whole model's gradient norm clipped (binding), trains as one dense
+// process does: every step's loss and norm and the final parameters within 1e-5, and the loss
+// falls. A plan entry that matches no stage's module is refused on every rank.
+TEST(PipelineParallel, PipelineTimesTensorParallelGptEqualsOneProcess) {
+  auto r = run_command({kCli, "launch", "--num_processes", "4", "--cpu", "--num_cpu_threads_per_process",
+                       "1", "--pp_size", "2", "--tp_size", "2", kWorker, "gpt"},
+                      {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Stage 0: the vocab-parallel token embedding and block 0's four layers; stage 1: block 1's
+  // four layers and the head.
+  for (const char* line : {"gpt rank 0 stage 0 tp 0 split layers 5", "gpt rank 1 stage 0 tp 1 split layers 5",
+                           "gpt rank 2 stage 1 tp 0 split layers 5", "gpt rank 3 stage 1 tp 1 split layers 5"})
+    EXPECT_EQ(count_of(r.output, line), 1) << line << "\n" << r.output;
+  int checks = 0;
+  std::istringstream in(r.output);
+  for (std::string line; std::getline(in, line);) {
+    const auto at = line.find("] check ");  // after the launcher's "[rank r] "
+    if (at == std::string::npos) continue;
+    std::istringstream fields(line.substr(at + 8));
+    std::string name;
+    double diff = 1;
+    fields >> name >> diff;
+    EXPECT_LE(diff, 1e-5) << line;
+    ++checks;
+  }
+  EXPECT_EQ(checks, 4 * 9) << r.output;  // 4 ranks x (4 losses, 4 norms, the parameters)
+  EXPECT_EQ(count_of(r.output, "falling 1"), 4) << r.output;
+  EXPECT_EQ(count_of(r.output, "plan refused: [rank "), 4) << r.output;
+  EXPECT_EQ(count_of(r.output, "entry '*.mlp.down' match no module of any pipeline stage"), 4)
+      << r.output;
+}
+
 TEST(PipelineParallel, AStageThatDiesEndsTheJob) {
   auto r = launch(4, {"die"}, {{"PIPELINE_DIE_RANK", "1"}, {"PIPELINE_TIMEOUT_S", "300"}});
   EXPECT_FALSE(r.timed_out) << r.output;

@@ -11,6 +11,14 @@
 //              (pp outermost: pipeline groups {0,2}, {1,3}, data-parallel groups {0,1}, {2,3}),
 //              prepare_pipeline() (1F1B, 4 micro-batches) and a prepared SGD; writes
 //              acc-d<replica>-s<stage>.bin and -loss.bin.
+//   gpt        --pp_size 2 --tp_size 2 on 4 ranks: the example GPT as a Sequential
+//              (examples::gpt_sequential), each stage split over its tp pair by the GPT's plan
+//              (prepare_pipeline with a plan; mesh pp outermost: pipeline groups {0,2}, {1,3},
+//              tensor-parallel groups {0,1}, {2,3}), 1F1B with 2 micro-batches, the loss
+//              vocab-parallel on the last stage, clip_grad_norm_ over the whole model and a
+//              prepared SGD, next to the dense model trained in this process: prints "check
+//              <name> <relative difference>" for each step's loss and gradient norm and for the
+//              parameters, and the first and last losses.
 //   die        4 stages, 1F1B, 4 micro-batches; the rank named by PIPELINE_DIE_RANK exits with
 //              std::_Exit(3) in its 6th forward (step 1, micro-batch 1).
 //   reshape    2 stages, 4 micro-batches: a step on 16 rows, then one on 8; stage 0 must refuse
@@ -30,6 +38,7 @@
 #include <iostream>
 #include <thread>
 
+#include "../../examples/common/gpt.h"
 #include "tandem/accelerator.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/activation_checkpoint.h"
@@ -181,6 +190,98 @@ int accelerate(const std::string& dir) {
   return 0;
 }
 
+// This tp rank's part of a dense parameter, split as the GPT's plan splits it (rows of q, k and
+// v one by one; rows of the other column-parallel and vocab-parallel weights; columns of the
+// row-parallel weights); a parameter of the shape of `dense` is replicated.
+at::Tensor tp_part(const std::string& name, const at::Tensor& dense, const at::Tensor& local, int t,
+                   int n) {
+  if (dense.sizes() == local.sizes()) return dense;
+  if (dense.dim() == 2 && dense.size(0) == local.size(0)) return dense.chunk(n, 1)[t];
+  std::vector<at::Tensor> rows;
+  const int64_t parts = name.find(".qkv.") != std::string::npos ? 3 : 1;
+  for (const auto& block : dense.chunk(parts, 0)) rows.push_back(block.chunk(n, 0)[t]);
+  return at::cat(rows, 0);
+}
+
+int gpt() {
+  tandem::Accelerator acc;
+  const auto* mesh = acc.mesh();
+  TORCH_CHECK(mesh && mesh->size("pp") == 2 && mesh->size("tp") == 2,
+              "expected a pp 2 x tp 2 mesh (tandem launch --pp_size 2 --tp_size 2)");
+  const auto tpg = (*mesh)["tp"];
+  const int t = mesh->coordinate("tp"), n = mesh->size("tp");
+  examples::GPTConfig c;
+  c.vocab = 64;
+  c.context = 16;
+  c.layers = 2;
+  c.heads = 4;
+  c.width = 32;
+  torch::manual_seed(21);
+  auto dense = examples::gpt_sequential(c);
+  auto loss_fn = [tpg](const at::Tensor& y, const at::Tensor& target) {
+    return examples::gpt_sequential_loss(y, target, tpg);
+  };
+  {  // An entry that matches no stage's module is refused on every rank, naming it.
+    auto plan = examples::gpt_sequential_tensor_parallel_plan();
+    plan.rowwise("*.mlp.down");
+    try {
+      acc.prepare_pipeline(examples::gpt_sequential(c), loss_fn, tp::PipelineOptions(), plan);
+      std::cout << "a plan entry matching nothing was accepted" << std::endl;
+    } catch (const std::invalid_argument& e) {
+      std::cout << "plan refused: " << e.what() << std::endl;
+    }
+  }
+  torch::manual_seed(21);
+  auto pipe = acc.prepare_pipeline(
+      examples::gpt_sequential(c), loss_fn,
+      tp::PipelineOptions().schedule(tp::ScheduleKind::k1F1B).microbatches(2),
+      examples::gpt_sequential_tensor_parallel_plan());
+  int split = 0;
+  for (const auto& m : pipe->module()->modules())
+    split += std::dynamic_pointer_cast<tp::TensorParallelModule>(m) != nullptr;
+  std::cout << "gpt rank " << acc.process_index() << " stage " << pipe->stage() << " tp " << t
+            << " split layers " << split << std::endl;
+  // SGD with momentum (as the tensor-parallel tests: Adam would amplify rounding near zero).
+  auto sgd = torch::optim::SGDOptions(0.5).momentum(0.9).weight_decay(0.01);
+  torch::optim::SGD dense_opt(dense->parameters(), sgd);
+  auto opt = acc.prepare(std::make_shared<torch::optim::SGD>(pipe->module()->parameters(), sgd));
+  auto check = [](const std::string& name, double got, double expected) {
+    std::printf("check %s %.3g\n", name.c_str(), std::abs(got - expected) / std::abs(expected));
+  };
+  // One batch, trained on for every step: the loss must fall.
+  auto gen = at::detail::createCPUGenerator(7);
+  auto ids = torch::randint(c.vocab, {4, c.context + 1}, gen, torch::kLong);
+  auto x = ids.slice(1, 0, c.context).contiguous(), y = ids.slice(1, 1).contiguous();
+  double first = 0, last = 0;
+  for (int step = 0; step < 4; ++step) {
+    dense_opt.zero_grad();
+    auto dl = examples::gpt_sequential_loss(dense->forward(x), y);
+    dl.backward();
+    // Binding (the gradients' norm is about 1 here): both sides must agree on the whole norm.
+    const double dense_norm = torch::nn::utils::clip_grad_norm_(dense->parameters(), 0.25);
+    dense_opt.step();
+    const double loss = pipe->step(pipe->is_first() ? x : at::Tensor(), pipe->is_last() ? y : at::Tensor());
+    const double norm = acc.clip_grad_norm_(pipe->module()->parameters(), 0.25);
+    opt.step();
+    opt.zero_grad();
+    check("gpt_loss_step" + std::to_string(step), loss, dl.item<double>());
+    check("gpt_grad_norm_step" + std::to_string(step), norm, dense_norm);
+    if (step == 0) first = loss;
+    last = loss;
+  }
+  std::printf("gpt loss first %.6f last %.6f falling %d\n", first, last, last < first - 0.1);
+  auto dense_params = dense->named_parameters();
+  double worst = 0;
+  for (const auto& p : pipe->module()->named_parameters()) {
+    auto expected = tp_part(p.key(), dense_params[p.key()].detach(), p.value(), t, n);
+    const double scale = expected.abs().max().item<double>();
+    worst = std::max(worst, (p.value().detach() - expected).abs().max().item<double>() / scale);
+  }
+  std::printf("check gpt_params %.3g\n", worst);
+  std::fflush(stdout);
+  return 0;
+}
+
 int die() {
   auto pg = make_group();
   const int s = pg->rank();
@@ -280,6 +381,7 @@ int main(int argc, char** argv) {
   if (mode == "train") return train(dir, stages, dp);
   if (mode == "die") return die();
   if (mode == "accelerate") return accelerate(dir);
+  if (mode == "gpt") return gpt();
   if (mode == "reshape") return reshape();
   return p2p(mode);
 }
