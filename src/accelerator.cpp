@@ -322,54 +322,64 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
   if (!sync_gradients_) return 0.0;
   unscale_gradients();
   auto no_autocast = autocast(false);
-  // Sharded gradients: the norm of every rank's shards together (as FSDP's clip_grad_norm_,
-  // the whole model's).
-  if (auto norm = strategy_->clip_grad_norm(max_norm, norm_type)) return *norm;
-  auto tensors = precision_->grads_to_clip(parameters);
-  if (mesh_) return clip_model_parallel(tensors, max_norm, norm_type);
-  return torch::nn::utils::clip_grad_norm_(tensors, max_norm, norm_type);
+  return clip_model_parallel(parameters, max_norm, norm_type);
 }
 
-// Note [Clipping under model parallel]: the total norm is that of the dense model's gradients.
-// A split parameter (a TensorParallelModule's weight, and its bias unless it is a row-parallel
-// bias, which every tp rank holds whole) contributes the norms of every tp rank's shard; a
-// replicated one (LayerNorm, a row-parallel bias) contributes once, from this rank's copy, which
-// equals every other's. Each pipeline stage holds other parameters, so the stages' sums add up
-// over mesh["pp"]. (For the infinity norm, maxima instead of sums.)
-double Accelerator::clip_model_parallel(const std::vector<at::Tensor>& tensors, double max_norm,
-                                        double norm_type) {
+// Note [Clipping under model parallel]: the total norm is that of the dense, unsharded model's
+// gradients (as FSDP's clip_grad_norm_, the whole model's).
+//  - Sharded gradients (ZeRO): every rank's shards together; the strategy sums over its
+//    (data-parallel) group.
+//  - Tensor parallel: a split parameter (a TensorParallelModule's weight, and its bias unless it
+//    is a row-parallel bias, which every tp rank holds whole) contributes the norms of every tp
+//    rank's shard, summed over mesh["tp"]; a replicated one (LayerNorm, a row-parallel bias)
+//    contributes once, from this rank's copy, which equals every other's.
+//  - Pipeline parallel: each stage holds other parameters, so the stages' sums add up over
+//    mesh["pp"].
+// For the infinity norm, maxima instead of sums.
+double Accelerator::clip_model_parallel(const std::vector<at::Tensor>& parameters,
+                                        double max_norm, double norm_type) {
   std::set<const void*> split;
-  for (const auto& m : models_)
-    for (const auto& item : m->named_modules()) {
-      auto* tpm = dynamic_cast<parallel::TensorParallelModule*>(item.value().get());
-      if (!tpm) continue;
-      const bool row = dynamic_cast<parallel::RowParallelLinearImpl*>(tpm) != nullptr;
-      for (const auto& p : tpm->named_parameters(false))
-        if (p.key() == "weight" || !row) split.insert(p.value().unsafeGetTensorImpl());
-    }
+  if (mesh_ && mesh_->size("tp") > 1)
+    for (const auto& m : models_)
+      for (const auto& item : m->named_modules()) {
+        auto* tpm = dynamic_cast<parallel::TensorParallelModule*>(item.value().get());
+        if (!tpm) continue;
+        const bool row = dynamic_cast<parallel::RowParallelLinearImpl*>(tpm) != nullptr;
+        for (const auto& p : tpm->named_parameters(false))
+          if (p.key() == "weight" || !row) split.insert(p.value().unsafeGetTensorImpl());
+      }
+  std::function<bool(const at::Tensor&)> is_split;
+  if (!split.empty())
+    is_split = [&split](const at::Tensor& t) { return split.count(t.unsafeGetTensorImpl()) > 0; };
   torch::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
   const auto op = inf ? ReduceOp::kMax : ReduceOp::kSum;
-  auto part = [&](bool sharded) {
-    double acc = 0;
+  auto combine = [inf](double a, double b) { return inf ? std::max(a, b) : a + b; };
+  std::vector<at::Tensor> tensors;
+  auto parts = strategy_->grad_norm_parts(is_split, norm_type);
+  const bool sharded = parts.has_value();
+  if (!sharded) {  // gradients whole on every data-parallel rank: this rank's copy
+    tensors = precision_->grads_to_clip(parameters);
+    if (!mesh_) return torch::nn::utils::clip_grad_norm_(tensors, max_norm, norm_type);
+    parts = std::array<double, 2>{0, 0};
     for (const auto& t : tensors) {
-      if (!t.grad().defined() || split.count(t.unsafeGetTensorImpl()) != static_cast<size_t>(sharded))
-        continue;
+      if (!t.grad().defined()) continue;
       const double n = t.grad().detach().to(at::kDouble).norm(norm_type).item<double>();
-      acc = inf ? std::max(acc, n) : acc + std::pow(n, norm_type);
+      auto& part = (*parts)[is_split && is_split(t) ? 0 : 1];
+      part = combine(part, inf ? n : std::pow(n, norm_type));
     }
-    return acc;
-  };
-  auto stage = at::full({1}, part(true), at::TensorOptions().dtype(at::kDouble));
-  if (mesh_->size("tp") > 1) (*mesh_)["tp"]->allreduce(stage, op);
-  const double replicated = part(false);
-  stage.fill_(inf ? std::max(stage.item<double>(), replicated) : stage.item<double>() + replicated);
-  if (mesh_->size("pp") > 1) (*mesh_)["pp"]->allreduce(stage, op);
-  const double total = inf ? stage.item<double>() : std::pow(stage.item<double>(), 1.0 / norm_type);
+  }
+  auto sum = at::full({1}, (*parts)[0], at::TensorOptions().dtype(at::kDouble));
+  if (is_split) (*mesh_)["tp"]->allreduce(sum, op);
+  sum.fill_(combine(sum.item<double>(), (*parts)[1]));
+  if (mesh_ && mesh_->size("pp") > 1) (*mesh_)["pp"]->allreduce(sum, op);
+  const double total = inf ? sum.item<double>() : std::pow(sum.item<double>(), 1.0 / norm_type);
   const double coef = max_norm / (total + 1e-6);
-  if (coef < 1)
+  if (coef < 1) {
+    if (sharded) strategy_->scale_gradients(coef);
     for (const auto& t : tensors)
       if (t.grad().defined()) t.grad().detach().mul_(coef);
+  }
   return total;
 }
 

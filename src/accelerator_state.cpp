@@ -76,18 +76,22 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
   using checkpoint::StateReader;
   using checkpoint::StateWriter;
   std::vector<checkpoint::StatePart> parts;
-  // Note [Model-parallel checkpoints]: with a mesh (tp or pp above 1) every rank holds other
-  // parameters (its shards, its stage) and other optimizer state, so every rank writes its own
-  // model.mp<r> and optimizer.mp<r> files, and a resume needs the same mesh.
+  // Note [Model-parallel checkpoints]: with a mesh (tp or pp above 1) the ranks of different
+  // (tp, pp) coordinates hold other parameters (their shards, their stage) and other optimizer
+  // state. The first data-parallel rank of each coordinate writes model.mp<r> (r its global
+  // rank); every rank writes its optimizer.mp<r> (or, under ZeRO, its shards
+  // optimizer.rank<r>, which its data-parallel group reads back). A resume needs the same mesh.
   const bool per_rank = mesh_ != nullptr;
   auto mine = [this, per_rank](const std::string& stem, size_t i, const std::string& ext) {
     return indexed(stem, i, "") + (per_rank ? ".mp" + std::to_string(state_.rank) : "") + ext;
   };
-  if (per_rank && options_.sharding() && options_.sharding()->stage() > 0)
-    throw std::invalid_argument(
-        state_.prefix() + " save_state/load_state: a ZeRO stage on a tensor- or pipeline-parallel "
-        "mesh has no checkpoint format yet; save the weights with save_model, or run the mesh "
-        "with plain data parallel");
+  // The model's file of this rank's (tp, pp) coordinate: the data-parallel replicas hold the
+  // same model, which their first rank writes (gathered, under ZeRO-3).
+  auto model_file = [this, per_rank, mine](size_t i) {
+    return per_rank ? indexed("model", i, "") + ".mp" + std::to_string(dp_->global_rank(0)) +
+                          ".safetensors"
+                    : mine("model", i, ".safetensors");
+  };
 
   parts.push_back({"mesh",
                    [this](StateWriter& w) {
@@ -161,17 +165,17 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                    }});
 
   parts.push_back({"models",
-                   [this, per_rank, mine](StateWriter& w) {
+                   [this, per_rank, model_file](StateWriter& w) {
                      // On every rank together: a sharded strategy gathers unit by unit.
                      for (size_t i = 0; i < models_.size(); ++i) {
                        auto tensors = strategy_->model_state(*models_[i]);
-                       if (w.is_main() || per_rank) w.write_tensors(mine("model", i, ".safetensors"), tensors);
+                       if (per_rank ? dp_->rank() == 0 : w.is_main())
+                         w.write_tensors(model_file(i), tensors);
                      }
                    },
-                   [this, mine](const StateReader& r) {
+                   [this, model_file](const StateReader& r) {
                      for (size_t i = 0; i < models_.size(); ++i)
-                       strategy_->load_model_state(*models_[i],
-                                                   r.verified(mine("model", i, ".safetensors")));
+                       strategy_->load_model_state(*models_[i], r.verified(model_file(i)));
                    }});
 
   parts.push_back({"optimizers",
@@ -270,9 +274,14 @@ void Accelerator::load_optimizers(const checkpoint::StateReader& r) {
           "; resume with the strategy the checkpoint was saved with (a ZeRO stage reloads on "
           "any number of ranks and from stage 1 to 2 and back)");
     if (sharded) {
-      const auto rank_stem = [&](int k) { return stem + ".rank" + std::to_string(k); };
+      // Each rank wrote its shards under its global rank; on a mesh the shards of this rank's
+      // (tp, pp) coordinate are those of its data-parallel group (the same mesh: checked first).
+      const auto rank_stem = [&](int k) {
+        return stem + ".rank" + std::to_string(mesh_ ? dp_->global_rank(k) : k);
+      };
       strategy_->load_optimizer_shards(
-          opt, r.saved_world_size(), [&](int k) { return r.read_bytes(rank_stem(k) + ".json"); },
+          opt, mesh_ ? dp_->size() : r.saved_world_size(),
+          [&](int k) { return r.read_bytes(rank_stem(k) + ".json"); },
           [&](int k, const std::string& name) {
             return r.tensors(rank_stem(k) + ".safetensors").tensor(name);
           });

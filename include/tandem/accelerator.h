@@ -443,7 +443,8 @@ class Accelerator {
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
   void after_optimizer_step();
   void clip_before_step(torch::optim::Optimizer& optimizer);  // gradient_clipping
-  double clip_model_parallel(const std::vector<at::Tensor>& tensors, double max_norm,
+  // Sharded gradients or a mesh: Note [Clipping under model parallel].
+  double clip_model_parallel(const std::vector<at::Tensor>& parameters, double max_norm,
                              double norm_type);
   // The parts of a checkpoint, in the order every rank saves and loads them
   // (src/accelerator_state.cpp).

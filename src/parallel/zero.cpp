@@ -64,6 +64,7 @@ struct Unit {
   at::Tensor reduced;      // stage 2: the reduce-scatter's output while in flight
   std::vector<std::string> names;
   std::vector<at::Tensor> params;  // the model's parameters, views of flat
+  std::vector<int64_t> offsets;    // where each parameter starts in flat
   // Stage 3: a unit of a Sharded module is resident only between gather() and release();
   // units of the root (parameters of no Sharded module, tied ones) stay resident.
   bool resident = true;
@@ -232,7 +233,14 @@ class ZeroStrategy : public Strategy {
       for (auto& s : sharded_)
         for (auto& u : s->units) release_unit(u);
   }
-  std::optional<double> clip_grad_norm(double max_norm, double norm_type) override;
+  std::optional<std::array<double, 2>> grad_norm_parts(
+      const std::function<bool(const at::Tensor&)>& split, double norm_type) override;
+  void scale_gradients(double coef) override {
+    at::NoGradGuard no_grad;
+    for (auto& s : sharded_)
+      for (auto& u : s->units)
+        if (u.shard_param.grad().defined()) u.shard_param.mutable_grad().mul_(coef);
+  }
   bool clip_grad_value(double clip_value) override {
     at::NoGradGuard no_grad;
     for (auto& s : sharded_)
@@ -425,6 +433,7 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
       u.numel += p.numel();
       u.names.push_back(names[i]);
       u.params.push_back(p);
+      u.offsets.push_back(off);
     }
     u.resident = owner_of_bucket.empty() || owner_of_bucket[b] < 0;
     u.shard = shard_of(u.numel, pg.size(), pg.rank());
@@ -499,26 +508,37 @@ void ZeroStrategy::check_same_layout(const ShardedOptimizer& s) {
   }
 }
 
-std::optional<double> ZeroStrategy::clip_grad_norm(double max_norm, double norm_type) {
+std::optional<std::array<double, 2>> ZeroStrategy::grad_norm_parts(
+    const std::function<bool(const at::Tensor&)>& split, double norm_type) {
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  for (auto& s : sharded_)
-    for (auto& u : s->units)
-      if (u.shard_param.grad().defined()) grads.push_back(u.shard_param.grad());
   const bool inf = std::isinf(norm_type);
-  // Per shard norms, combined in double: this rank's part of the total, then every rank's.
-  double local = 0;
-  for (const auto& g : grads) {
+  // Per tensor norms, combined in double: this rank's part of the total, then every rank's.
+  std::array<double, 2> local{0, 0};
+  auto add = [&](int part, const at::Tensor& g) {
     const double n = g.norm(norm_type).item<double>();
-    local = inf ? std::max(local, n) : local + std::pow(n, norm_type);
-  }
-  auto t = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
+    local[part] = inf ? std::max(local[part], n) : local[part] + std::pow(n, norm_type);
+  };
+  for (auto& s : sharded_)
+    for (auto& u : s->units) {
+      if (!u.shard_param.grad().defined()) continue;
+      const auto& g = u.shard_param.grad();
+      if (!split) {
+        add(1, g);
+        continue;
+      }
+      // The shard covers [shard.offset, shard.offset + shard.numel) of the unit's parameters
+      // laid end to end (offsets[k]): each parameter's slice of it counts in its part.
+      for (size_t k = 0; k < u.params.size(); ++k) {
+        const int64_t begin = std::max(u.offsets[k], u.shard.offset);
+        const int64_t end =
+            std::min(u.offsets[k] + u.params[k].numel(), u.shard.offset + u.shard.numel);
+        if (begin < end)
+          add(split(u.params[k]) ? 0 : 1, g.narrow(0, begin - u.shard.offset, end - begin));
+      }
+    }
+  auto t = at::tensor({local[0], local[1]}, at::TensorOptions().dtype(at::kDouble));
   ctx_.pg->allreduce(t, inf ? ReduceOp::kMax : ReduceOp::kSum);
-  const double total = inf ? t.item<double>() : std::pow(t.item<double>(), 1.0 / norm_type);
-  const double coef = max_norm / (total + 1e-6);
-  if (coef < 1)
-    for (auto& g : grads) g.mul_(coef);
-  return total;
+  return std::array<double, 2>{t[0].item<double>(), t[1].item<double>()};
 }
 
 void ZeroStrategy::after_step(torch::optim::Optimizer& optimizer) {

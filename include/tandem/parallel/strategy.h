@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -101,12 +102,18 @@ class Strategy {
   /// false: backward keeps gradients local (accumulation micro-steps, no_sync).
   virtual void set_sync(bool sync) = 0;
   virtual void after_backward() = 0;
-  /// Clips the gradients the optimizers step by their global norm across every rank's shard;
-  /// returns the norm, or nullopt when nothing is sharded (the Accelerator then clips the
-  /// parameters it was given).
-  virtual std::optional<double> clip_grad_norm(double /*max_norm*/, double /*norm_type*/) {
+  /// The p-th powers of the gradients' norm over every rank's shards (p = norm_type; for the
+  /// infinity norm, maxima), combined over the strategy's group, in two parts: {parameters
+  /// `split` names (tensor-parallel shards, whose parts other tp ranks hold), the others}.
+  /// `split` may be empty (no tensor parallel: everything in the second part). nullopt when
+  /// nothing is sharded (the Accelerator then measures the parameters it was given). The
+  /// Accelerator combines the parts over the mesh (Note [Clipping under model parallel]).
+  virtual std::optional<std::array<double, 2>> grad_norm_parts(
+      const std::function<bool(const at::Tensor&)>& /*split*/, double /*norm_type*/) {
     return std::nullopt;
   }
+  /// Multiplies the gradients grad_norm_parts measured by `coef`.
+  virtual void scale_gradients(double /*coef*/) {}
   /// Clamps the sharded gradients; false when nothing is sharded.
   virtual bool clip_grad_value(double /*clip_value*/) { return false; }
   /// After `optimizer` stepped: brings every rank's parameters up to date.
