@@ -51,7 +51,8 @@ torch::Tensor call_child(torch::nn::Module& self, const char* name, Holder& buil
 /// along it); q/k/v, fc and the head all-gather the sequence, the attention projection and
 /// fc_proj reduce-scatter it. Needs the sequence length divisible by the tensor-parallel size,
 /// and with dropout > 0 a per-rank stream (GPTImpl::seed_tensor_parallel_rng).
-inline tandem::parallel::TensorParallelPlan gpt_tensor_parallel_plan(bool sequence_parallel = false) {
+inline tandem::parallel::TensorParallelPlan gpt_tensor_parallel_plan(
+    bool sequence_parallel = false) {
   tandem::parallel::TensorParallelPlan plan;
   if (!sequence_parallel) {
     plan.colwise("h*.attn.qkv", /*parts=*/3)
@@ -83,8 +84,8 @@ inline torch::Tensor residual_dropout(const torch::Tensor& x, double p, bool tra
                                       tandem::parallel::TensorParallelRng* rng) {
   if (p == 0.0 || !training) return x;
   if (!sequence_parallel) return torch::dropout(x, p, true);
-  TORCH_CHECK(rng != nullptr,
-              "GPT: dropout ", p, " on sequence-parallel activations needs a per-rank random "
+  TORCH_CHECK(rng != nullptr, "GPT: dropout ", p,
+              " on sequence-parallel activations needs a per-rank random "
               "stream; call model->seed_tensor_parallel_rng(seed) after parallelizing it");
   auto scope = rng->scope();
   return torch::dropout(x, p, true);
@@ -197,7 +198,8 @@ struct GPTImpl : torch::nn::Module {
   void seed_tensor_parallel_rng(uint64_t seed) {
     auto h = std::dynamic_pointer_cast<tandem::parallel::TensorParallelModule>(
         tandem::parallel::planned_child(*this, "head"));
-    TORCH_CHECK(h != nullptr, "GPT::seed_tensor_parallel_rng: the model is not tensor parallel; "
+    TORCH_CHECK(h != nullptr,
+                "GPT::seed_tensor_parallel_rng: the model is not tensor parallel; "
                 "parallelize it (gpt_tensor_parallel_plan) first");
     tp_rng = std::make_shared<tandem::parallel::TensorParallelRng>(seed, h->group()->rank());
     for (auto& b : blocks) b->tp_rng = tp_rng;

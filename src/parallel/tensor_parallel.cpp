@@ -99,7 +99,8 @@ void check_sequence_divisible(const ProcessGroup& group, int64_t positions) {
         std::to_string(positions) + " positions, not divisible by the " +
         std::to_string(group.size()) +
         " tensor-parallel ranks (uneven shards would pad the last rank's positions); use a "
-        "sequence length divisible by " + std::to_string(group.size()));
+        "sequence length divisible by " +
+        std::to_string(group.size()));
 }
 
 // This rank's block of `dim` (rank r keeps block r).

@@ -10,8 +10,8 @@
 //   dropout (2 ranks) residual dropout: per-rank masks from the per-rank stream under sequence
 //           parallel (shared stream untouched, reproducible), the shared masks without.
 //   train   (4 ranks, launched with --tp_size 2) a mesh from the launcher's TANDEM_* sizes,
-//           tensor parallel within dp x tp: SGD steps (momentum, weight decay) with gradients averaged over mesh["dp"]
-//           against one dense process training on the global batch.
+//           tensor parallel within dp x tp: SGD steps (momentum, weight decay) with gradients
+//           averaged over mesh["dp"] against one dense process training on the global batch.
 //   accelerate (4 ranks, --tp_size 2) the same through the Accelerator: its mesh, parallelize(),
 //           prepare() (data parallel over mesh["dp"]), backward() and the prepared optimizer;
 //           --sequence_parallel: the GPT's sequence-parallel plan.
@@ -100,21 +100,24 @@ void layers() {
     (yt * d.grad_y).sum().backward();
     check("column_fused_gathered_output", yt, d.y);
     check("column_fused_input_grad", xt.grad(), d.x.grad());
-    check("column_fused_weight_grad", col->weight.grad(), shard(d.layer->weight.grad(), 0, r, n, 3));
+    check("column_fused_weight_grad", col->weight.grad(),
+          shard(d.layer->weight.grad(), 0, r, n, 3));
     check("column_fused_bias_grad", col->bias.grad(), shard(d.layer->bias.grad(), 0, r, n, 3));
   }
   // Column-parallel, sequence parallel: the input is this rank's positions, gathered forward;
   // the input gradient comes back reduce-scattered to them.
   {
     auto d = dense_reference(8, 8, 12);
-    tp::ColumnParallelLinear col(tp::ColumnParallelLinearOptions(8, 12).sequence_parallel(true), pg);
+    tp::ColumnParallelLinear col(tp::ColumnParallelLinearOptions(8, 12).sequence_parallel(true),
+                                 pg);
     col->load_dense(d.layer->weight, d.layer->bias);
     auto xt = d.input(shard(d.x, 1, r, n));
     auto yt = col(xt);
     (yt * shard(d.grad_y, -1, r, n)).sum().backward();
     check("column_sequence_output", yt, shard(d.y, -1, r, n));
     check("column_sequence_input_grad", xt.grad(), shard(d.x.grad(), 1, r, n));
-    check("column_sequence_weight_grad", col->weight.grad(), shard(d.layer->weight.grad(), 0, r, n));
+    check("column_sequence_weight_grad", col->weight.grad(),
+          shard(d.layer->weight.grad(), 0, r, n));
     check("column_sequence_bias_grad", col->bias.grad(), shard(d.layer->bias.grad(), 0, r, n));
   }
   // Row-parallel, from the full input and from a split input.
@@ -127,7 +130,8 @@ void layers() {
     (yt * d.grad_y).sum().backward();
     const std::string name = parallel_input ? "row_split_input" : "row_full_input";
     check(name + "_output", yt, d.y);
-    check(name + "_input_grad", xt.grad(), parallel_input ? shard(d.x.grad(), -1, r, n) : d.x.grad());
+    check(name + "_input_grad", xt.grad(),
+          parallel_input ? shard(d.x.grad(), -1, r, n) : d.x.grad());
     check(name + "_weight_grad", row->weight.grad(), shard(d.layer->weight.grad(), 1, r, n));
     check(name + "_bias_grad", row->bias.grad(), d.layer->bias.grad());
   }
@@ -223,8 +227,8 @@ void layers() {
     } catch (const std::invalid_argument& e) {
       refused = e.what();
     }
-    std::cout << "sequence_scatter_refusal " << (refused.find("divisible by 2") != std::string::npos)
-              << std::endl;
+    std::cout << "sequence_scatter_refusal "
+              << (refused.find("divisible by 2") != std::string::npos) << std::endl;
   }
 }
 
@@ -302,7 +306,8 @@ void gpt(bool sequence_parallel) {
   lt.backward();
   check("gpt_loss", lt, loss);
   const int count = check_gpt_parameters("gpt", model, dense, r, n);
-  std::cout << "gpt_parameters " << count << " of " << model->named_parameters().size() << std::endl;
+  std::cout << "gpt_parameters " << count << " of " << model->named_parameters().size()
+            << std::endl;
   const auto named = model->named_parameters();  // find() points into it: keep it alive
   auto head = named.find("head.weight");
   auto wte = named.find("wte.weight");
@@ -311,9 +316,11 @@ void gpt(bool sequence_parallel) {
   if (sequence_parallel) {
     // ln_f ran on this rank's 8 of 16 positions: its own gradient is a part of the dense one,
     // which only the sum over tp (the plan's hook) makes whole.
-    std::cout << "gpt_sequence_parallel " << (model->sequence_parallel_head() != nullptr) << std::endl;
+    std::cout << "gpt_sequence_parallel " << (model->sequence_parallel_head() != nullptr)
+              << std::endl;
     const auto& dense_grad = dense->ln_f->weight.grad();
-    std::printf("gpt_ln_local_difference %.9g\n", (ln_local - dense_grad).abs().max().item<double>());
+    std::printf("gpt_ln_local_difference %.9g\n",
+                (ln_local - dense_grad).abs().max().item<double>());
     std::fflush(stdout);
     auto summed = ln_local.clone();
     pg->allreduce(summed, tandem::ReduceOp::kSum);
@@ -356,7 +363,8 @@ void dropout() {
   for (size_t i = 0; i < a.grads.size(); ++i)
     grads = std::max(grads, (a.grads[i] - b.grads[i]).abs().max().item<double>());
   std::printf("dropout_repeat loss %.9g grads %.9g other_seed_loss %.9g\n",
-              (a.loss - b.loss).abs().item<double>(), grads, (a.loss - c.loss).abs().item<double>());
+              (a.loss - b.loss).abs().item<double>(), grads,
+              (a.loss - c.loss).abs().item<double>());
   std::fflush(stdout);
 
   // The masks of the two ranks' positions: a model without blocks whose two sequence halves
