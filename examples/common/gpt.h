@@ -1,5 +1,6 @@
 // A byte-level GPT: token and position embeddings, causal self-attention blocks, LayerNorm, and
-// an output head tied to the token embedding; tensor parallel by a plan (gpt_tensor_parallel_plan).
+// an output head tied to the token embedding, GPT-2's residual dropout; tensor (and sequence)
+// parallel by a plan (gpt_tensor_parallel_plan).
 // Plus the text it trains on: files of this source tree, so that the default run needs no download.
 #pragma once
 
@@ -9,10 +10,12 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "tandem/comm/process_group.h"
 #include "tandem/parallel/tensor_parallel.h"
 
 namespace examples {
@@ -23,6 +26,9 @@ struct GPTConfig {
   int64_t layers = 4;
   int64_t heads = 4;
   int64_t width = 128;
+  /// GPT-2's residual dropout: on the embeddings and on the attention and MLP outputs before
+  /// each residual add (0: none).
+  double dropout = 0.0;
 };
 
 /// Calls the child `name` of `self`: through the tensor-parallel layer a plan put in its place
@@ -39,15 +45,50 @@ torch::Tensor call_child(torch::nn::Module& self, const char* name, Holder& buil
 /// token embedding vocab-parallel with the tied head column-parallel over the same rows, so
 /// that the logits stay split by vocabulary (loss_per_sample then uses the vocab-parallel cross
 /// entropy). Needs heads, 4 * width and vocab divisible by the tensor-parallel size.
-inline tandem::parallel::TensorParallelPlan gpt_tensor_parallel_plan() {
+///
+/// `sequence_parallel`: Megatron's sequence parallelism on top. The LayerNorms, residual adds
+/// and dropout run on this rank's part of the sequence (the forward scatters the embeddings
+/// along it); q/k/v, fc and the head all-gather the sequence, the attention projection and
+/// fc_proj reduce-scatter it. Needs the sequence length divisible by the tensor-parallel size,
+/// and with dropout > 0 a per-rank stream (GPTImpl::seed_tensor_parallel_rng).
+inline tandem::parallel::TensorParallelPlan gpt_tensor_parallel_plan(
+    bool sequence_parallel = false) {
   tandem::parallel::TensorParallelPlan plan;
-  plan.colwise("h*.attn.qkv", /*parts=*/3)
-      .rowwise("h*.attn.proj")
-      .colwise("h*.fc")
-      .rowwise("h*.fc_proj")
+  if (!sequence_parallel) {
+    plan.colwise("h*.attn.qkv", /*parts=*/3)
+        .rowwise("h*.attn.proj")
+        .colwise("h*.fc")
+        .rowwise("h*.fc_proj")
+        .vocab("wte")
+        .colwise("head");
+    return plan;
+  }
+  plan.sequence_parallel("h*.ln1")
+      .colwise_from_sequence("h*.attn.qkv", /*parts=*/3)
+      .rowwise_to_sequence("h*.attn.proj")
+      .sequence_parallel("h*.ln2")
+      .colwise_from_sequence("h*.fc")
+      .rowwise_to_sequence("h*.fc_proj")
       .vocab("wte")
-      .colwise("head");
+      .sequence_parallel("ln_f")
+      .colwise_from_sequence("head");
   return plan;
+}
+
+/// GPT-2's residual dropout with the stream it must draw from: on replicated activations
+/// (no plan, or tensor parallel without sequence parallel) the default stream every tp rank
+/// shares, so that all draw the same mask; on sequence shards (`sequence_parallel`) this tp
+/// rank's stream, so that each position gets a mask of its own, as in the dense model.
+inline torch::Tensor residual_dropout(const torch::Tensor& x, double p, bool training,
+                                      bool sequence_parallel,
+                                      tandem::parallel::TensorParallelRng* rng) {
+  if (p == 0.0 || !training) return x;
+  if (!sequence_parallel) return torch::dropout(x, p, true);
+  TORCH_CHECK(rng != nullptr, "GPT: dropout ", p,
+              " on sequence-parallel activations needs a per-rank random "
+              "stream; call model->seed_tensor_parallel_rng(seed) after parallelizing it");
+  auto scope = rng->scope();
+  return torch::dropout(x, p, true);
 }
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
@@ -58,8 +99,10 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     TORCH_CHECK(c.width % c.heads == 0, "width ", c.width, " must be a multiple of heads ", c.heads);
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    const auto B = x.size(0), T = x.size(1), hd = x.size(2) / heads;
+    const auto hd = x.size(2) / heads;
     auto y = call_child(*this, "qkv", qkv, x);
+    // qkv's output has the whole sequence (a sequence-parallel qkv gathers it).
+    const auto B = y.size(0), T = y.size(1);
     // This rank's heads: all of them, or its share when a tensor-parallel plan split qkv.
     const auto C = y.size(2) / 3, h = C / hd;
     TORCH_CHECK(C % hd == 0, "qkv gives ", C, " features per q/k/v, not whole heads of ", hd);
@@ -83,15 +126,28 @@ struct BlockImpl : torch::nn::Module {
         attn(register_module("attn", CausalSelfAttention(c))),
         ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
         fc(register_module("fc", torch::nn::Linear(c.width, 4 * c.width))),
-        fc_proj(register_module("fc_proj", torch::nn::Linear(4 * c.width, c.width))) {}
+        fc_proj(register_module("fc_proj", torch::nn::Linear(4 * c.width, c.width))),
+        dropout(c.dropout) {}
   torch::Tensor forward(torch::Tensor x) {
-    x = x + attn(ln1(x));
-    return x + call_child(*this, "fc_proj", fc_proj, torch::gelu(call_child(*this, "fc", fc, ln2(x))));
+    // Sequence parallel: x is this rank's part of the sequence, and so are both branches'
+    // outputs (fc_proj and attn.proj reduce-scatter it).
+    auto planned = std::dynamic_pointer_cast<tandem::parallel::RowParallelLinearImpl>(
+        tandem::parallel::planned_child(*this, "fc_proj"));
+    const bool sp = planned && planned->options.sequence_parallel();
+    auto drop = [&](const torch::Tensor& y) {
+      return residual_dropout(y, dropout, is_training(), sp, tp_rng.get());
+    };
+    x = x + drop(attn(ln1(x)));
+    return x + drop(call_child(*this, "fc_proj", fc_proj,
+                               torch::gelu(call_child(*this, "fc", fc, ln2(x)))));
   }
   torch::nn::LayerNorm ln1;
   CausalSelfAttention attn;
   torch::nn::LayerNorm ln2;
   torch::nn::Linear fc, fc_proj;
+  double dropout;
+  /// The per-tp-rank stream of sequence-parallel dropout (GPTImpl::seed_tensor_parallel_rng).
+  std::shared_ptr<tandem::parallel::TensorParallelRng> tp_rng;
 };
 TORCH_MODULE(Block);
 
@@ -123,8 +179,30 @@ struct GPTImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& idx) {
     auto pos = torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
     auto x = call_child(*this, "wte", wte, idx) + wpe(pos);
+    auto sp = sequence_parallel_head();
+    if (sp) x = tandem::parallel::scatter_to_sequence_region(x, sp->group());
+    x = residual_dropout(x, config.dropout, is_training(), sp != nullptr, tp_rng.get());
     for (auto& b : blocks) x = b(x);
     return call_child(*this, "head", head, ln_f(x));
+  }
+  /// The planned head when the plan is sequence parallel (gpt_tensor_parallel_plan(true)), else
+  /// nullptr.
+  std::shared_ptr<tandem::parallel::ColumnParallelLinearImpl> sequence_parallel_head() {
+    auto h = std::dynamic_pointer_cast<tandem::parallel::ColumnParallelLinearImpl>(
+        tandem::parallel::planned_child(*this, "head"));
+    return h && h->options.sequence_parallel() ? h : nullptr;
+  }
+  /// Gives the model its per-tensor-parallel-rank random stream (TensorParallelRng(seed, tp
+  /// rank)), from which dropout on sequence shards draws; call after parallelizing it, with the
+  /// same seed on every rank. Dropout on replicated activations keeps the default stream.
+  void seed_tensor_parallel_rng(uint64_t seed) {
+    auto h = std::dynamic_pointer_cast<tandem::parallel::TensorParallelModule>(
+        tandem::parallel::planned_child(*this, "head"));
+    TORCH_CHECK(h != nullptr,
+                "GPT::seed_tensor_parallel_rng: the model is not tensor parallel; "
+                "parallelize it (gpt_tensor_parallel_plan) first");
+    tp_rng = std::make_shared<tandem::parallel::TensorParallelRng>(seed, h->group()->rank());
+    for (auto& b : blocks) b->tp_rng = tp_rng;
   }
   /// Mean cross-entropy per sequence [B] (so that per-sample losses can be gathered).
   torch::Tensor loss_per_sample(const torch::Tensor& idx, const torch::Tensor& targets) {
@@ -152,6 +230,7 @@ struct GPTImpl : torch::nn::Module {
   std::vector<Block> blocks;
   torch::nn::LayerNorm ln_f{nullptr};
   TiedHead head{nullptr};
+  std::shared_ptr<tandem::parallel::TensorParallelRng> tp_rng;
 };
 TORCH_MODULE(GPT);
 

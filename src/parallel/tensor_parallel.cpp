@@ -92,17 +92,28 @@ at::Tensor gathered_along(const at::Tensor& t, ProcessGroup& group, int64_t dim)
   return out.view(sizes).transpose(0, dim).contiguous();
 }
 
+void check_sequence_divisible(const ProcessGroup& group, int64_t positions) {
+  if (positions % group.size() != 0)
+    throw std::invalid_argument(
+        group.prefix() + " sequence parallel: the sequence dimension has " +
+        std::to_string(positions) + " positions, not divisible by the " +
+        std::to_string(group.size()) +
+        " tensor-parallel ranks (uneven shards would pad the last rank's positions); use a "
+        "sequence length divisible by " +
+        std::to_string(group.size()));
+}
+
+// This rank's block of `dim` (rank r keeps block r).
+at::Tensor my_part_along(const at::Tensor& t, ProcessGroup& group, int64_t dim) {
+  check_sequence_divisible(group, t.size(dim));
+  return t.chunk(group.size(), dim)[static_cast<size_t>(group.rank())].contiguous();
+}
+
 // Reduce-scatter (sum) along `dim`: rank r keeps block r of the summed dimension.
 at::Tensor reduce_scattered_along(const at::Tensor& t, ProcessGroup& group, int64_t dim) {
   auto front = t.transpose(0, dim).contiguous();
   auto sizes = front.sizes().vec();
-  if (sizes[0] % group.size() != 0)
-    throw std::invalid_argument(
-        group.prefix() + " sequence parallel: the sequence dimension has " +
-        std::to_string(sizes[0]) + " positions, not divisible by the " +
-        std::to_string(group.size()) +
-        " tensor-parallel ranks (a reduce-scatter would pad the last rank's positions); use a "
-        "sequence length divisible by " + std::to_string(group.size()));
+  check_sequence_divisible(group, sizes[0]);
   sizes[0] /= group.size();
   auto out = at::empty({front.numel() / group.size()}, front.options());
   group.reduce_scatter(front.reshape({-1}), out, ReduceOp::kSum);
@@ -178,6 +189,21 @@ struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequen
   }
 };
 
+struct ScatterToSequence : torch::autograd::Function<ScatterToSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue group,
+                            int64_t dim) {
+    auto out = my_part_along(x, *unwrap_group(group), dim);
+    ctx->saved_data["group"] = std::move(group);
+    ctx->saved_data["dim"] = dim;
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    return {gathered_along(g[0], *unwrap_group(ctx->saved_data["group"]),
+                           ctx->saved_data["dim"].toInt()),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
 int64_t normalized_dim(const at::Tensor& t, int64_t dim) {
   const int64_t nd = t.dim();
   TORCH_CHECK(dim >= -nd && dim < nd, "sequence parallel: dimension ", dim,
@@ -241,6 +267,13 @@ at::Tensor reduce_scatter_to_sequence_region(const at::Tensor& input,
                                         normalized_dim(input, dim));
 }
 
+at::Tensor scatter_to_sequence_region(const at::Tensor& input, std::shared_ptr<ProcessGroup> group,
+                                      int64_t dim) {
+  check_group(group, "scatter_to_sequence_region");
+  if (group->size() == 1) return input;
+  return ScatterToSequence::apply(input, wrap_group(std::move(group)), normalized_dim(input, dim));
+}
+
 TensorParallelModule::TensorParallelModule(std::shared_ptr<ProcessGroup> group)
     : group_(std::move(group)) {
   check_group(group_, "tensor-parallel layer");
@@ -289,7 +322,9 @@ void ColumnParallelLinearImpl::load_dense(const at::Tensor& w, const at::Tensor&
 }
 
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
-  auto y = at::linear(copy_to_region(input, group_), weight, bias);
+  auto x = options.sequence_parallel() ? gather_from_sequence_region(input, group_)
+                                       : copy_to_region(input, group_);
+  auto y = at::linear(x, weight, bias);
   if (!options.gather_output() || group_->size() == 1) return y;
   y = gather_from_region(y, group_);
   if (options.parts() == 1) return y;
@@ -345,6 +380,12 @@ void RowParallelLinearImpl::load_dense(const at::Tensor& w, const at::Tensor& b)
 
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
   auto x = options.input_is_parallel() ? input : scatter_to_region(input, group_);
+  if (options.sequence_parallel()) {
+    // The bias of this rank's positions: its gradient, summed over them, is summed over the
+    // group by copy_to_region, so every rank's (replicated) bias gets the dense gradient.
+    auto y = reduce_scatter_to_sequence_region(at::linear(x, weight), group_);
+    return bias.defined() ? y + copy_to_region(bias, group_) : y;
+  }
   auto y = reduce_from_region(at::linear(x, weight), group_);
   return bias.defined() ? y + bias : y;
 }

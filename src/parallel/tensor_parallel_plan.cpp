@@ -78,6 +78,7 @@ std::string style_name(ParallelStyle s) {
     case ParallelStyle::kColwise: return "colwise";
     case ParallelStyle::kRowwise: return "rowwise";
     case ParallelStyle::kVocab: return "vocab";
+    case ParallelStyle::kSequenceParallel: return "sequence_parallel";
   }
   return "?";
 }
@@ -91,11 +92,17 @@ at::Tensor param(torch::nn::Module& m, const std::string& name) {
 // The dense tensors already replaced by their shard, and how they were split ("rows/3", "cols").
 struct ShardBook {
   std::map<c10::TensorImpl*, std::string> split;
+  std::set<c10::TensorImpl*> summed;  // replicated parameters of sequence-parallel modules
 
   // `dense` becomes this rank's shard in place (set_data: every holder of the tensor sees it);
   // a tensor already sharded the same way is left as is.
   at::Tensor adopt(at::Tensor dense, const std::string& how, const ProcessGroup& g,
                    const std::string& path, int64_t parts) {
+    if (summed.count(dense.unsafeGetTensorImpl()))
+      throw std::invalid_argument(g.prefix() + " parallelize_module: " + path +
+                                  " shares a parameter with a sequence-parallel module, which "
+                                  "keeps it replicated; its plan entry would split it as " + how +
+                                  "; untie the parameter or plan both modules alike");
     auto it = split.find(dense.unsafeGetTensorImpl());
     if (it != split.end()) {
       if (it->second != how)
@@ -118,6 +125,20 @@ struct ShardBook {
   }
   bool sharded(const at::Tensor& t) const { return split.count(t.unsafeGetTensorImpl()) > 0; }
 };
+
+// Note [Sequence-parallel parameter gradients]: a per-token module on sequence shards sees only
+// this rank's positions, so the gradient of each of its (replicated) parameters is a partial
+// sum; the dense gradient is the sum over the tp group. The hook runs before the gradient is
+// accumulated into .grad (and before data parallel's accumulator hooks read it), once per
+// backward, so gradient accumulation and a dp all-reduce see the summed gradient.
+void sum_gradients_over(const at::Tensor& parameter, std::shared_ptr<ProcessGroup> tp) {
+  parameter.register_hook([tp](const at::Tensor& grad) {
+    if (!grad.defined()) return grad;
+    auto sum = grad.clone(at::MemoryFormat::Contiguous);
+    tp->allreduce(sum, ReduceOp::kSum);
+    return sum;
+  });
+}
 
 }  // namespace
 
@@ -174,6 +195,26 @@ TensorParallelPlan& TensorParallelPlan::vocab(const std::string& pattern) {
   PlanEntry e;
   e.pattern = pattern;
   e.style = ParallelStyle::kVocab;
+  return add(e);
+}
+
+TensorParallelPlan& TensorParallelPlan::colwise_from_sequence(const std::string& pattern,
+                                                              int64_t parts) {
+  colwise(pattern, parts);
+  entries.back().sequence_parallel = true;
+  return *this;
+}
+
+TensorParallelPlan& TensorParallelPlan::rowwise_to_sequence(const std::string& pattern) {
+  rowwise(pattern);
+  entries.back().sequence_parallel = true;
+  return *this;
+}
+
+TensorParallelPlan& TensorParallelPlan::sequence_parallel(const std::string& pattern) {
+  PlanEntry e;
+  e.pattern = pattern;
+  e.style = ParallelStyle::kSequenceParallel;
   return add(e);
 }
 
@@ -242,6 +283,19 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
                                     child.name() + ", plan entry '" + e.pattern + "', " +
                                     style_name(e.style) + "): " + why);
       };
+      if (e.style == ParallelStyle::kSequenceParallel) {
+        if (dynamic_cast<TensorParallelModule*>(&child))
+          refuse("expected a module with replicated parameters (a norm), found a "
+                 "tensor-parallel layer; plan it once, as colwise/rowwise or as sequence_parallel");
+        for (const auto& p : child.named_parameters(/*recurse=*/true)) {
+          if (book.sharded(p.value()))
+            refuse("its parameter " + p.key() + " is split by another plan entry (a tied "
+                   "parameter); a sequence-parallel module keeps its parameters replicated");
+          if (!book.summed.insert(p.value().unsafeGetTensorImpl()).second) continue;
+          if (n > 1 && p.value().requires_grad()) sum_gradients_over(p.value(), tp);
+        }
+        continue;
+      }
       if (!w.defined() || w.dim() != 2)
         refuse("expected a module with a 2-D parameter 'weight' (a Linear or an Embedding)");
       // The dense sizes (a tensor tied to a module sharded before is already a shard).
@@ -253,17 +307,24 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
       std::shared_ptr<torch::nn::Module> replacement;
       if (e.style == ParallelStyle::kColwise) {
         detail::check_divisible(*tp, rows, e.parts, path + ".weight rows (out_features)");
-        auto o = ColumnParallelLinearOptions(cols, rows).parts(e.parts).gather_output(
-            e.gather_output);
+        auto o = ColumnParallelLinearOptions(cols, rows)
+                     .parts(e.parts)
+                     .gather_output(e.gather_output)
+                     .sequence_parallel(e.sequence_parallel);
         auto ws = book.adopt(w, rows_how, *tp, path, e.parts);
         auto bs = b.defined() ? book.adopt(b, rows_how, *tp, path, e.parts) : at::Tensor();
         replacement = std::make_shared<ColumnParallelLinearImpl>(o, tp, ws, bs);
       } else if (e.style == ParallelStyle::kRowwise) {
         detail::check_divisible(*tp, cols, 1, path + ".weight columns (in_features)");
-        auto o = RowParallelLinearOptions(cols, rows).input_is_parallel(e.input_is_parallel);
+        auto o = RowParallelLinearOptions(cols, rows)
+                     .input_is_parallel(e.input_is_parallel)
+                     .sequence_parallel(e.sequence_parallel);
         auto ws = book.adopt(w, "cols", *tp, path, 1);
         replacement = std::make_shared<RowParallelLinearImpl>(o, tp, ws, b.defined() ? b : at::Tensor());
       } else {
+        if (e.sequence_parallel)
+          refuse("sequence_parallel applies to colwise and rowwise entries; a vocab-parallel "
+                 "embedding's output is replicated (scatter it with scatter_to_sequence_region)");
         if (b.defined()) refuse("an embedding has no bias; this module has one");
         detail::check_divisible(*tp, rows, 1, path + ".weight rows (num_embeddings)");
         auto ws = book.adopt(w, "rows/1", *tp, path, 1);

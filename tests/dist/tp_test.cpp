@@ -1,11 +1,14 @@
-// Tensor parallel over real processes: every layer, the example GPT and tensor x data parallel
-// training equal the dense model computed in one process (tp_worker prints the differences);
-// a mesh that does not fit the job is refused by the launcher before any rank starts.
+// Tensor parallel over real processes: every layer, the example GPT (plain and sequence
+// parallel) and tensor x data parallel training equal the dense model computed in one process
+// (tp_worker prints the differences); dropout draws per-rank masks on sequence shards; a mesh that
+// does not fit the job is refused by the launcher before any rank starts.
 #include <gtest/gtest.h>
 #include <fstream>
 
 #include <map>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "../common/subprocess.h"
 
@@ -17,13 +20,16 @@ namespace {
 const std::string kCli = TANDEM_CLI;
 const std::string kWorker = TP_WORKER;
 
+// `flags` go to the launcher, `worker_flags` after the worker's mode.
 tandem::testing::RunResult launch(int n, const std::string& mode,
-                                  std::vector<std::string> flags = {}) {
+                                  std::vector<std::string> flags = {},
+                                  std::vector<std::string> worker_flags = {}) {
   std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
                                 "--num_cpu_threads_per_process", "1"};
   argv.insert(argv.end(), flags.begin(), flags.end());
   argv.push_back(kWorker);
   argv.push_back(mode);
+  argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
   return run_command(argv, {}, 180);
 }
 
@@ -50,6 +56,27 @@ Checks parse_checks(const std::string& output) {
   return c;
 }
 
+// The numbers printed after `key` (one line per rank), e.g. numbers_after(out, "train ") for
+// "dropout_halves eval 0 train 0.25".
+std::vector<double> numbers_after(const std::string& output, const std::string& key) {
+  std::vector<double> out;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);) {
+    const auto at = line.find(key);
+    if (at != std::string::npos) out.push_back(std::stod(line.substr(at + key.size())));
+  }
+  return out;
+}
+
+// Each of `lines` (one rank's view of the mesh) printed exactly once.
+void expect_mesh_lines(const std::string& output, const std::vector<std::string>& lines) {
+  for (const auto& line : lines) EXPECT_EQ(count_of(output, line), 1) << line << "\n" << output;
+}
+
+const std::vector<std::string> kAcceleratorMeshLines{
+    "acc mesh tp 2 dp 2 rank 0 dp_rank 0", "acc mesh tp 2 dp 2 rank 1 dp_rank 0",
+    "acc mesh tp 2 dp 2 rank 2 dp_rank 1", "acc mesh tp 2 dp 2 rank 3 dp_rank 1"};
+
 void expect_all_within(const Checks& c, int ranks, double tolerance, const std::string& output) {
   for (const auto& [name, v] : c.worst) {
     EXPECT_LE(v, tolerance) << name << "\n" << output;
@@ -61,7 +88,9 @@ void expect_all_within(const Checks& c, int ranks, double tolerance, const std::
 
 // Each layer on 2 ranks against the dense layer (same seed on every rank): outputs, input
 // gradients and this rank's shard of the weight gradients, within 1e-5 (float32 sums in
-// another order; the largest differences seen are ~1e-6).
+// another order; the largest differences seen are ~1e-6). The sequence-parallel forms take or
+// give this rank's half of the 8 positions; a row-parallel bias added to them still gets the
+// whole dense gradient.
 TEST(TensorParallel, EveryLayerEqualsTheDenseLayerOnTwoRanks) {
   auto r = launch(2, "layers");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -74,11 +103,16 @@ TEST(TensorParallel, EveryLayerEqualsTheDenseLayerOnTwoRanks) {
         "row_split_input_input_grad", "row_split_input_weight_grad", "row_split_input_bias_grad",
         "vocab_embedding_output", "vocab_embedding_weight_grad", "vocab_cross_entropy_loss",
         "vocab_cross_entropy_logits_grad", "sequence_gather_output", "sequence_gather_input_grad",
-        "sequence_reduce_scatter_output", "sequence_reduce_scatter_input_grad"})
+        "sequence_reduce_scatter_output", "sequence_reduce_scatter_input_grad",
+        "column_sequence_output", "column_sequence_input_grad", "column_sequence_weight_grad",
+        "column_sequence_bias_grad", "row_sequence_output", "row_sequence_input_grad",
+        "row_sequence_weight_grad", "row_sequence_bias_grad", "sequence_scatter_output",
+        "sequence_scatter_input_grad"})
     EXPECT_EQ(c.count[name], 2) << name << "\n" << r.output;
   expect_all_within(c, 2, 1e-5, r.output);
   // An uneven sequence is refused with the rule, not padded.
   EXPECT_EQ(count_of(r.output, "sequence_refusal 1"), 2) << r.output;
+  EXPECT_EQ(count_of(r.output, "sequence_scatter_refusal 1"), 2) << r.output;
   EXPECT_EQ(count_of(r.output, "tp_worker done"), 2);
 }
 
@@ -98,6 +132,68 @@ TEST(TensorParallel, ExampleGptEqualsTheDenseGpt) {
   EXPECT_EQ(count_of(r.output, "gpt_tied 1 32"), 2) << r.output;  // 64 / 2 vocabulary rows
 }
 
+// The sequence-parallel plan (norms, residual adds on 8 of the 16 positions per rank): the same
+// loss and gradients as the dense GPT within 1e-5. ln_f's own gradient on a rank is a partial
+// sum that differs from the dense one; the plan's hook sums it over tp to the dense gradient.
+TEST(TensorParallel, SequenceParallelGptEqualsTheDenseGpt) {
+  auto r = launch(2, "gpt", {}, {"--sequence_parallel"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto c = parse_checks(r.output);
+  EXPECT_EQ(c.count["gpt_loss"], 2);
+  for (const char* name : {"gpt_grad h0.ln1.weight", "gpt_grad h1.ln2.bias", "gpt_grad ln_f.weight",
+                           "gpt_grad h1.attn.proj.bias", "gpt_grad h0.fc_proj.bias",
+                           "gpt_grad wpe.weight", "gpt_grad wte.weight", "gpt_ln_local_summed"})
+    EXPECT_EQ(c.count[name], 2) << name << "\n" << r.output;
+  EXPECT_GE(c.worst.size(), 40u);
+  expect_all_within(c, 2, 1e-5, r.output);
+  EXPECT_EQ(count_of(r.output, "gpt_sequence_parallel 1"), 2) << r.output;
+  EXPECT_EQ(count_of(r.output, "gpt_tied 1 32"), 2) << r.output;
+  auto local = numbers_after(r.output, "gpt_ln_local_difference ");
+  ASSERT_EQ(local.size(), 2u) << r.output;
+  for (double d : local) EXPECT_GT(d, 1e-4) << r.output;  // un-summed: not the dense gradient
+}
+
+// Residual dropout 0.1. Sequence parallel: each rank's positions get masks of their own (two
+// identical sequence halves give different logits in training, equal ones in eval), drawn from
+// the per-rank stream, so the shared stream is where the batch draws left it, on both ranks;
+// the same seeds give bitwise the same loss and gradients, another tp seed another loss.
+// Plain tensor parallel: the masks are the dense GPT's, from the shared stream.
+TEST(TensorParallel, DropoutDrawsPerRankMasksOnSequenceShards) {
+  auto r = launch(2, "dropout");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto c = parse_checks(r.output);
+  EXPECT_EQ(c.count["dropout_shared_stream_untouched"], 6) << r.output;  // 3 runs x 2 ranks
+  EXPECT_EQ(c.worst["dropout_shared_stream_untouched"], 0.0) << r.output;
+  EXPECT_EQ(c.worst["dropout_shared_stream_across_ranks"], 0.0) << r.output;
+  EXPECT_EQ(c.count["dropout_tp_grad h0.fc.weight"], 2) << r.output;
+  EXPECT_LE(c.worst["dropout_tp_loss"], 1e-5) << r.output;
+  for (const auto& [name, v] : c.worst) {
+    if (name.rfind("dropout_tp_", 0) == 0) {
+      EXPECT_LE(v, 1e-5) << name << "\n" << r.output;
+    }
+  }
+  for (double d : numbers_after(r.output, "dropout_dense_effect ")) EXPECT_GT(d, 1e-3) << r.output;
+  auto eval = numbers_after(r.output, "dropout_halves eval ");
+  auto train = numbers_after(r.output, " train ");
+  ASSERT_EQ(eval.size(), 2u) << r.output;
+  ASSERT_EQ(train.size(), 2u) << r.output;
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_LE(eval[i], 1e-6) << r.output;
+    EXPECT_GT(train[i], 1e-2) << r.output;
+  }
+  auto repeat_loss = numbers_after(r.output, "dropout_repeat loss ");
+  auto repeat_grads = numbers_after(r.output, " grads ");
+  auto other_seed = numbers_after(r.output, " other_seed_loss ");
+  ASSERT_EQ(repeat_loss.size(), 2u) << r.output;
+  ASSERT_EQ(other_seed.size(), 2u) << r.output;
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(repeat_loss[i], 0.0) << r.output;
+    EXPECT_EQ(repeat_grads[i], 0.0) << r.output;
+    EXPECT_GT(other_seed[i], 1e-5) << r.output;
+  }
+  EXPECT_EQ(count_of(r.output, "tp_worker done"), 2);
+}
+
 // 4 ranks launched with --tp_size 2: the mesh (from the launcher's TANDEM_TP_SIZE) is dp 2 x
 // tp 2 with tp groups {0,1}, {2,3}; four SGD steps (momentum 0.9, weight decay) with gradients
 // averaged over mesh["dp"]
@@ -106,11 +202,10 @@ TEST(TensorParallel, ExampleGptEqualsTheDenseGpt) {
 TEST(TensorParallel, TensorTimesDataParallelTrainingEqualsOneProcess) {
   auto r = launch(4, "train", {"--tp_size", "2"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  for (const char* line : {"mesh tp 2 dp 2 rank 0 tp_peers 0,1 dp_peers 0,2",
-                           "mesh tp 2 dp 2 rank 1 tp_peers 0,1 dp_peers 1,3",
-                           "mesh tp 2 dp 2 rank 2 tp_peers 2,3 dp_peers 0,2",
-                           "mesh tp 2 dp 2 rank 3 tp_peers 2,3 dp_peers 1,3"})
-    EXPECT_EQ(count_of(r.output, line), 1) << line << "\n" << r.output;
+  expect_mesh_lines(r.output, {"mesh tp 2 dp 2 rank 0 tp_peers 0,1 dp_peers 0,2",
+                               "mesh tp 2 dp 2 rank 1 tp_peers 0,1 dp_peers 1,3",
+                               "mesh tp 2 dp 2 rank 2 tp_peers 2,3 dp_peers 0,2",
+                               "mesh tp 2 dp 2 rank 3 tp_peers 2,3 dp_peers 1,3"});
   auto c = parse_checks(r.output);
   EXPECT_EQ(c.count["train_loss_step3"], 4);
   EXPECT_EQ(c.count["train_params_relative"], 4);
@@ -123,10 +218,22 @@ TEST(TensorParallel, TensorTimesDataParallelTrainingEqualsOneProcess) {
 TEST(TensorParallel, AcceleratorTensorTimesDataParallelEqualsOneProcess) {
   auto r = launch(4, "accelerate", {"--tp_size", "2"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  for (const char* line : {"acc mesh tp 2 dp 2 rank 0 dp_rank 0", "acc mesh tp 2 dp 2 rank 1 dp_rank 0",
-                           "acc mesh tp 2 dp 2 rank 2 dp_rank 1", "acc mesh tp 2 dp 2 rank 3 dp_rank 1"})
-    EXPECT_EQ(count_of(r.output, line), 1) << line << "\n" << r.output;
+  expect_mesh_lines(r.output, kAcceleratorMeshLines);
   auto c = parse_checks(r.output);
+  EXPECT_EQ(c.count["acc_loss_step3"], 4);
+  EXPECT_EQ(c.count["acc_params_relative"], 4);
+  expect_all_within(c, 4, 1e-5, r.output);
+}
+
+// The same with the GPT's sequence-parallel plan: LayerNorm gradients summed over tp, then
+// averaged over dp by the Accelerator; the clipped norm (LayerNorms and row-parallel biases
+// counted once) is the dense model's, and four steps equal one dense process within 1e-5.
+TEST(TensorParallel, AcceleratorSequenceParallelEqualsOneProcess) {
+  auto r = launch(4, "accelerate", {"--tp_size", "2"}, {"--sequence_parallel"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_mesh_lines(r.output, kAcceleratorMeshLines);
+  auto c = parse_checks(r.output);
+  EXPECT_EQ(c.count["acc_grad_norm_step3"], 4);
   EXPECT_EQ(c.count["acc_loss_step3"], 4);
   EXPECT_EQ(c.count["acc_params_relative"], 4);
   expect_all_within(c, 4, 1e-5, r.output);

@@ -4,12 +4,17 @@
 //   layers  (2 ranks) each layer and region against its dense counterpart: outputs, input
 //           gradients and this rank's shard of the weight gradients.
 //   gpt     (2 ranks) the example GPT parallelized by its plan: loss, and every parameter's
-//           gradient (the shard of the dense gradient for split parameters).
+//           gradient (the shard of the dense gradient for split parameters). With
+//           --sequence_parallel, by the sequence-parallel plan; also ln_f's gradient before and
+//           after the sum over tp.
+//   dropout (2 ranks) residual dropout: per-rank masks from the per-rank stream under sequence
+//           parallel (shared stream untouched, reproducible), the shared masks without.
 //   train   (4 ranks, launched with --tp_size 2) a mesh from the launcher's TANDEM_* sizes,
-//           tensor parallel within dp x tp: SGD steps (momentum, weight decay) with gradients averaged over mesh["dp"]
-//           against one dense process training on the global batch.
+//           tensor parallel within dp x tp: SGD steps (momentum, weight decay) with gradients
+//           averaged over mesh["dp"] against one dense process training on the global batch.
 //   accelerate (4 ranks, --tp_size 2) the same through the Accelerator: its mesh, parallelize(),
-//           prepare() (data parallel over mesh["dp"]), backward() and the prepared optimizer.
+//           prepare() (data parallel over mesh["dp"]), backward() and the prepared optimizer;
+//           --sequence_parallel: the GPT's sequence-parallel plan.
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -46,63 +51,103 @@ at::Tensor shard(const at::Tensor& t, int64_t dim, int r, int n, int64_t parts =
   return at::cat(pieces, dim);
 }
 
+// A dense Linear and one backward through it: every rank draws the same from `seed`. x [3, 8,
+// in] (8 positions, divisible by the group for the sequence-parallel checks) with its gradient,
+// the output y and the upstream gradient grad_y.
+struct DenseReference {
+  torch::nn::Linear layer{nullptr};
+  at::Tensor x, y, grad_y;
+  // A fresh leaf with x's values (or a part of them), for the parallel layer.
+  at::Tensor input(const at::Tensor& part = {}) const {
+    return (part.defined() ? part : x).detach().clone().requires_grad_();
+  }
+};
+
+DenseReference dense_reference(uint64_t seed, int64_t in, int64_t out) {
+  torch::manual_seed(seed);
+  DenseReference d;
+  d.layer = torch::nn::Linear(in, out);
+  d.x = torch::randn({3, 8, in}, torch::requires_grad());
+  d.grad_y = torch::randn({3, 8, out});
+  d.y = d.layer(d.x);
+  (d.y * d.grad_y).sum().backward();
+  return d;
+}
+
 void layers() {
   auto& pg = g_world;
   const int r = pg->rank(), n = pg->size();
   // Column-parallel, local output.
   {
-    torch::manual_seed(1);
-    torch::nn::Linear dense(8, 12);
-    auto x = torch::randn({3, 5, 8}, torch::requires_grad());
-    auto gy = torch::randn({3, 5, 12});
-    auto y = dense(x);
-    (y * gy).sum().backward();
+    auto d = dense_reference(1, 8, 12);
     tp::ColumnParallelLinear col(tp::ColumnParallelLinearOptions(8, 12), pg);
-    col->load_dense(dense->weight, dense->bias);
-    auto xt = x.detach().clone().requires_grad_();
+    col->load_dense(d.layer->weight, d.layer->bias);
+    auto xt = d.input();
     auto yt = col(xt);
-    (yt * shard(gy, -1, r, n)).sum().backward();
-    check("column_output", yt, shard(y, -1, r, n));
-    check("column_input_grad", xt.grad(), x.grad());
-    check("column_weight_grad", col->weight.grad(), shard(dense->weight.grad(), 0, r, n));
-    check("column_bias_grad", col->bias.grad(), shard(dense->bias.grad(), 0, r, n));
+    (yt * shard(d.grad_y, -1, r, n)).sum().backward();
+    check("column_output", yt, shard(d.y, -1, r, n));
+    check("column_input_grad", xt.grad(), d.x.grad());
+    check("column_weight_grad", col->weight.grad(), shard(d.layer->weight.grad(), 0, r, n));
+    check("column_bias_grad", col->bias.grad(), shard(d.layer->bias.grad(), 0, r, n));
   }
   // Column-parallel in 3 fused parts, gathered output.
   {
-    torch::manual_seed(2);
-    torch::nn::Linear dense(8, 12);
-    auto x = torch::randn({3, 5, 8}, torch::requires_grad());
-    auto gy = torch::randn({3, 5, 12});
-    auto y = dense(x);
-    (y * gy).sum().backward();
+    auto d = dense_reference(2, 8, 12);
     tp::ColumnParallelLinear col(tp::ColumnParallelLinearOptions(8, 12).parts(3).gather_output(true), pg);
-    col->load_dense(dense->weight, dense->bias);
-    auto xt = x.detach().clone().requires_grad_();
+    col->load_dense(d.layer->weight, d.layer->bias);
+    auto xt = d.input();
     auto yt = col(xt);
-    (yt * gy).sum().backward();
-    check("column_fused_gathered_output", yt, y);
-    check("column_fused_input_grad", xt.grad(), x.grad());
-    check("column_fused_weight_grad", col->weight.grad(), shard(dense->weight.grad(), 0, r, n, 3));
-    check("column_fused_bias_grad", col->bias.grad(), shard(dense->bias.grad(), 0, r, n, 3));
+    (yt * d.grad_y).sum().backward();
+    check("column_fused_gathered_output", yt, d.y);
+    check("column_fused_input_grad", xt.grad(), d.x.grad());
+    check("column_fused_weight_grad", col->weight.grad(),
+          shard(d.layer->weight.grad(), 0, r, n, 3));
+    check("column_fused_bias_grad", col->bias.grad(), shard(d.layer->bias.grad(), 0, r, n, 3));
+  }
+  // Column-parallel, sequence parallel: the input is this rank's positions, gathered forward;
+  // the input gradient comes back reduce-scattered to them.
+  {
+    auto d = dense_reference(8, 8, 12);
+    tp::ColumnParallelLinear col(tp::ColumnParallelLinearOptions(8, 12).sequence_parallel(true),
+                                 pg);
+    col->load_dense(d.layer->weight, d.layer->bias);
+    auto xt = d.input(shard(d.x, 1, r, n));
+    auto yt = col(xt);
+    (yt * shard(d.grad_y, -1, r, n)).sum().backward();
+    check("column_sequence_output", yt, shard(d.y, -1, r, n));
+    check("column_sequence_input_grad", xt.grad(), shard(d.x.grad(), 1, r, n));
+    check("column_sequence_weight_grad", col->weight.grad(),
+          shard(d.layer->weight.grad(), 0, r, n));
+    check("column_sequence_bias_grad", col->bias.grad(), shard(d.layer->bias.grad(), 0, r, n));
   }
   // Row-parallel, from the full input and from a split input.
   for (bool parallel_input : {false, true}) {
-    torch::manual_seed(3);
-    torch::nn::Linear dense(12, 8);
-    auto x = torch::randn({3, 5, 12}, torch::requires_grad());
-    auto gy = torch::randn({3, 5, 8});
-    auto y = dense(x);
-    (y * gy).sum().backward();
+    auto d = dense_reference(3, 12, 8);
     tp::RowParallelLinear row(tp::RowParallelLinearOptions(12, 8).input_is_parallel(parallel_input), pg);
-    row->load_dense(dense->weight, dense->bias);
-    auto xt = (parallel_input ? shard(x.detach(), -1, r, n) : x.detach()).clone().requires_grad_();
+    row->load_dense(d.layer->weight, d.layer->bias);
+    auto xt = d.input(parallel_input ? shard(d.x, -1, r, n) : at::Tensor());
     auto yt = row(xt);
-    (yt * gy).sum().backward();
+    (yt * d.grad_y).sum().backward();
     const std::string name = parallel_input ? "row_split_input" : "row_full_input";
-    check(name + "_output", yt, y);
-    check(name + "_input_grad", xt.grad(), parallel_input ? shard(x.grad(), -1, r, n) : x.grad());
-    check(name + "_weight_grad", row->weight.grad(), shard(dense->weight.grad(), 1, r, n));
-    check(name + "_bias_grad", row->bias.grad(), dense->bias.grad());
+    check(name + "_output", yt, d.y);
+    check(name + "_input_grad", xt.grad(),
+          parallel_input ? shard(d.x.grad(), -1, r, n) : d.x.grad());
+    check(name + "_weight_grad", row->weight.grad(), shard(d.layer->weight.grad(), 1, r, n));
+    check(name + "_bias_grad", row->bias.grad(), d.layer->bias.grad());
+  }
+  // Row-parallel, sequence parallel: the output is this rank's positions (reduce-scattered);
+  // the bias, added to them, still gets the whole dense gradient.
+  {
+    auto d = dense_reference(9, 12, 8);
+    tp::RowParallelLinear row(tp::RowParallelLinearOptions(12, 8).sequence_parallel(true), pg);
+    row->load_dense(d.layer->weight, d.layer->bias);
+    auto xt = d.input(shard(d.x, -1, r, n));
+    auto yt = row(xt);
+    (yt * shard(d.grad_y, 1, r, n)).sum().backward();
+    check("row_sequence_output", yt, shard(d.y, 1, r, n));
+    check("row_sequence_input_grad", xt.grad(), shard(d.x.grad(), -1, r, n));
+    check("row_sequence_weight_grad", row->weight.grad(), shard(d.layer->weight.grad(), 1, r, n));
+    check("row_sequence_bias_grad", row->bias.grad(), d.layer->bias.grad());
   }
   // Vocab-parallel embedding.
   {
@@ -165,6 +210,26 @@ void layers() {
     std::cout << "sequence_refusal " << (refused.find("divisible by 2") != std::string::npos)
               << std::endl;
   }
+  // Sequence parallel: scatter of replicated activations; each rank's gradient of its part
+  // comes back all-gathered.
+  {
+    torch::manual_seed(10);
+    auto x = torch::randn({2, 8, 4});
+    auto g = torch::randn({2, 8, 4});
+    auto xt = x.clone().requires_grad_();
+    auto out = tp::scatter_to_sequence_region(xt, pg);
+    (out * shard(g, 1, r, n)).sum().backward();
+    check("sequence_scatter_output", out, shard(x, 1, r, n));
+    check("sequence_scatter_input_grad", xt.grad(), g);
+    std::string refused;
+    try {
+      tp::scatter_to_sequence_region(torch::randn({2, 3, 4}), pg);
+    } catch (const std::invalid_argument& e) {
+      refused = e.what();
+    }
+    std::cout << "sequence_scatter_refusal "
+              << (refused.find("divisible by 2") != std::string::npos) << std::endl;
+  }
 }
 
 examples::GPTConfig small_gpt() {
@@ -197,36 +262,161 @@ std::vector<at::Tensor> unique_parameters(torch::nn::Module& m) {
   return out;
 }
 
-void gpt() {
+// The batch of the GPT checks, from seed 12; the default stream is then where these draws leave
+// it.
+std::pair<at::Tensor, at::Tensor> gpt_batch() {
+  torch::manual_seed(12);
+  auto idx = torch::randint(0, 64, {2, 16});
+  return {idx, torch::randint(0, 64, {2, 16})};
+}
+
+// Checks every parameter of `model` (this rank's shard) and its gradient against the dense
+// GPT's; returns how many were compared.
+int check_gpt_parameters(const std::string& prefix, examples::GPT& model, examples::GPT& dense,
+                         int r, int n) {
+  const auto local = model->named_parameters();  // find() points into it: keep it alive
+  int count = 0;
+  for (auto& p : dense->named_parameters()) {
+    auto* mine = local.find(p.key());
+    if (!mine) throw std::runtime_error("the parallel GPT has no parameter " + p.key());
+    check(prefix + "_param " + p.key(), *mine, gpt_shard(p.key(), p.value().detach(), r, n));
+    check(prefix + "_grad " + p.key(), mine->grad(), gpt_shard(p.key(), p.value().grad(), r, n));
+    ++count;
+  }
+  return count;
+}
+
+// The example GPT by its plan (`sequence_parallel`: the sequence-parallel one) against the dense
+// GPT: loss, parameters and gradients.
+void gpt(bool sequence_parallel) {
   auto& pg = g_world;
   const int r = pg->rank(), n = pg->size();
   torch::manual_seed(11);
   examples::GPT dense(small_gpt());
   torch::manual_seed(11);
   examples::GPT model(small_gpt());
-  tp::parallelize_module(*model, pg, examples::gpt_tensor_parallel_plan());
-  torch::manual_seed(12);
-  auto idx = torch::randint(0, 64, {2, 16}), targets = torch::randint(0, 64, {2, 16});
+  // Registered before the plan's hooks, this one sees ln_f's gradient before the sum over tp.
+  at::Tensor ln_local;
+  model->ln_f->weight.register_hook([&ln_local](const at::Tensor& g) { ln_local = g.clone(); });
+  tp::parallelize_module(*model, pg, examples::gpt_tensor_parallel_plan(sequence_parallel));
+  auto [idx, targets] = gpt_batch();
   auto loss = dense->loss_per_sample(idx, targets).mean();
   loss.backward();
   auto lt = model->loss_per_sample(idx, targets).mean();
   lt.backward();
   check("gpt_loss", lt, loss);
-  auto local = model->named_parameters();
-  int count = 0;
-  for (auto& p : dense->named_parameters()) {
-    auto* mine = local.find(p.key());
-    if (!mine) throw std::runtime_error("the parallel GPT has no parameter " + p.key());
-    check("gpt_param " + p.key(), *mine, gpt_shard(p.key(), p.value().detach(), r, n));
-    check("gpt_grad " + p.key(), mine->grad(), gpt_shard(p.key(), p.value().grad(), r, n));
-    ++count;
-  }
-  std::cout << "gpt_parameters " << count << " of " << local.size() << std::endl;
+  const int count = check_gpt_parameters("gpt", model, dense, r, n);
+  std::cout << "gpt_parameters " << count << " of " << model->named_parameters().size()
+            << std::endl;
   const auto named = model->named_parameters();  // find() points into it: keep it alive
   auto head = named.find("head.weight");
   auto wte = named.find("wte.weight");
   std::cout << "gpt_tied " << (head->unsafeGetTensorImpl() == wte->unsafeGetTensorImpl()) << " "
             << head->size(0) << std::endl;
+  if (sequence_parallel) {
+    // ln_f ran on this rank's 8 of 16 positions: its own gradient is a part of the dense one,
+    // which only the sum over tp (the plan's hook) makes whole.
+    std::cout << "gpt_sequence_parallel " << (model->sequence_parallel_head() != nullptr)
+              << std::endl;
+    const auto& dense_grad = dense->ln_f->weight.grad();
+    std::printf("gpt_ln_local_difference %.9g\n",
+                (ln_local - dense_grad).abs().max().item<double>());
+    std::fflush(stdout);
+    auto summed = ln_local.clone();
+    pg->allreduce(summed, tandem::ReduceOp::kSum);
+    check("gpt_ln_local_summed", summed, dense_grad);
+  }
+}
+
+// Dropout with the sequence-parallel plan: masks of their own on each rank's positions, drawn
+// from the per-rank stream, the shared stream untouched, the run reproducible from the seeds;
+// and the plain tensor-parallel plan (replicated activations) drawing what the dense GPT draws.
+void dropout() {
+  auto& pg = g_world;
+  const int r = pg->rank(), n = pg->size();
+  auto config = small_gpt();
+  config.dropout = 0.1;
+  struct Step {
+    at::Tensor loss;
+    std::vector<at::Tensor> grads;
+  };
+  auto step = [&](uint64_t tp_seed) {
+    torch::manual_seed(11);
+    examples::GPT model(config);
+    tp::parallelize_module(*model, pg, examples::gpt_tensor_parallel_plan(true));
+    model->seed_tensor_parallel_rng(tp_seed);
+    auto [idx, targets] = gpt_batch();
+    Step s{model->loss_per_sample(idx, targets).mean(), {}};
+    s.loss.backward();
+    // The shared stream: where the same draws without the model leave it (dropout on sequence
+    // shards draws from the per-rank stream only), and the same on every tp rank.
+    auto after = torch::rand({16});
+    gpt_batch();
+    check("dropout_shared_stream_untouched", after, torch::rand({16}));
+    auto both = pg->allgather(after);
+    check("dropout_shared_stream_across_ranks", both[0], both[1]);
+    for (auto& p : model->parameters()) s.grads.push_back(p.grad().clone());
+    return s;
+  };
+  auto a = step(7), b = step(7), c = step(8);
+  double grads = 0;
+  for (size_t i = 0; i < a.grads.size(); ++i)
+    grads = std::max(grads, (a.grads[i] - b.grads[i]).abs().max().item<double>());
+  std::printf("dropout_repeat loss %.9g grads %.9g other_seed_loss %.9g\n",
+              (a.loss - b.loss).abs().item<double>(), grads,
+              (a.loss - c.loss).abs().item<double>());
+  std::fflush(stdout);
+
+  // The masks of the two ranks' positions: a model without blocks whose two sequence halves
+  // are the same tokens (and no position embedding) gives the same logits for both halves
+  // unless the ranks' dropout masks differ.
+  {
+    auto flat = config;
+    flat.layers = 0;
+    torch::manual_seed(13);
+    examples::GPT model(flat);
+    torch::NoGradGuard no_grad;
+    model->wpe->weight.zero_();
+    tp::TensorParallelPlan plan;
+    plan.vocab("wte").sequence_parallel("ln_f").colwise_from_sequence("head");
+    tp::parallelize_module(*model, pg, plan);
+    model->seed_tensor_parallel_rng(7);
+    auto half = torch::randint(0, 64, {2, 8});
+    auto idx = torch::cat({half, half}, 1);
+    auto halves = [&] {
+      auto logits = model->forward(idx);
+      return (logits.narrow(1, 0, 8) - logits.narrow(1, 8, 8)).abs().max().item<double>();
+    };
+    model->eval();
+    const double eval = halves();
+    model->train();
+    std::printf("dropout_halves eval %.9g train %.9g\n", eval, halves());
+    std::fflush(stdout);
+  }
+
+  // Without sequence parallel every dropout acts on replicated activations: the same masks as
+  // the dense GPT's, from the shared stream.
+  {
+    torch::manual_seed(11);
+    examples::GPT dense(config);
+    torch::manual_seed(11);
+    examples::GPT model(config);
+    tp::parallelize_module(*model, pg, examples::gpt_tensor_parallel_plan());
+    auto [idx, targets] = gpt_batch();
+    auto loss = dense->loss_per_sample(idx, targets).mean();
+    loss.backward();
+    gpt_batch();  // the same stream for the parallel model's masks
+    auto lt = model->loss_per_sample(idx, targets).mean();
+    lt.backward();
+    check("dropout_tp_loss", lt, loss);
+    check_gpt_parameters("dropout_tp", model, dense, r, n);
+    // The masks matter: without them the dense loss is another.
+    torch::NoGradGuard no_grad;
+    dense->eval();
+    auto plain = dense->loss_per_sample(idx, targets).mean();
+    std::printf("dropout_dense_effect %.9g\n", (loss - plain).abs().item<double>());
+    std::fflush(stdout);
+  }
 }
 
 // Largest relative difference of a parameter (this rank's shard) to the dense model's.
@@ -294,7 +484,7 @@ void train() {
 // `save_dir`: stop after step 2 and save_state there; `load_dir`: load_state from there first and
 // train steps 2 and 3 only. Prints a digest of this rank's parameters at the end, so that a
 // resumed run can be compared bitwise with an uninterrupted one.
-void accelerate(const std::string& save_dir, const std::string& load_dir) {
+void accelerate(const std::string& save_dir, const std::string& load_dir, bool sequence_parallel) {
   tandem::Accelerator acc;
   const auto* mesh = acc.mesh();
   if (!mesh) {
@@ -310,7 +500,7 @@ void accelerate(const std::string& save_dir, const std::string& load_dir) {
   examples::GPT dense(small_gpt());
   torch::manual_seed(21);
   examples::GPT model(small_gpt());
-  acc.parallelize(*model, examples::gpt_tensor_parallel_plan());
+  acc.parallelize(*model, examples::gpt_tensor_parallel_plan(sequence_parallel));
   model = acc.prepare(model);
   auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(0.01);
   torch::optim::SGD dense_opt(unique_parameters(*dense), sgd);
@@ -360,6 +550,8 @@ void accelerate(const std::string& save_dir, const std::string& load_dir) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  bool sequence_parallel = false;
+  for (int i = 2; i < argc; ++i) sequence_parallel |= std::string(argv[i]) == "--sequence_parallel";
   torch::set_num_threads(1);
   try {
     if (mode == "accelerate") {  // the Accelerator joins the job itself
@@ -368,7 +560,7 @@ int main(int argc, char** argv) {
         if (std::string(argv[i]) == "--save_dir") save_dir = argv[i + 1];
         if (std::string(argv[i]) == "--load_dir") load_dir = argv[i + 1];
       }
-      accelerate(save_dir, load_dir);
+      accelerate(save_dir, load_dir, sequence_parallel);
       return 0;
     }
     g_world = tandem::ProcessGroup::create(tandem::ProcessState::from_environment());
@@ -376,11 +568,15 @@ int main(int argc, char** argv) {
     if (mode == "layers") {
       layers();
     } else if (mode == "gpt") {
-      gpt();
+      gpt(sequence_parallel);
+    } else if (mode == "dropout") {
+      dropout();
     } else if (mode == "train") {
       train();
     } else {
-      std::cerr << "usage: tp_worker layers|gpt|train" << std::endl;
+      std::cerr << "usage: tp_worker layers|gpt [--sequence_parallel]|dropout|train|accelerate "
+                   "[--sequence_parallel] [--save_dir D] [--load_dir D]"
+                << std::endl;
       return 2;
     }
     g_world->barrier();

@@ -118,6 +118,83 @@ TEST(TensorParallelPlan, ParallelizeOnOneRankEqualsTheDenseModelAndRefusesBadEnt
                        "group is null"));
 }
 
+namespace {
+
+// A per-token scale whose parameter may be a tensor another module holds.
+struct ScaleImpl : torch::nn::Module {
+  explicit ScaleImpl(torch::Tensor w) : weight(register_parameter("weight", std::move(w))) {}
+  torch::Tensor weight;
+};
+TORCH_MODULE(Scale);
+
+struct NormedImpl : torch::nn::Module {
+  NormedImpl() {
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({4})));
+    up = register_module("up", torch::nn::Linear(4, 4));
+    scale = register_module("scale", Scale(up->bias));  // tied to up's bias
+  }
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear up{nullptr};
+  Scale scale{nullptr};
+};
+TORCH_MODULE(Normed);
+
+}  // namespace
+
+TEST(TensorParallelPlan, SequenceParallelEntriesKeepNormsAndFlagTheLinearLayers) {
+  TensorParallelPlan plan;
+  plan.sequence_parallel("ln").colwise_from_sequence("up", 2).rowwise_to_sequence("down");
+  ASSERT_EQ(plan.entries.size(), 3u);
+  EXPECT_EQ(plan.entries[0].style, ParallelStyle::kSequenceParallel);
+  EXPECT_TRUE(plan.entries[1].sequence_parallel);
+  EXPECT_EQ(plan.entries[1].style, ParallelStyle::kColwise);
+  EXPECT_EQ(plan.entries[1].parts, 2);
+  EXPECT_TRUE(plan.entries[2].sequence_parallel);
+  EXPECT_EQ(plan.entries[2].style, ParallelStyle::kRowwise);
+  EXPECT_FALSE(TensorParallelPlan().colwise("up").entries[0].sequence_parallel);
+
+  auto one = tandem::ProcessGroup::single();
+  Normed model;
+  auto ln = model->ln.ptr();
+  TensorParallelPlan good;
+  good.sequence_parallel("ln").colwise_from_sequence("up");
+  parallelize_module(*model, one, good);
+  // The norm stays the module the model built (not a tensor-parallel layer, whose parameters
+  // clipping would count as split); the linear layer takes its input from the sequence.
+  EXPECT_EQ(planned_child(*model, "ln"), nullptr);
+  EXPECT_EQ(model->named_children()["ln"].get(), ln.get());
+  auto up = std::dynamic_pointer_cast<ColumnParallelLinearImpl>(planned_child(*model, "up"));
+  ASSERT_TRUE(up != nullptr);
+  EXPECT_TRUE(up->options.sequence_parallel());
+  auto x = torch::randn({2, 6, 4});
+  EXPECT_TRUE(torch::equal(up->forward(x), model->up(x)));  // one rank: the dense layer
+
+  // A parameter tied between a split layer and a sequence-parallel module, in either order.
+  TensorParallelPlan split_first, summed_first, vocab_sp;
+  split_first.colwise("up").sequence_parallel("scale");
+  summed_first.sequence_parallel("scale").colwise("up");
+  const auto e1 = error_of([&] { parallelize_module(*Normed(), one, split_first); });
+  EXPECT_TRUE(contains(e1, "scale")) << e1;
+  EXPECT_TRUE(contains(e1, "is split by another plan entry")) << e1;
+  const auto e2 = error_of([&] { parallelize_module(*Normed(), one, summed_first); });
+  EXPECT_TRUE(contains(e2, "up shares a parameter with a sequence-parallel module")) << e2;
+  // Sequence parallel is for colwise and rowwise entries.
+  PlanEntry entry;
+  entry.pattern = "emb";
+  entry.style = ParallelStyle::kVocab;
+  entry.sequence_parallel = true;
+  vocab_sp.add(entry);
+  const auto e3 = error_of([&] { parallelize_module(*Tiny(), one, vocab_sp); });
+  EXPECT_TRUE(contains(e3, "sequence_parallel applies to colwise and rowwise entries")) << e3;
+}
+
+TEST(TensorParallelRegions, OneRankSequenceScatterIsTheIdentity) {
+  auto x = torch::randn({2, 3, 4});
+  EXPECT_TRUE(torch::equal(scatter_to_sequence_region(x, tandem::ProcessGroup::single()), x));
+  EXPECT_TRUE(contains(error_of([&] { scatter_to_sequence_region(x, nullptr); }),
+                       "scatter_to_sequence_region: the process group is null"));
+}
+
 TEST(TensorParallelPlan, OneRankCrossEntropyEqualsPyTorchsWithIgnoredTargets) {
   torch::manual_seed(5);
   auto logits = torch::randn({4, 6, 10}, torch::requires_grad());

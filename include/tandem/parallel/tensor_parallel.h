@@ -1,6 +1,7 @@
 // Tensor parallel after Megatron-LM: the conjugate communication regions (autograd functions),
 // the column/row-parallel linear layers, the vocab-parallel embedding and cross entropy, a plan
-// that swaps a model's layers for their tensor-parallel forms, and the per-rank RNG for dropout.
+// that swaps a model's layers for their tensor-parallel forms (sequence parallel included), and
+// the per-rank RNG for dropout.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -42,6 +43,12 @@ at::Tensor gather_from_sequence_region(const at::Tensor& input, std::shared_ptr<
 /// and padded sequence positions would be silently wrong, so they are refused.
 at::Tensor reduce_scatter_to_sequence_region(const at::Tensor& input,
                                              std::shared_ptr<ProcessGroup> group, int64_t dim = 1);
+/// Sequence parallel: this rank's part of `dim` forward (rank r keeps positions
+/// [r T/n, (r+1) T/n)), all-gather backward. Enters the sequence-parallel part of a model from
+/// replicated activations (the example GPT's embeddings). The size of `dim` must be divisible
+/// by the group size, as for reduce_scatter_to_sequence_region.
+at::Tensor scatter_to_sequence_region(const at::Tensor& input, std::shared_ptr<ProcessGroup> group,
+                                      int64_t dim = 1);
 
 // ---------------------------------------------------------------------------------------------
 // Layers. Every split dimension must be divisible by the group size (uneven shards are refused
@@ -77,10 +84,16 @@ struct ColumnParallelLinearOptions {
   /// is split on its own, so that a rank holds whole heads of q, k and v. The local output is
   /// this rank's part of block 0, then of block 1, ...
   TORCH_ARG(int64_t, parts) = 1;
+  /// Sequence parallel: the input is this rank's part of the sequence ([B, T/tp, in], dimension
+  /// 1); forward all-gathers it to [B, T, in] (gather_from_sequence_region), and backward
+  /// reduce-scatters the input gradient to this rank's positions, in place of copy_to_region's
+  /// all-reduce.
+  TORCH_ARG(bool, sequence_parallel) = false;
 };
 
 /// A Linear whose output features (weight rows) are split over the group: y_r = x W_r^T + b_r.
-/// Backward all-reduces the input gradient (copy_to_region).
+/// Backward all-reduces the input gradient (copy_to_region), or reduce-scatters it along the
+/// sequence with options.sequence_parallel().
 class ColumnParallelLinearImpl : public TensorParallelModule {
  public:
   /// Parameters allocated for this rank's shard, initialised as torch::nn::Linear initialises
@@ -111,10 +124,17 @@ struct RowParallelLinearOptions {
   /// The input is already split along its last dimension (the output of a ColumnParallelLinear
   /// without gather_output); else it is the full input and each rank takes its part.
   TORCH_ARG(bool, input_is_parallel) = true;
+  /// Sequence parallel: the partial products are reduce-scattered along the sequence
+  /// (dimension 1; reduce_scatter_to_sequence_region) instead of all-reduced, so each rank gets
+  /// the summed output of its positions, [B, T/tp, out]; T must be divisible by the group size.
+  /// The bias is added after, to the local positions; its gradient (a sum over this rank's
+  /// positions only) is all-reduced over the group, so the replicated bias stays replicated.
+  TORCH_ARG(bool, sequence_parallel) = false;
 };
 
 /// A Linear whose input features (weight columns) are split: y = sum_r x_r W_r^T (all-reduced
 /// forward, reduce_from_region) + b, the bias added once, after the reduction, on every rank.
+/// With options.sequence_parallel() the sum is reduce-scattered along the sequence instead.
 class RowParallelLinearImpl : public TensorParallelModule {
  public:
   RowParallelLinearImpl(RowParallelLinearOptions options, std::shared_ptr<ProcessGroup> group);
@@ -181,6 +201,12 @@ enum class ParallelStyle {
              ///< ColumnParallelLinear
   kRowwise,  ///< a Linear: RowParallelLinear (input_is_parallel)
   kVocab,    ///< an Embedding (a 2-D `weight` [V, dim]): VocabParallelEmbedding
+  /// A per-token module (LayerNorm, RMSNorm, ...) that runs on this rank's part of the sequence
+  /// with replicated parameters. The module stays as it is (no TensorParallelModule: its
+  /// parameters are not split); each of its parameters gets a gradient hook that all-reduces
+  /// (sums) the gradient over the tp group, since each rank's gradient is the sum over its own
+  /// positions only.
+  kSequenceParallel,
 };
 
 /// One entry of a plan: the module paths it matches and how they are split.
@@ -195,6 +221,10 @@ struct PlanEntry {
   bool gather_output = false;
   /// kRowwise: the input is already split (after a kColwise layer).
   bool input_is_parallel = true;
+  /// kColwise: the input is this rank's part of the sequence (all-gathered forward);
+  /// kRowwise: the output is reduce-scattered along the sequence. See
+  /// ColumnParallelLinearOptions::sequence_parallel and RowParallelLinearOptions's.
+  bool sequence_parallel = false;
 };
 
 /// Which layers of a model become tensor parallel, and how.
@@ -204,6 +234,13 @@ struct PlanEntry {
 ///   plan.colwise("h*.attn.qkv", /*parts=*/3).rowwise("h*.attn.proj")
 ///       .colwise("h*.fc").rowwise("h*.fc_proj").vocab("wte").colwise("head");
 ///   parallelize_module(*model, mesh["tp"], plan);
+///
+/// Sequence parallel (Megatron's, Korthikanti et al. 2022): the norms run on sequence shards,
+/// the column-parallel layers gather the sequence, the row-parallel ones scatter it:
+///   plan.sequence_parallel("h*.ln*").colwise_from_sequence("h*.attn.qkv", 3)
+///       .rowwise_to_sequence("h*.attn.proj").colwise_from_sequence("h*.fc")
+///       .rowwise_to_sequence("h*.fc_proj").vocab("wte").sequence_parallel("ln_f")
+///       .colwise_from_sequence("head");
 struct TensorParallelPlan {
   std::vector<PlanEntry> entries;
 
@@ -212,6 +249,14 @@ struct TensorParallelPlan {
                               bool gather_output = false);
   TensorParallelPlan& rowwise(const std::string& pattern, bool input_is_parallel = true);
   TensorParallelPlan& vocab(const std::string& pattern);
+  /// kColwise with sequence_parallel: the input is this rank's part of the sequence.
+  TensorParallelPlan& colwise_from_sequence(const std::string& pattern, int64_t parts = 1);
+  /// kRowwise with sequence_parallel (input split by features, as after a kColwise layer): the
+  /// output is this rank's part of the sequence.
+  TensorParallelPlan& rowwise_to_sequence(const std::string& pattern);
+  /// kSequenceParallel: a per-token module (a norm) on sequence shards, its replicated
+  /// parameters' gradients summed over the tp group.
+  TensorParallelPlan& sequence_parallel(const std::string& pattern);
 };
 
 /// Whether `path` matches `pattern` (`*`: any characters except '.').
@@ -231,8 +276,10 @@ std::vector<std::vector<std::string>> match_plan(const TensorParallelPlan& plan,
 /// of `tp` must hold the same dense model (same seed, or a broadcast) before the call. Members
 /// of the parent that hold the old module (typed holders such as torch::nn::Linear) are not
 /// changed: a model calls planned children through their parent's registered children (see
-/// planned_child). Throws std::invalid_argument for an entry that matches nothing, a module of
-/// a type the style cannot split, and an uneven split.
+/// planned_child). kSequenceParallel modules stay in place (their parameters replicated, with a
+/// gradient hook that sums over `tp`; a parameter a split layer shares is refused). Throws
+/// std::invalid_argument for an entry that matches nothing, a module of a type the style cannot
+/// split, and an uneven split.
 void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> tp,
                         const TensorParallelPlan& plan);
 
