@@ -239,6 +239,14 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   TORCH_CHECK(mesh_ && mesh_->size("pp") > 1, state_.prefix(),
               " prepare_pipeline: this run has no pipeline dimension; set pp_size (tandem launch "
               "--pp_size, parallelism_config pp_size, or AcceleratorOptions().parallelism)");
+  // Note [Pipelines and ZeRO]: a Pipeline averages its stage's gradients over mesh["dp"] once per
+  // step itself, so a strategy that reduces (and shards) gradients in backward hooks has no place
+  // in it (DeepSpeed, too, refuses ZeRO stages 2 and 3 with pipeline parallel).
+  TORCH_CHECK(!options_.sharding() || options_.sharding()->stage() == 0, state_.prefix(),
+              " prepare_pipeline: ZeRO stage ", options_.sharding()->stage(),
+              " does not combine with pipeline parallel in tandem (the pipeline reduces each "
+              "stage's gradients itself); run the pipeline with plain data parallel (no "
+              "--use_deepspeed/--use_fsdp), or use ZeRO with tensor parallel instead of pp");
   auto pp = (*mesh_)["pp"];
   auto stage = parallel::split_sequential(model, pp->size(), pp->rank());
   stage->to(device_);

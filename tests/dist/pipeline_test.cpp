@@ -193,6 +193,19 @@ TEST(PipelineParallel, PipelineTimesTensorParallelGptEqualsOneProcess) {
       << r.output;
 }
 
+// A ZeRO stage with a pipeline is refused on every rank with the fix (the pipeline reduces
+// each stage's gradients itself).
+TEST(PipelineParallel, ZeroWithAPipelineIsRefused) {
+  auto r = run_command({kCli, "launch", "--num_processes", "2", "--cpu", "--num_cpu_threads_per_process",
+                       "1", "--pp_size", "2", "--use_deepspeed", "--zero_stage", "1", kWorker,
+                       "accelerate", "--out", out_dir()},
+                      {}, 120);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "ZeRO stage 1 does not combine with pipeline parallel"), 2)
+      << r.output;
+  EXPECT_EQ(count_of(r.output, "acc trained rank"), 0) << r.output;
+}
+
 TEST(PipelineParallel, AStageThatDiesEndsTheJob) {
   auto r = launch(4, {"die"}, {{"PIPELINE_DIE_RANK", "1"}, {"PIPELINE_TIMEOUT_S", "300"}});
   EXPECT_FALSE(r.timed_out) << r.output;

@@ -239,10 +239,28 @@ TEST(TensorParallel, AcceleratorSequenceParallelEqualsOneProcess) {
   expect_all_within(c, 4, 1e-5, r.output);
 }
 
-// save_state in a model-parallel run writes every rank's shards (model.mp<r>, optimizer.mp<r>);
-// stopped after 2 of 4 steps and resumed in a new job, the run ends with bitwise the parameters
-// of the uninterrupted one on every rank.
-TEST(TensorParallel, AcceleratorCheckpointResumesBitwise) {
+// ZeRO over mesh["dp"] with tensor parallel: each tp rank's shards of the split GPT are sharded
+// again over its data-parallel pair. Stages 1, 2 and 3 train as one dense process, and the clipped
+// norm (the strategy's shard norms in split and replicated parts, summed over tp) is the dense
+// model's; all within 1e-5.
+TEST(TensorParallel, AcceleratorZeroTimesTensorParallelEqualsOneProcess) {
+  for (const char* stage : {"1", "2", "3"}) {
+    auto r = launch(4, "accelerate", {"--tp_size", "2", "--use_deepspeed", "--zero_stage", stage});
+    ASSERT_EQ(r.exit_code, 0) << "stage " << stage << "\n" << r.output;
+    expect_mesh_lines(r.output, kAcceleratorMeshLines);
+    auto c = parse_checks(r.output);
+    EXPECT_EQ(c.count["acc_grad_norm_step3"], 4) << "stage " << stage;
+    EXPECT_EQ(c.count["acc_params_relative"], 4) << "stage " << stage;
+    expect_all_within(c, 4, 1e-5, r.output);
+  }
+}
+
+// save_state in a model-parallel run: the first data-parallel rank of each tp coordinate writes
+// its shards of the model (model.mp<r>), every rank its optimizer state (optimizer.mp<r>, or its
+// ZeRO shards optimizer.rank<r>). Stopped after 2 of 4 steps and resumed in a new job, the run
+// ends with bitwise the parameters of the uninterrupted one on every rank. Returns the
+// checkpoint's directory (removed by the caller).
+std::string expect_resume_bitwise(const std::vector<std::string>& flags) {
   auto digests = [](const std::string& out) {
     std::map<std::string, std::string> d;
     std::istringstream in(out);
@@ -252,32 +270,45 @@ TEST(TensorParallel, AcceleratorCheckpointResumesBitwise) {
     }
     return d;
   };
-  auto whole = launch(4, "accelerate", {"--tp_size", "2"});
-  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  auto whole = launch(4, "accelerate", flags);
+  EXPECT_EQ(whole.exit_code, 0) << whole.output;
   const auto dir = tandem::testing::temp_path("tp", "ckpt");
-  std::vector<std::string> save{kCli, "launch", "--num_processes", "4", "--cpu",
-                                "--num_cpu_threads_per_process", "1", "--tp_size", "2",
-                                kWorker, "accelerate", "--save_dir", dir};
-  auto saved = run_command(save, {}, 180);
-  ASSERT_EQ(saved.exit_code, 0) << saved.output;
+  auto saved = launch(4, "accelerate", flags, {"--save_dir", dir});
+  EXPECT_EQ(saved.exit_code, 0) << saved.output;
   EXPECT_EQ(count_of(saved.output, "saved at step 2"), 4) << saved.output;
+  // Ranks 0 and 1 are data-parallel rank 0 of tp ranks 0 and 1; 2 and 3 hold the same model.
   for (int r = 0; r < 4; ++r)
-    EXPECT_TRUE(std::ifstream(dir + "/model.mp" + std::to_string(r) + ".safetensors").good()) << r;
-  auto load = save;
-  load[load.size() - 2] = "--load_dir";
-  auto resumed = run_command(load, {}, 180);
-  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_EQ(std::ifstream(dir + "/model.mp" + std::to_string(r) + ".safetensors").good(), r < 2)
+        << r;
+  auto resumed = launch(4, "accelerate", flags, {"--load_dir", dir});
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   auto a = digests(whole.output), b = digests(resumed.output);
   EXPECT_EQ(a.size(), 4u) << whole.output;
   EXPECT_EQ(a, b) << resumed.output;
+  return dir;
+}
+
+TEST(TensorParallel, AcceleratorCheckpointResumesBitwise) {
+  const auto dir = expect_resume_bitwise({"--tp_size", "2"});
+  for (int r = 0; r < 4; ++r)
+    EXPECT_TRUE(std::ifstream(dir + "/optimizer.mp" + std::to_string(r) + ".json").good()) << r;
   // The shards resume only on the mesh that saved them: without --tp_size every rank refuses.
-  auto other = load;
-  other.erase(other.begin() + 7, other.begin() + 9);  // "--tp_size", "2"
-  auto refused = run_command(other, {}, 180);
+  auto refused = launch(4, "accelerate", {}, {"--load_dir", dir});
   EXPECT_NE(refused.exit_code, 0) << refused.output;
   EXPECT_GE(count_of(refused.output, "every rank's shards resume only on the same mesh"), 1)
       << refused.output;
   std::system(("rm -rf " + dir).c_str());
+}
+
+TEST(TensorParallel, AcceleratorZeroCheckpointResumesBitwise) {
+  for (const char* stage : {"2", "3"}) {
+    const auto dir =
+        expect_resume_bitwise({"--tp_size", "2", "--use_deepspeed", "--zero_stage", stage});
+    for (int r = 0; r < 4; ++r)
+      EXPECT_TRUE(std::ifstream(dir + "/optimizer.rank" + std::to_string(r) + ".json").good())
+          << "stage " << stage << " rank " << r;
+    std::system(("rm -rf " + dir).c_str());
+  }
 }
 
 // A mesh that does not fit is refused before any rank starts, naming the flag and the fix.
