@@ -12,6 +12,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 
 #include "../compat/autocast.h"
@@ -26,10 +29,19 @@ namespace {
 thread_local int t_recompute_depth = 0;
 thread_local std::vector<std::function<void()>> t_deferred_callbacks;
 
-// The random number generators a region may draw from: the CPU one, and every CUDA device's.
+// The random streams registered besides the default generators (register_random_stream).
+std::mutex g_streams_mutex;
+std::set<RandomStream*>& registered_streams() {
+  static std::set<RandomStream*> streams;
+  return streams;
+}
+
+// The random number generators a region may draw from: the CPU one, every CUDA device's, and the
+// registered streams.
 struct RngState {
   at::Tensor cpu;
   std::vector<at::Tensor> cuda;
+  std::map<RandomStream*, std::vector<at::Tensor>> streams;
 };
 
 std::vector<at::Generator> generators() {
@@ -50,6 +62,8 @@ RngState capture_rng() {
     std::lock_guard<std::mutex> lock(gens[i].mutex());
     (i == 0 ? s.cpu : s.cuda.emplace_back()) = gens[i].get_state();
   }
+  std::lock_guard<std::mutex> lock(g_streams_mutex);
+  for (auto* stream : registered_streams()) s.streams[stream] = stream->stream_state();
   return s;
 }
 
@@ -61,6 +75,9 @@ void restore_rng(const RngState& s) {
     std::lock_guard<std::mutex> lock(gens[i].mutex());
     gens[i].set_state(state);
   }
+  std::lock_guard<std::mutex> lock(g_streams_mutex);
+  for (const auto& [stream, state] : s.streams)  // a stream destroyed since is skipped
+    if (registered_streams().count(stream)) stream->set_stream_state(state);
 }
 
 // Sets the generators to `s` for a scope, then puts back what they were.
@@ -321,6 +338,17 @@ void visit(torch::nn::Module& m, const std::string& prefix, const CheckpointPred
 }
 
 }  // namespace
+
+void register_random_stream(RandomStream* stream) {
+  TORCH_CHECK(stream, "register_random_stream: the stream is null");
+  std::lock_guard<std::mutex> lock(g_streams_mutex);
+  registered_streams().insert(stream);
+}
+
+void unregister_random_stream(RandomStream* stream) {
+  std::lock_guard<std::mutex> lock(g_streams_mutex);
+  registered_streams().erase(stream);
+}
 
 std::vector<std::shared_ptr<CheckpointedImpl>> checkpoint_sequential_entries(
     torch::nn::SequentialImpl& sequential, CheckpointOptions options) {

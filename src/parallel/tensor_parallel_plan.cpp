@@ -377,6 +377,16 @@ TensorParallelRng::TensorParallelRng(uint64_t seed, int tp_rank) : seed_(seed) {
   const uint64_t s = seed + kTensorParallelSeedOffset + static_cast<uint64_t>(tp_rank);
   cpu_state_ = seeded_state(at::detail::getDefaultCPUGenerator(), s);
   if (cuda_generator_available()) cuda_state_ = seeded_state(cuda_generator(), s);
+  register_random_stream(this);
+}
+
+TensorParallelRng::~TensorParallelRng() { unregister_random_stream(this); }
+
+void TensorParallelRng::set_stream_state(const std::vector<at::Tensor>& state) {
+  TORCH_CHECK(state.size() == 2, "TensorParallelRng::set_stream_state: expected the CPU and CUDA "
+              "states (2 tensors), got ", state.size());
+  cpu_state_ = state[0];
+  cuda_state_ = state[1];
 }
 
 TensorParallelRng::Scope::Scope(TensorParallelRng& rng) : rng_(rng) {

@@ -18,6 +18,7 @@
 #include "../../examples/common/gpt.h"
 #include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/sharded.h"
+#include "tandem/parallel/tensor_parallel.h"
 #include "tandem/precision/autocast.h"
 
 using tandem::parallel::checkpoint;
@@ -116,6 +117,47 @@ TEST(ActivationCheckpoint, WithoutRngRestoreTheGradientsDiffer) {
   int differ = 0;
   for (size_t i = 0; i < a.params.size(); ++i) differ += torch::equal(a.params[i], b.params[i]) ? 0 : 1;
   // The recompute drew other dropout masks: most gradients are wrong.
+  EXPECT_GE(differ, static_cast<int>(a.params.size()) / 2) << differ << " of " << a.params.size();
+}
+
+// A block whose dropout draws from a tensor-parallel rank's own stream (TensorParallelRng), as
+// sequence-parallel dropout does.
+struct StreamDropBlockImpl : torch::nn::Module {
+  explicit StreamDropBlockImpl(tandem::parallel::TensorParallelRng* rng)
+      : fc(register_module("fc", torch::nn::Linear(kWidth, kWidth))), rng(rng) {}
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = fc(x);
+    auto scope = rng->scope();
+    return torch::dropout(h, 0.5, is_training()).relu();
+  }
+  torch::nn::Linear fc;
+  tandem::parallel::TensorParallelRng* rng;
+};
+TORCH_MODULE(StreamDropBlock);
+
+// Gradients of 3 such blocks (checkpointed or not), and a draw from the stream afterwards.
+std::pair<Grads, torch::Tensor> stream_run(bool checkpointed, bool registered) {
+  tandem::parallel::TensorParallelRng rng(/*seed=*/5, /*tp_rank=*/1);
+  if (!registered) tandem::parallel::unregister_random_stream(&rng);
+  torch::manual_seed(7);
+  torch::nn::Sequential m;
+  for (int i = 0; i < 3; ++i) m->push_back(StreamDropBlock(&rng));
+  if (checkpointed) tandem::parallel::checkpoint_sequential_entries(m);
+  auto g = run(*m, [&](torch::Tensor x) { return m->forward(x); });
+  auto scope = rng.scope();
+  return {g, torch::rand({4})};
+}
+
+TEST(ActivationCheckpoint, TensorParallelStreamRecomputesTheSameMasks) {
+  auto [a, a_stream] = stream_run(false, true);
+  auto [b, b_stream] = stream_run(true, true);
+  expect_bitwise(a, b);
+  // The stream, too, is where the plain run left it.
+  EXPECT_TRUE(torch::equal(a_stream, b_stream));
+  // A stream checkpoint() does not know of recomputes with other masks.
+  auto [c, c_stream] = stream_run(true, false);
+  int differ = 0;
+  for (size_t i = 0; i < a.params.size(); ++i) differ += torch::equal(a.params[i], c.params[i]) ? 0 : 1;
   EXPECT_GE(differ, static_cast<int>(a.params.size()) / 2) << differ << " of " << a.params.size();
 }
 

@@ -35,6 +35,22 @@ struct CheckpointOptions {
   TORCH_ARG(bool, preserve_rng_state) = true;
 };
 
+/// A random stream a checkpointed region may draw from besides the default generators (a
+/// TensorParallelRng is one): checkpoint() captures the state of every registered stream before
+/// the region's first run, sets it again for the recompute, and puts back after the recompute
+/// what the stream held, as it does for the default generators.
+class RandomStream {
+ public:
+  virtual ~RandomStream() = default;
+  virtual std::vector<at::Tensor> stream_state() const = 0;
+  virtual void set_stream_state(const std::vector<at::Tensor>& state) = 0;
+};
+
+/// Registers `stream` with checkpoint() until unregister_random_stream(stream); its owner calls
+/// both (TensorParallelRng in its constructor and destructor).
+void register_random_stream(RandomStream* stream);
+void unregister_random_stream(RandomStream* stream);
+
 /// The function a checkpointed region computes.
 using CheckpointFunction = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
 

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "tandem/parallel/activation_checkpoint.h"
+
 namespace tandem {
 class ProcessGroup;
 }
@@ -296,7 +298,9 @@ std::shared_ptr<TensorParallelModule> planned_child(torch::nn::Module& parent,
 /// dropout outside (on replicated activations) must draw the same mask on every tp rank. The
 /// default generators keep the stream every tp rank shares; this object keeps a second one per
 /// tp rank, seeded seed + 2718 + tp_rank (Megatron's offset), for the CPU and, when CUDA is
-/// available, the current CUDA device. A Scope swaps it in and back.
+/// available, the current CUDA device. A Scope swaps it in and back. The stream is registered
+/// with activation checkpointing (RandomStream), so a checkpointed region that draws from it
+/// recomputes with the same masks.
 ///
 /// Example:
 ///   TensorParallelRng rng(/*seed=*/1234, mesh.coordinate("tp"));
@@ -304,9 +308,15 @@ std::shared_ptr<TensorParallelModule> planned_child(torch::nn::Module& parent,
 ///     auto scope = rng.scope();                    // this tp rank's stream
 ///     h = torch::dropout(h, 0.1, is_training());  // a mask of its own on its part of h
 ///   }                                              // the shared stream again
-class TensorParallelRng {
+class TensorParallelRng : public RandomStream {
  public:
   TensorParallelRng(uint64_t seed, int tp_rank);
+  ~TensorParallelRng() override;
+  TensorParallelRng(const TensorParallelRng&) = delete;  // registered by address
+  TensorParallelRng& operator=(const TensorParallelRng&) = delete;
+
+  std::vector<at::Tensor> stream_state() const override { return {cpu_state_, cuda_state_}; }
+  void set_stream_state(const std::vector<at::Tensor>& state) override;
 
   /// While alive, the default generators draw from this rank's tensor-parallel stream; on
   /// destruction the stream's state is saved here and the default state restored.
