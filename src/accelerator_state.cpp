@@ -14,6 +14,7 @@
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/checkpoint/training_state.h"
+#include "tandem/parallel/tensor_parallel.h"
 
 namespace tandem {
 namespace {
@@ -170,7 +171,9 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                      for (size_t i = 0; i < models_.size(); ++i) {
                        auto tensors = strategy_->model_state(*models_[i]);
                        if (per_rank ? dp_->rank() == 0 : w.is_main())
-                         w.write_tensors(model_file(i), tensors);
+                         w.write_tensors(model_file(i), tensors,
+                                         per_rank ? model_parallel_metadata(*models_[i])
+                                                  : std::map<std::string, std::string>());
                      }
                    },
                    [this, model_file](const StateReader& r) {
@@ -331,6 +334,39 @@ void Accelerator::load_state(const std::string& dir_arg) {
                                "; save one with save_state() first, or pass a directory");
   }
   checkpoint::load_training_state(*pg_, dir, checkpoint_parts());
+}
+
+// Note [Tensor-parallel shards in checkpoints]: a model.mp<r> file of a tensor-parallel run says
+// in its safetensors metadata which tp rank wrote it ("tandem_tp_rank", "tandem_tp_size") and how
+// each split tensor was cut ("tandem_tp_split": {name: "rows/<parts>" | "cols"}, parallelize_
+// module's split), so that merge_weights can join the shards into the dense tensors.
+std::map<std::string, std::string> Accelerator::model_parallel_metadata(
+    torch::nn::Module& model) const {
+  std::map<std::string, std::string> meta{{"format", "pt"}, {"tandem_mesh", mesh_shape_string()}};
+  if (mesh_->size("pp") > 1) meta["tandem_pp_stage"] = std::to_string(mesh_->coordinate("pp"));
+  if (mesh_->size("tp") == 1) return meta;
+  std::map<const void*, std::string> how;
+  for (const auto& item : model.named_modules()) {
+    auto* m = item.value().get();
+    if (auto* c = dynamic_cast<parallel::ColumnParallelLinearImpl*>(m)) {
+      const auto rows = "rows/" + std::to_string(c->options.parts());
+      how[c->weight.unsafeGetTensorImpl()] = rows;
+      if (c->bias.defined()) how[c->bias.unsafeGetTensorImpl()] = rows;
+    } else if (auto* r = dynamic_cast<parallel::RowParallelLinearImpl*>(m)) {
+      how[r->weight.unsafeGetTensorImpl()] = "cols";
+    } else if (auto* v = dynamic_cast<parallel::VocabParallelEmbeddingImpl*>(m)) {
+      how[v->weight.unsafeGetTensorImpl()] = "rows/1";
+    }
+  }
+  json split = json::object();
+  for (const auto& p : model.named_parameters()) {
+    auto it = how.find(p.value().unsafeGetTensorImpl());
+    if (it != how.end()) split[p.key()] = it->second;
+  }
+  meta["tandem_tp_rank"] = std::to_string(mesh_->coordinate("tp"));
+  meta["tandem_tp_size"] = std::to_string(mesh_->size("tp"));
+  meta["tandem_tp_split"] = split.dump();
+  return meta;
 }
 
 std::string Accelerator::mesh_shape_string() const {

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -451,6 +452,8 @@ class Accelerator {
   std::vector<checkpoint::StatePart> checkpoint_parts();
   void load_optimizers(const checkpoint::StateReader& reader);
   std::string mesh_shape_string() const;  // "pp 1 x dp_replicate 2 x ..." of the mesh
+  // The safetensors metadata of a model.mp<r> file (Note [Tensor-parallel shards in checkpoints]).
+  std::map<std::string, std::string> model_parallel_metadata(torch::nn::Module& model) const;
 
   AcceleratorOptions options_;
   // Cell the prepared optimizers reach this Accelerator through; null once it is destroyed

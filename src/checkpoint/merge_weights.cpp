@@ -12,7 +12,11 @@
 #include <map>
 #include <memory>
 #include <stdexcept>
+#include <regex>
+#include <set>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "tandem/checkpoint/safetensors_header.h"
 
@@ -65,29 +69,145 @@ std::vector<fs::path> model_files(const fs::path& checkpoint, std::size_t index)
   return {p};
 }
 
+// A run of bytes of one source file.
+struct Segment {
+  std::size_t file;
+  uint64_t offset;  // absolute, in the source file
+  uint64_t length;
+};
+
+// The files of a model-parallel save_state() (Note [Model-parallel checkpoints]): <stem>.mp<r>
+// .safetensors, by rank; empty when there are none.
+std::vector<fs::path> model_parallel_files(const fs::path& checkpoint, std::size_t index) {
+  std::vector<std::pair<int, fs::path>> found;
+  if (!fs::is_directory(checkpoint)) return {};
+  const std::string stem = index == 0 ? "model" : "model_" + std::to_string(index);
+  const std::regex name(stem + "\\.mp([0-9]+)\\.safetensors");
+  for (const auto& e : fs::directory_iterator(checkpoint)) {
+    std::smatch m;
+    const std::string f = e.path().filename().string();
+    if (std::regex_match(f, m, name)) found.emplace_back(std::stoi(m[1].str()), e.path());
+  }
+  std::sort(found.begin(), found.end());
+  std::vector<fs::path> out;
+  for (auto& f : found) out.push_back(f.second);
+  return out;
+}
+
+// Note [Joining tensor-parallel shards]: each file's metadata names its tp rank and how each
+// split tensor was cut (Note [Tensor-parallel shards in checkpoints], accelerator_state.cpp).
+// "rows/k": the dense rows are k blocks (q, k, v of a fused projection), each split into tp
+// consecutive parts; the dense tensor is block 0 of rank 0, ..., of rank tp-1, then block 1 of
+// every rank, ... "cols": every row is the ranks' columns one after the other. A tensor no
+// file splits is replicated (or belongs to one pipeline stage): the first copy is taken.
+std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> join_model_parallel(
+    const std::vector<fs::path>& files, const std::vector<SafetensorsHeader>& headers) {
+  auto fail = [](const std::string& what) {
+    throw std::runtime_error("merge_weights: " + what);
+  };
+  struct Shard {
+    std::size_t file;
+    const TensorInfo* info;
+  };
+  std::map<std::string, std::map<int, Shard>> by_rank;  // name -> tp rank -> shard
+  std::map<std::string, std::string> split;
+  int tp_size = 1;
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    const auto& meta = headers[f].metadata;
+    int rank = 0;
+    if (meta.count("tandem_tp_size")) {
+      tp_size = std::stoi(meta.at("tandem_tp_size"));
+      rank = std::stoi(meta.at("tandem_tp_rank"));
+      const auto cuts = nlohmann::json::parse(meta.at("tandem_tp_split"));
+      for (auto it = cuts.begin(); it != cuts.end(); ++it) split[it.key()] = it.value().get<std::string>();
+    }
+    for (const auto& [name, info] : headers[f].tensors) {
+      auto& slot = by_rank[name];
+      auto it = slot.find(rank);
+      if (it == slot.end()) {
+        slot.emplace(rank, Shard{f, &info});
+      } else if (it->second.info->shape != info.shape || it->second.info->dtype != info.dtype) {
+        fail("tensor '" + name + "' of tp rank " + std::to_string(rank) + " differs between " +
+             files[it->second.file].string() + " and " + files[f].string());
+      }
+    }
+  }
+  std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> out;
+  for (const auto& [name, ranks] : by_rank) {
+    const auto& first = *ranks.begin()->second.info;
+    TensorInfo joined = first;
+    std::vector<Segment> segments;
+    auto start = [&](const Shard& s) { return headers[s.file].data_offset() + s.info->begin; };
+    auto how = split.find(name);
+    if (how == split.end()) {
+      const auto& s = ranks.begin()->second;
+      segments.push_back({s.file, start(s), s.info->nbytes()});
+    } else {
+      for (int r = 0; r < tp_size; ++r)
+        if (!ranks.count(r))
+          fail("the shard of tp rank " + std::to_string(r) + " of '" + name +
+               "' is in none of the model.mp<r> files; copy every rank's file of the checkpoint");
+      for (const auto& [r, s] : ranks)
+        if (s.info->shape.size() != first.shape.size() || s.info->dtype != first.dtype)
+          fail("the shards of '" + name + "' differ in rank or dtype");
+      if (how->second == "cols") {
+        if (first.shape.size() != 2) fail("'" + name + "' is split by columns but is not 2-D");
+        const int64_t rows = first.shape[0];
+        joined.shape[1] = 0;
+        for (const auto& [r, s] : ranks) joined.shape[1] += s.info->shape[1];
+        for (int64_t i = 0; i < rows; ++i)
+          for (const auto& [r, s] : ranks) {
+            const uint64_t row = s.info->nbytes() / static_cast<uint64_t>(rows);
+            segments.push_back({s.file, start(s) + static_cast<uint64_t>(i) * row, row});
+          }
+      } else if (how->second.rfind("rows/", 0) == 0) {
+        const int64_t parts = std::stoll(how->second.substr(5));
+        joined.shape[0] = 0;
+        for (const auto& [r, s] : ranks) joined.shape[0] += s.info->shape[0];
+        for (int64_t p = 0; p < parts; ++p)
+          for (const auto& [r, s] : ranks) {
+            const uint64_t block = s.info->nbytes() / static_cast<uint64_t>(parts);
+            segments.push_back({s.file, start(s) + static_cast<uint64_t>(p) * block, block});
+          }
+      } else {
+        fail("'" + name + "' has an unknown split '" + how->second + "'");
+      }
+    }
+    uint64_t total = 0;
+    for (const auto& sg : segments) total += sg.length;
+    joined.begin = 0;
+    joined.end = total;
+    out[name] = {joined, std::move(segments)};
+  }
+  return out;
+}
+
 }  // namespace
 
 MergeReport merge_weights(const std::string& checkpoint, const std::string& out_dir,
                           std::size_t model_index) {
-  const auto sources = model_files(checkpoint, model_index);
-  struct Source {
-    std::size_t file;
-    uint64_t offset;  // absolute, in the source file
-  };
-  std::map<std::string, Source> from;
+  auto sources = model_parallel_files(checkpoint, model_index);
+  const bool model_parallel = !sources.empty();
+  if (!model_parallel) sources = model_files(checkpoint, model_index);
+  std::map<std::string, std::vector<Segment>> from;
   std::vector<TensorInfo> entries;
   std::vector<SafetensorsHeader> headers;
-  for (std::size_t f = 0; f < sources.size(); ++f) {
-    headers.push_back(read_safetensors_header(sources[f].string()));
-    for (const auto& [name, info] : headers.back().tensors) {
-      if (from.count(name))
-        throw std::runtime_error("merge_weights: tensor '" + name + "' is in both " +
-                                 sources[from.at(name).file].string() + " and " +
-                                 sources[f].string());
-      from[name] = {f, headers.back().data_offset() + info.begin};
-      TensorInfo e = info;
-      entries.push_back(e);
+  for (const auto& f : sources) headers.push_back(read_safetensors_header(f.string()));
+  if (model_parallel) {
+    for (auto& [name, joined] : join_model_parallel(sources, headers)) {
+      entries.push_back(joined.first);
+      from[name] = std::move(joined.second);
     }
+  } else {
+    for (std::size_t f = 0; f < sources.size(); ++f)
+      for (const auto& [name, info] : headers[f].tensors) {
+        if (from.count(name))
+          throw std::runtime_error("merge_weights: tensor '" + name + "' is in both " +
+                                   sources[from.at(name).front().file].string() + " and " +
+                                   sources[f].string());
+        from[name] = {{f, headers[f].data_offset() + info.begin, info.nbytes()}};
+        entries.push_back(info);
+      }
   }
   const auto layout = plan_safetensors_layout(entries);
   const std::string header = encode_safetensors_header(layout, {{"format", "pt"}});
@@ -119,21 +239,23 @@ MergeReport merge_weights(const std::string& checkpoint, const std::string& out_
     std::vector<std::unique_ptr<Fd>> in(sources.size());
     std::vector<char> buffer(std::size_t(64) << 20);
     for (const auto& e : layout) {
-      const auto& src = from.at(e.name);
-      if (!in[src.file]) {
-        in[src.file] = std::make_unique<Fd>(::open(sources[src.file].c_str(), O_RDONLY | O_CLOEXEC));
-        if (in[src.file]->fd < 0) fail("cannot open " + sources[src.file].string());
-      }
-      uint64_t done = 0;
-      while (done < e.nbytes()) {
-        const std::size_t n =
-            static_cast<std::size_t>(std::min<uint64_t>(buffer.size(), e.nbytes() - done));
-        ssize_t r = ::pread(in[src.file]->fd, buffer.data(), n,
-                            static_cast<off_t>(src.offset + done));
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) fail("reading '" + e.name + "' from " + sources[src.file].string());
-        write_all(buffer.data(), static_cast<std::size_t>(r));
-        done += static_cast<uint64_t>(r);
+      for (const auto& src : from.at(e.name)) {
+        if (!in[src.file]) {
+          in[src.file] =
+              std::make_unique<Fd>(::open(sources[src.file].c_str(), O_RDONLY | O_CLOEXEC));
+          if (in[src.file]->fd < 0) fail("cannot open " + sources[src.file].string());
+        }
+        uint64_t done = 0;
+        while (done < src.length) {
+          const std::size_t n =
+              static_cast<std::size_t>(std::min<uint64_t>(buffer.size(), src.length - done));
+          ssize_t r = ::pread(in[src.file]->fd, buffer.data(), n,
+                              static_cast<off_t>(src.offset + done));
+          if (r < 0 && errno == EINTR) continue;
+          if (r <= 0) fail("reading '" + e.name + "' from " + sources[src.file].string());
+          write_all(buffer.data(), static_cast<std::size_t>(r));
+          done += static_cast<uint64_t>(r);
+        }
       }
       report.bytes += e.nbytes();
       ++report.tensors;

@@ -162,9 +162,10 @@ StateWriter::StateWriter(std::string dir, int rank, int world_size)
     : dir_(std::move(dir)), rank_(rank), world_(world_size) {}
 
 void StateWriter::write_tensors(const std::string& file,
-                                const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+                                const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                const std::map<std::string, std::string>& metadata) {
   const fs::path p = fs::path(dir_) / file;
-  save_safetensors(p.string(), tensors);
+  save_safetensors(p.string(), tensors, metadata);
   files_[file] = {fs::file_size(p), xxh64_of(p)};
 }
 

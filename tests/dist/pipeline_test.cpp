@@ -163,10 +163,11 @@ TEST(PipelineParallel, AcceleratorPipelineTimesDataParallelWithCheckpointingEqua
 // blocks, embedding and head split over its tp pair by the plan, 1F1B with 2 micro-batches and a
 // vocab-parallel loss, with the whole model's gradient norm clipped (binding), trains as one dense
 // process does: every step's loss and norm and the final parameters within 1e-5, and the loss
-// falls. A plan entry that matches no stage's module is refused on every rank.
+// falls. A plan entry that matches no stage's module is refused on every rank. save_state then
+// merge_weights give back the dense model's weights.
 TEST(PipelineParallel, PipelineTimesTensorParallelGptEqualsOneProcess) {
   auto r = run_command({kCli, "launch", "--num_processes", "4", "--cpu", "--num_cpu_threads_per_process",
-                       "1", "--pp_size", "2", "--tp_size", "2", kWorker, "gpt"},
+                       "1", "--pp_size", "2", "--tp_size", "2", kWorker, "gpt", "--out", out_dir()},
                       {}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // Stage 0: the vocab-parallel token embedding and block 0's four layers; stage 1: block 1's
@@ -179,14 +180,15 @@ TEST(PipelineParallel, PipelineTimesTensorParallelGptEqualsOneProcess) {
   for (std::string line; std::getline(in, line);) {
     const auto at = line.find("] check ");  // after the launcher's "[rank r] "
     if (at == std::string::npos) continue;
-    std::istringstream fields(line.substr(at + 8));
-    std::string name;
-    double diff = 1;
-    fields >> name >> diff;
+    const double diff = std::stod(line.substr(line.rfind(' ') + 1));  // "check <name> <diff>"
     EXPECT_LE(diff, 1e-5) << line;
     ++checks;
   }
-  EXPECT_EQ(checks, 4 * 9) << r.output;  // 4 ranks x (4 losses, 4 norms, the parameters)
+  // 4 ranks x (4 losses, 4 norms, the parameters), and rank 0's comparison of the merged
+  // checkpoint (merge_weights: 4 files, 2 stages x 2 tp shards; 29 tensors) with the dense model, tensor by tensor.
+  EXPECT_EQ(checks, 4 * 9 + 29) << r.output;
+  EXPECT_EQ(count_of(r.output, "merged 29 tensors from 4 files"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "same names 1"), 1) << r.output;
   EXPECT_EQ(count_of(r.output, "falling 1"), 4) << r.output;
   EXPECT_EQ(count_of(r.output, "plan refused: [rank "), 4) << r.output;
   EXPECT_EQ(count_of(r.output, "entry '*.mlp.down' match no module of any pipeline stage"), 4)

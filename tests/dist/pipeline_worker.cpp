@@ -39,6 +39,8 @@
 #include <thread>
 
 #include "../../examples/common/gpt.h"
+#include "../common/compare_weights.h"
+#include "tandem/checkpoint/merge_weights.h"
 #include "tandem/accelerator.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/activation_checkpoint.h"
@@ -203,7 +205,7 @@ at::Tensor tp_part(const std::string& name, const at::Tensor& dense, const at::T
   return at::cat(rows, 0);
 }
 
-int gpt() {
+int gpt(const std::string& dir) {
   tandem::Accelerator acc;
   const auto* mesh = acc.mesh();
   TORCH_CHECK(mesh && mesh->size("pp") == 2 && mesh->size("tp") == 2,
@@ -279,6 +281,19 @@ int gpt() {
   }
   std::printf("check gpt_params %.3g\n", worst);
   std::fflush(stdout);
+  // Every stage's tp shards in one checkpoint; merge_weights joins stages and shards into the
+  // dense Sequential's weights (same names: stage modules keep their index in the Sequential).
+  const std::string ckpt = dir + "/gpt-ckpt";
+  acc.save_state(ckpt);
+  if (acc.is_main_process()) {
+    std::vector<std::pair<std::string, at::Tensor>> named;
+    for (const auto& p : dense->named_parameters()) named.emplace_back(p.key(), p.value().detach());
+    tandem::checkpoint::save_safetensors(ckpt + ".dense.safetensors", named);
+    auto report = tandem::checkpoint::merge_weights(ckpt, ckpt + ".merged");
+    std::cout << "merged " << report.tensors << " tensors from " << report.sources << " files"
+              << std::endl;
+    tandem::testing::print_weight_checks(report.output, ckpt + ".dense.safetensors");
+  }
   return 0;
 }
 
@@ -381,7 +396,7 @@ int main(int argc, char** argv) {
   if (mode == "train") return train(dir, stages, dp);
   if (mode == "die") return die();
   if (mode == "accelerate") return accelerate(dir);
-  if (mode == "gpt") return gpt();
+  if (mode == "gpt") return gpt(dir);
   if (mode == "reshape") return reshape();
   return p2p(mode);
 }

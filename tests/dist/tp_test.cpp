@@ -288,8 +288,28 @@ std::string expect_resume_bitwise(const std::vector<std::string>& flags) {
   return dir;
 }
 
+// tandem merge-weights joins the model.mp<r> files of a tensor-parallel checkpoint into the dense
+// model: the same tensor names as the dense GPT, each equal to the dense GPT trained alongside
+// to the same step within 1e-5 relative.
+void expect_merge_gives_the_dense_model(const std::string& dir) {
+  const auto out = dir + ".merged";
+  auto merged = run_command({kCli, "merge-weights", dir, out}, {}, 60);
+  ASSERT_EQ(merged.exit_code, 0) << merged.output;
+  auto compared = run_command(
+      {kWorker, "compare", out + "/model.safetensors", dir + ".dense.safetensors"}, {}, 60);
+  ASSERT_EQ(compared.exit_code, 0) << compared.output;
+  EXPECT_EQ(count_of(compared.output, "same names 1"), 1) << compared.output;
+  auto c = parse_checks(compared.output);
+  EXPECT_GE(c.count["merged wte.weight"], 1) << compared.output;       // vocab rows
+  EXPECT_GE(c.count["merged h0.attn.qkv.weight"], 1) << compared.output;  // q, k, v blocks
+  EXPECT_GE(c.count["merged h1.fc_proj.weight"], 1) << compared.output;   // columns
+  expect_all_within(c, 1, 1e-5, compared.output);
+  std::system(("rm -rf " + out + " " + dir + ".dense.safetensors").c_str());
+}
+
 TEST(TensorParallel, AcceleratorCheckpointResumesBitwise) {
   const auto dir = expect_resume_bitwise({"--tp_size", "2"});
+  expect_merge_gives_the_dense_model(dir);
   for (int r = 0; r < 4; ++r)
     EXPECT_TRUE(std::ifstream(dir + "/optimizer.mp" + std::to_string(r) + ".json").good()) << r;
   // The shards resume only on the mesh that saved them: without --tp_size every rank refuses.
@@ -307,6 +327,7 @@ TEST(TensorParallel, AcceleratorZeroCheckpointResumesBitwise) {
     for (int r = 0; r < 4; ++r)
       EXPECT_TRUE(std::ifstream(dir + "/optimizer.rank" + std::to_string(r) + ".json").good())
           << "stage " << stage << " rank " << r;
+    expect_merge_gives_the_dense_model(dir);
     std::system(("rm -rf " + dir).c_str());
   }
 }

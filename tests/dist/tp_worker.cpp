@@ -23,7 +23,9 @@
 #include <set>
 
 #include "../../examples/common/gpt.h"
+#include "../common/compare_weights.h"
 #include "tandem/accelerator.h"
+#include "tandem/checkpoint/safetensors.h"
 #include "tandem/comm/mesh.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/tensor_parallel.h"
@@ -536,6 +538,12 @@ void accelerate(const std::string& save_dir, const std::string& load_dir, bool s
   }
   if (!save_dir.empty()) {
     acc.save_state(save_dir);
+    // The dense model at the same step, next to the checkpoint: merge-weights must give it back.
+    if (acc.is_main_process()) {
+      std::vector<std::pair<std::string, at::Tensor>> named;
+      for (const auto& p : dense->named_parameters()) named.emplace_back(p.key(), p.value().detach());
+      tandem::checkpoint::save_safetensors(save_dir + ".dense.safetensors", named);
+    }
     std::cout << "saved at step " << last << std::endl;
     return;
   }
@@ -554,6 +562,10 @@ int main(int argc, char** argv) {
   for (int i = 2; i < argc; ++i) sequence_parallel |= std::string(argv[i]) == "--sequence_parallel";
   torch::set_num_threads(1);
   try {
+    if (mode == "compare" && argc == 4) {  // one process: merged checkpoint vs dense weights
+      tandem::testing::print_weight_checks(argv[2], argv[3]);
+      return 0;
+    }
     if (mode == "accelerate") {  // the Accelerator joins the job itself
       std::string save_dir, load_dir;
       for (int i = 2; i + 1 < argc; i += 2) {

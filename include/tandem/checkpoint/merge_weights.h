@@ -19,7 +19,10 @@ struct MergeReport {
 /// model_<i>.safetensors with `model_index` i; a save_model() directory: model.safetensors, or
 /// model.safetensors.index.json and its shards; or one .safetensors / .index.json file) and
 /// writes every tensor into `<out_dir>/model.safetensors` (atomically: a temporary file, fsync,
-/// rename), named as in the model. Streaming: tensor bytes are copied file to file in chunks of
+/// rename), named as in the model. A model-parallel save_state() (model.mp<r>.safetensors files:
+/// pipeline stages and tensor-parallel shards) is joined into the dense model: the stages'
+/// tensors side by side, each split tensor's shards concatenated as their metadata says
+/// (Note [Joining tensor-parallel shards]). Streaming: tensor bytes are copied file to file in chunks of
 /// at most 64 MiB, never a whole model (nor a whole tensor) in memory. Throws std::runtime_error
 /// naming the file and what is wrong (missing shard, a tensor in two shards, unreadable file).
 MergeReport merge_weights(const std::string& checkpoint, const std::string& out_dir,

@@ -40,9 +40,10 @@ class StateWriter {
   const std::string& name() const { return name_; }
   void set_name(std::string name) { name_ = std::move(name); }
 
-  /// Writes a safetensors file of this rank.
+  /// Writes a safetensors file of this rank (with `metadata` in its "__metadata__").
   void write_tensors(const std::string& file,
-                     const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+                     const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                     const std::map<std::string, std::string>& metadata = {});
   /// Writes a file of raw bytes of this rank.
   void write_bytes(const std::string& file, const std::string& bytes);
   /// Sets key `key` of state.json to the JSON document `json` (main process only).
