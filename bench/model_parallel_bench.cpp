@@ -26,6 +26,7 @@
 
 #include "../examples/common/gpt.h"
 #include "tandem/tandem.h"
+#include "timed_steps.h"
 
 namespace {
 
@@ -58,12 +59,6 @@ torch::Tensor lm_loss(const torch::Tensor& logits, const torch::Tensor& target) 
 int main(int argc, char** argv) {
   // Before any tensor exists, so that every tensor byte is counted.
   tandem::track::install_counting_cpu_allocator();
-  // oneDNN's CPU kernels (LibTorch's GELU among them) allocate their buffers through
-  // c10::Allocator::raw_allocate, which requires the DataPtr's context to be its data pointer;
-  // the counting allocator's context is its own record, so those kernels abort
-  // ("dptr.get() == dptr.get_context() INTERNAL ASSERT FAILED"). Every mode runs LibTorch's own
-  // kernels instead (matrix products go to BLAS either way).
-  at::globalContext().setUserEnabledMkldnn(false);
   CLI::App app("model_parallel_bench");
   std::string mode = "plain", schedule = "1f1b";
   int steps = 10, warmup = 2, microbatches = 0;
@@ -89,7 +84,6 @@ int main(int argc, char** argv) {
   app.add_option("--context", c.context);
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(1);
-  using Clock = std::chrono::steady_clock;
   // Step i's global batch: ids [batch, context + 1], the same in every mode.
   auto global_batch = [&](int i) {
     auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(i + 1));
@@ -110,12 +104,7 @@ int main(int argc, char** argv) {
                 " micro-batches of equal size: use a multiple of ", m);
     auto opt = adamw(net->parameters());
     double last_loss = 0;
-    Clock::time_point start;
-    for (int i = 0; i < warmup + steps; ++i) {
-      if (i == warmup) {
-        tandem::track::reset_peak_cpu_memory();
-        start = Clock::now();
-      }
+    const double s = bench::timed_steps(warmup, steps, [&](int i) {
       auto [x, y] = global_batch(i);
       const auto xs = x.chunk(m), ys = y.chunk(m);
       last_loss = 0;
@@ -126,8 +115,7 @@ int main(int argc, char** argv) {
       }
       opt->step();
       opt->zero_grad();
-    }
-    const double s = std::chrono::duration<double>(Clock::now() - start).count();
+    });
     const auto peak = tandem::track::cpu_memory_stats().peak_bytes;
     std::cout << "RESULT model_parallel " << (m > 1 ? "plain_m" + std::to_string(m) : "plain")
               << " samples_per_s=" << batch * steps / s << " step_s=" << s / steps
@@ -191,17 +179,7 @@ int main(int argc, char** argv) {
       opt->zero_grad();
     };
   }
-  Clock::time_point start;
-  for (int i = 0; i < warmup + steps; ++i) {
-    if (i == warmup) {
-      acc.wait_for_everyone();
-      tandem::track::reset_peak_cpu_memory();
-      start = Clock::now();
-    }
-    train_step(i);
-  }
-  acc.wait_for_everyone();
-  const double s = std::chrono::duration<double>(Clock::now() - start).count();
+  const double s = bench::timed_steps(warmup, steps, train_step, [&] { acc.wait_for_everyone(); });
   auto peaks = acc.process_group().allgather(torch::tensor(
       {static_cast<int64_t>(tandem::track::cpu_memory_stats().peak_bytes)}, torch::kLong));
   // The global batch's loss: ddp ranks hold equal shares of it; tp and pp ranks the whole of it.

@@ -16,6 +16,7 @@
 
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/tandem.h"
+#include "timed_steps.h"
 
 namespace {
 
@@ -53,7 +54,6 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   tandem::track::install_counting_cpu_allocator();
   torch::set_num_threads(1);
-  using Clock = std::chrono::steady_clock;
   auto batch = [](int64_t i) {
     auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(i + 1));
     return torch::randn({kRows, kWidth}, gen);
@@ -62,18 +62,12 @@ int main(int argc, char** argv) {
     auto net = make_model();
     if (!save_dir.empty()) tandem::checkpoint::save_model(*net, save_dir);
     torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-4));
-    Clock::time_point start;
-    for (int i = 0; i < warmup + steps; ++i) {
-      if (i == warmup) {
-        tandem::track::reset_peak_cpu_memory();
-        start = Clock::now();
-      }
+    const double s = bench::timed_steps(warmup, steps, [&](int i) {
       auto loss = net->forward(batch(i)).pow(2).mean();
       loss.backward();
       opt.step();
       opt.zero_grad();
-    }
-    const double s = std::chrono::duration<double>(Clock::now() - start).count();
+    });
     std::cout << "RESULT sharding plain samples_per_s=" << kRows * steps / s
               << " peak_bytes=" << tandem::track::cpu_memory_stats().peak_bytes
               << " rss_peak_kb=" << rss_peak_kb() << std::endl;
@@ -83,20 +77,16 @@ int main(int argc, char** argv) {
   auto net = make_model();
   auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::AdamW>(
                                            net->parameters(), torch::optim::AdamWOptions(1e-4)));
-  Clock::time_point start;
-  for (int i = 0; i < warmup + steps; ++i) {
-    if (i == warmup) {
-      acc.wait_for_everyone();
-      tandem::track::reset_peak_cpu_memory();
-      start = Clock::now();
-    }
-    auto scope = acc.accumulate();
-    acc.backward(model->forward(batch(i * acc.num_processes() + acc.process_index())).pow(2).mean());
-    opt.step();
-    opt.zero_grad();
-  }
-  acc.wait_for_everyone();
-  const double s = std::chrono::duration<double>(Clock::now() - start).count();
+  const double s = bench::timed_steps(
+      warmup, steps,
+      [&](int i) {
+        auto scope = acc.accumulate();
+        acc.backward(
+            model->forward(batch(i * acc.num_processes() + acc.process_index())).pow(2).mean());
+        opt.step();
+        opt.zero_grad();
+      },
+      [&] { acc.wait_for_everyone(); });
   auto peak = torch::tensor({static_cast<double>(tandem::track::cpu_memory_stats().peak_bytes),
                              static_cast<double>(rss_peak_kb())},
                             torch::kDouble);

@@ -240,10 +240,19 @@ TEST(PointToPoint, SendAndRecvWithTagsListsAndStridedReceivers) {
   EXPECT_EQ(count_of(r.output, "p2p ok"), 2) << r.output;
 }
 
-// A peer that exits: the receive fails without waiting for the timeout (300 s, longer than the
-// harness's 120 s), naming the operation and the peer.
-TEST(PointToPoint, ARecvFromAPeerThatLeftFailsNamingIt) {
-  auto r = launch(2, {"p2p_dead"}, {{"PIPELINE_TIMEOUT_S", "300"}});
+// A peer that fails to send: the receive fails, naming the operation and the peer, and never
+// waits forever. "p2p_dead": the peer exits, and the receive fails without waiting for the
+// timeout (300 s, longer than the harness's 120 s). "p2p_silent": the peer stays alive but
+// silent, and the receive fails after the group's timeout (3 s).
+struct SilentPeer {
+  const char* mode;
+  const char* timeout_s;
+};
+
+class PointToPointFailure : public ::testing::TestWithParam<SilentPeer> {};
+
+TEST_P(PointToPointFailure, ARecvFromAPeerThatDoesNotSendFailsNamingIt) {
+  auto r = launch(2, {GetParam().mode}, {{"PIPELINE_TIMEOUT_S", GetParam().timeout_s}});
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("rank 0 error: [rank 0/2] recv of the test tensor from rank 1 (tag 3) "
@@ -252,13 +261,7 @@ TEST(PointToPoint, ARecvFromAPeerThatLeftFailsNamingIt) {
       << r.output;
 }
 
-// A peer that stays silent: the receive fails after the group's timeout (3 s), not never.
-TEST(PointToPoint, ARecvFromASilentPeerFailsAfterTheTimeout) {
-  auto r = launch(2, {"p2p_silent"}, {{"PIPELINE_TIMEOUT_S", "3"}});
-  EXPECT_FALSE(r.timed_out) << r.output;
-  EXPECT_EQ(r.exit_code, 1) << r.output;
-  EXPECT_NE(r.output.find("rank 0 error: [rank 0/2] recv of the test tensor from rank 1 (tag 3) "
-                          "failed"),
-            std::string::npos)
-      << r.output;
-}
+INSTANTIATE_TEST_SUITE_P(PeerLeftOrSilent, PointToPointFailure,
+                         ::testing::Values(SilentPeer{"p2p_dead", "300"},
+                                           SilentPeer{"p2p_silent", "3"}),
+                         [](const auto& info) { return std::string(info.param.mode); });
