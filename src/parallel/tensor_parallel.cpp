@@ -159,50 +159,28 @@ struct ScatterToRegion : torch::autograd::Function<ScatterToRegion> {
   }
 };
 
-struct GatherFromSequence : torch::autograd::Function<GatherFromSequence> {
+// The sequence-parallel regions: `Forward` along `dim` forward, its conjugate `Backward` on the
+// gradient.
+using AlongFn = at::Tensor (*)(const at::Tensor&, ProcessGroup&, int64_t);
+
+template <AlongFn Forward, AlongFn Backward>
+struct SequenceRegion : torch::autograd::Function<SequenceRegion<Forward, Backward>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue group,
                             int64_t dim) {
-    auto out = gathered_along(x, *unwrap_group(group), dim);
+    auto out = Forward(x, *unwrap_group(group), dim);
     ctx->saved_data["group"] = std::move(group);
     ctx->saved_data["dim"] = dim;
     return out;
   }
   static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {reduce_scattered_along(g[0], *unwrap_group(ctx->saved_data["group"]),
-                                   ctx->saved_data["dim"].toInt()),
+    return {Backward(g[0], *unwrap_group(ctx->saved_data["group"]), ctx->saved_data["dim"].toInt()),
             at::Tensor(), at::Tensor()};
   }
 };
 
-struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequence> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue group,
-                            int64_t dim) {
-    auto out = reduce_scattered_along(x, *unwrap_group(group), dim);
-    ctx->saved_data["group"] = std::move(group);
-    ctx->saved_data["dim"] = dim;
-    return out;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {gathered_along(g[0], *unwrap_group(ctx->saved_data["group"]),
-                           ctx->saved_data["dim"].toInt()),
-            at::Tensor(), at::Tensor()};
-  }
-};
-
-struct ScatterToSequence : torch::autograd::Function<ScatterToSequence> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, c10::IValue group,
-                            int64_t dim) {
-    auto out = my_part_along(x, *unwrap_group(group), dim);
-    ctx->saved_data["group"] = std::move(group);
-    ctx->saved_data["dim"] = dim;
-    return out;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list g) {
-    return {gathered_along(g[0], *unwrap_group(ctx->saved_data["group"]),
-                           ctx->saved_data["dim"].toInt()),
-            at::Tensor(), at::Tensor()};
-  }
-};
+using GatherFromSequence = SequenceRegion<gathered_along, reduce_scattered_along>;
+using ReduceScatterToSequence = SequenceRegion<reduce_scattered_along, gathered_along>;
+using ScatterToSequence = SequenceRegion<my_part_along, gathered_along>;
 
 int64_t normalized_dim(const at::Tensor& t, int64_t dim) {
   const int64_t nd = t.dim();

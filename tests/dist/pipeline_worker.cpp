@@ -40,6 +40,7 @@
 
 #include "../../examples/common/gpt.h"
 #include "../common/compare_weights.h"
+#include "../common/small_gpt.h"
 #include "tandem/checkpoint/merge_weights.h"
 #include "tandem/accelerator.h"
 #include "tandem/comm/process_group.h"
@@ -212,12 +213,7 @@ int gpt(const std::string& dir) {
               "expected a pp 2 x tp 2 mesh (tandem launch --pp_size 2 --tp_size 2)");
   const auto tpg = (*mesh)["tp"];
   const int t = mesh->coordinate("tp"), n = mesh->size("tp");
-  examples::GPTConfig c;
-  c.vocab = 64;
-  c.context = 16;
-  c.layers = 2;
-  c.heads = 4;
-  c.width = 32;
+  const auto c = tandem::testing::small_gpt();
   torch::manual_seed(21);
   auto dense = examples::gpt_sequential(c);
   auto loss_fn = [tpg](const at::Tensor& y, const at::Tensor& target) {

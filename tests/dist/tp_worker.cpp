@@ -24,6 +24,7 @@
 
 #include "../../examples/common/gpt.h"
 #include "../common/compare_weights.h"
+#include "../common/small_gpt.h"
 #include "tandem/accelerator.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/comm/mesh.h"
@@ -234,15 +235,7 @@ void layers() {
   }
 }
 
-examples::GPTConfig small_gpt() {
-  examples::GPTConfig c;
-  c.vocab = 64;
-  c.context = 16;
-  c.layers = 2;
-  c.heads = 4;
-  c.width = 32;
-  return c;
-}
+using tandem::testing::small_gpt;
 
 // The dense tensor's part that rank r of n holds after the GPT's plan.
 at::Tensor gpt_shard(const std::string& name, const at::Tensor& t, int r, int n) {
