@@ -12,7 +12,6 @@
 #include <map>
 #include <memory>
 #include <stdexcept>
-#include <regex>
 #include <set>
 #include <vector>
 
@@ -81,12 +80,16 @@ struct Segment {
 std::vector<fs::path> model_parallel_files(const fs::path& checkpoint, std::size_t index) {
   std::vector<std::pair<int, fs::path>> found;
   if (!fs::is_directory(checkpoint)) return {};
-  const std::string stem = index == 0 ? "model" : "model_" + std::to_string(index);
-  const std::regex name(stem + "\\.mp([0-9]+)\\.safetensors");
+  const std::string prefix = (index == 0 ? "model" : "model_" + std::to_string(index)) + ".mp";
+  const std::string suffix = ".safetensors";
   for (const auto& e : fs::directory_iterator(checkpoint)) {
-    std::smatch m;
     const std::string f = e.path().filename().string();
-    if (std::regex_match(f, m, name)) found.emplace_back(std::stoi(m[1].str()), e.path());
+    if (f.size() <= prefix.size() + suffix.size() || f.compare(0, prefix.size(), prefix) != 0 ||
+        f.compare(f.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    const std::string rank = f.substr(prefix.size(), f.size() - prefix.size() - suffix.size());
+    if (rank.find_first_not_of("0123456789") == std::string::npos)
+      found.emplace_back(std::stoi(rank), e.path());
   }
   std::sort(found.begin(), found.end());
   std::vector<fs::path> out;
