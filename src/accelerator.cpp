@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cmath>
 #include <filesystem>
@@ -38,14 +39,15 @@ parallel::TensorParallelPlan stage_plan(const parallel::TensorParallelPlan& plan
   std::vector<std::string> paths;
   for (const auto& item : stage.named_modules("", /*include_self=*/false))
     paths.push_back(item.key());
-  auto counts = at::zeros({static_cast<int64_t>(plan.entries.size())}, at::kLong);
   parallel::TensorParallelPlan mine;
-  for (size_t i = 0; i < plan.entries.size(); ++i) {
-    for (const auto& p : paths)
-      if (parallel::plan_pattern_matches(plan.entries[i].pattern, p))
-        counts[static_cast<int64_t>(i)] += 1;
-    if (counts[static_cast<int64_t>(i)].item<int64_t>() > 0) mine.add(plan.entries[i]);
+  std::vector<int64_t> here;  // this stage's matches per entry
+  for (const auto& e : plan.entries) {
+    here.push_back(std::count_if(paths.begin(), paths.end(), [&](const std::string& p) {
+      return parallel::plan_pattern_matches(e.pattern, p);
+    }));
+    if (here.back() > 0) mine.add(e);
   }
+  auto counts = at::tensor(here, at::kLong);
   pp.allreduce(counts, ReduceOp::kSum);
   std::string unmatched;
   for (size_t i = 0; i < plan.entries.size(); ++i)
@@ -348,14 +350,11 @@ double Accelerator::clip_model_parallel(const std::vector<at::Tensor>& parameter
                                         double max_norm, double norm_type) {
   std::set<const void*> split;
   if (mesh_ && mesh_->size("tp") > 1)
-    for (const auto& m : models_)
-      for (const auto& item : m->named_modules()) {
-        auto* tpm = dynamic_cast<parallel::TensorParallelModule*>(item.value().get());
-        if (!tpm) continue;
-        const bool row = dynamic_cast<parallel::RowParallelLinearImpl*>(tpm) != nullptr;
-        for (const auto& p : tpm->named_parameters(false))
-          if (p.key() == "weight" || !row) split.insert(p.value().unsafeGetTensorImpl());
-      }
+    for (const auto& m : models_) {
+      const auto cuts = parallel::tensor_parallel_splits(*m);
+      for (const auto& p : m->named_parameters())
+        if (cuts.count(p.key())) split.insert(p.value().unsafeGetTensorImpl());
+    }
   std::function<bool(const at::Tensor&)> is_split;
   if (!split.empty())
     is_split = [&split](const at::Tensor& t) { return split.count(t.unsafeGetTensorImpl()) > 0; };

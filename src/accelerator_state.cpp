@@ -345,24 +345,8 @@ std::map<std::string, std::string> Accelerator::model_parallel_metadata(
   std::map<std::string, std::string> meta{{"format", "pt"}, {"tandem_mesh", mesh_shape_string()}};
   if (mesh_->size("pp") > 1) meta["tandem_pp_stage"] = std::to_string(mesh_->coordinate("pp"));
   if (mesh_->size("tp") == 1) return meta;
-  std::map<const void*, std::string> how;
-  for (const auto& item : model.named_modules()) {
-    auto* m = item.value().get();
-    if (auto* c = dynamic_cast<parallel::ColumnParallelLinearImpl*>(m)) {
-      const auto rows = "rows/" + std::to_string(c->options.parts());
-      how[c->weight.unsafeGetTensorImpl()] = rows;
-      if (c->bias.defined()) how[c->bias.unsafeGetTensorImpl()] = rows;
-    } else if (auto* r = dynamic_cast<parallel::RowParallelLinearImpl*>(m)) {
-      how[r->weight.unsafeGetTensorImpl()] = "cols";
-    } else if (auto* v = dynamic_cast<parallel::VocabParallelEmbeddingImpl*>(m)) {
-      how[v->weight.unsafeGetTensorImpl()] = "rows/1";
-    }
-  }
   json split = json::object();
-  for (const auto& p : model.named_parameters()) {
-    auto it = how.find(p.value().unsafeGetTensorImpl());
-    if (it != how.end()) split[p.key()] = it->second;
-  }
+  for (const auto& [name, how] : parallel::tensor_parallel_splits(model)) split[name] = how;
   meta["tandem_tp_rank"] = std::to_string(mesh_->coordinate("tp"));
   meta["tandem_tp_size"] = std::to_string(mesh_->size("tp"));
   meta["tandem_tp_split"] = split.dump();

@@ -153,28 +153,21 @@ std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> join_model_pa
       for (const auto& [r, s] : ranks)
         if (s.info->shape.size() != first.shape.size() || s.info->dtype != first.dtype)
           fail("the shards of '" + name + "' differ in rank or dtype");
-      if (how->second == "cols") {
-        if (first.shape.size() != 2) fail("'" + name + "' is split by columns but is not 2-D");
-        const int64_t rows = first.shape[0];
-        joined.shape[1] = 0;
-        for (const auto& [r, s] : ranks) joined.shape[1] += s.info->shape[1];
-        for (int64_t i = 0; i < rows; ++i)
-          for (const auto& [r, s] : ranks) {
-            const uint64_t row = s.info->nbytes() / static_cast<uint64_t>(rows);
-            segments.push_back({s.file, start(s) + static_cast<uint64_t>(i) * row, row});
-          }
-      } else if (how->second.rfind("rows/", 0) == 0) {
-        const int64_t parts = std::stoll(how->second.substr(5));
-        joined.shape[0] = 0;
-        for (const auto& [r, s] : ranks) joined.shape[0] += s.info->shape[0];
-        for (int64_t p = 0; p < parts; ++p)
-          for (const auto& [r, s] : ranks) {
-            const uint64_t block = s.info->nbytes() / static_cast<uint64_t>(parts);
-            segments.push_back({s.file, start(s) + static_cast<uint64_t>(p) * block, block});
-          }
-      } else {
+      // The dense tensor is `pieces` runs of every rank's bytes in rank order: for "cols" each
+      // row of each shard, for "rows/<parts>" each fused block of each shard.
+      const bool cols = how->second == "cols";
+      if (!cols && how->second.rfind("rows/", 0) != 0)
         fail("'" + name + "' has an unknown split '" + how->second + "'");
-      }
+      if (cols && first.shape.size() != 2) fail("'" + name + "' is split by columns but is not 2-D");
+      const std::size_t dim = cols ? 1 : 0;
+      const int64_t pieces = cols ? first.shape[0] : std::stoll(how->second.substr(5));
+      joined.shape[dim] = 0;
+      for (const auto& [r, s] : ranks) joined.shape[dim] += s.info->shape[dim];
+      for (int64_t i = 0; i < pieces; ++i)
+        for (const auto& [r, s] : ranks) {
+          const uint64_t piece = s.info->nbytes() / static_cast<uint64_t>(pieces);
+          segments.push_back({s.file, start(s) + static_cast<uint64_t>(i) * piece, piece});
+        }
     }
     uint64_t total = 0;
     for (const auto& sg : segments) total += sg.length;

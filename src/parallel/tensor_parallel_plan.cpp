@@ -335,6 +335,28 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
   }
 }
 
+std::map<std::string, std::string> tensor_parallel_splits(torch::nn::Module& model) {
+  std::map<const c10::TensorImpl*, std::string> how;
+  for (const auto& item : model.named_modules()) {
+    auto* m = item.value().get();
+    if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m)) {
+      const auto rows = "rows/" + std::to_string(c->options.parts());
+      how[c->weight.unsafeGetTensorImpl()] = rows;
+      if (c->bias.defined()) how[c->bias.unsafeGetTensorImpl()] = rows;
+    } else if (auto* r = dynamic_cast<RowParallelLinearImpl*>(m)) {
+      how[r->weight.unsafeGetTensorImpl()] = "cols";
+    } else if (auto* v = dynamic_cast<VocabParallelEmbeddingImpl*>(m)) {
+      how[v->weight.unsafeGetTensorImpl()] = "rows/1";
+    }
+  }
+  std::map<std::string, std::string> out;
+  for (const auto& p : model.named_parameters()) {
+    auto it = how.find(p.value().unsafeGetTensorImpl());
+    if (it != how.end()) out[p.key()] = it->second;
+  }
+  return out;
+}
+
 std::shared_ptr<TensorParallelModule> planned_child(torch::nn::Module& parent,
                                                     const std::string& name) {
   auto children = parent.named_children();

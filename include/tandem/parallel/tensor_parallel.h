@@ -9,6 +9,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -284,6 +285,12 @@ std::vector<std::vector<std::string>> match_plan(const TensorParallelPlan& plan,
 /// split, and an uneven split.
 void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> tp,
                         const TensorParallelPlan& plan);
+
+/// How each split parameter of `model` is cut, by its name in model.named_parameters():
+/// "rows/<parts>" (a column-parallel weight and bias, split block by block over `parts` fused
+/// blocks; a vocab-parallel embedding, "rows/1") or "cols" (a row-parallel weight). Parameters
+/// every tp rank holds whole (norms, row-parallel biases, layers no plan split) are not listed.
+std::map<std::string, std::string> tensor_parallel_splits(torch::nn::Module& model);
 
 /// The tensor-parallel module that parallelize_module registered as `parent`'s child `name`,
 /// or nullptr when that child is still the module the parent built.
