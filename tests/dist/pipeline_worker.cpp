@@ -193,19 +193,6 @@ int accelerate(const std::string& dir) {
   return 0;
 }
 
-// This tp rank's part of a dense parameter, split as the GPT's plan splits it (rows of q, k and
-// v one by one; rows of the other column-parallel and vocab-parallel weights; columns of the
-// row-parallel weights); a parameter of the shape of `dense` is replicated.
-at::Tensor tp_part(const std::string& name, const at::Tensor& dense, const at::Tensor& local, int t,
-                   int n) {
-  if (dense.sizes() == local.sizes()) return dense;
-  if (dense.dim() == 2 && dense.size(0) == local.size(0)) return dense.chunk(n, 1)[t];
-  std::vector<at::Tensor> rows;
-  const int64_t parts = name.find(".qkv.") != std::string::npos ? 3 : 1;
-  for (const auto& block : dense.chunk(parts, 0)) rows.push_back(block.chunk(n, 0)[t]);
-  return at::cat(rows, 0);
-}
-
 int gpt(const std::string& dir) {
   tandem::Accelerator acc;
   const auto* mesh = acc.mesh();
@@ -271,7 +258,7 @@ int gpt(const std::string& dir) {
   auto dense_params = dense->named_parameters();
   double worst = 0;
   for (const auto& p : pipe->module()->named_parameters()) {
-    auto expected = tp_part(p.key(), dense_params[p.key()].detach(), p.value(), t, n);
+    auto expected = tandem::testing::gpt_shard(p.key(), dense_params[p.key()].detach(), t, n);
     const double scale = expected.abs().max().item<double>();
     worst = std::max(worst, (p.value().detach() - expected).abs().max().item<double>() / scale);
   }

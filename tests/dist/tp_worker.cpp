@@ -35,6 +35,10 @@ namespace tp = tandem::parallel;
 
 namespace {
 
+using tandem::testing::gpt_shard;
+using tandem::testing::shard;
+using tandem::testing::small_gpt;
+
 std::shared_ptr<tandem::ProcessGroup> g_world;
 
 void check(const std::string& name, const at::Tensor& got, const at::Tensor& expected) {
@@ -45,13 +49,6 @@ void check(const std::string& name, const at::Tensor& got, const at::Tensor& exp
   }
   const double d = (got - expected).abs().max().item<double>();
   std::cout << "check " << name << " " << d << std::endl;
-}
-
-// This rank's block of `t` along `dim`, seen as `parts` fused blocks each split over n ranks.
-at::Tensor shard(const at::Tensor& t, int64_t dim, int r, int n, int64_t parts = 1) {
-  std::vector<at::Tensor> pieces;
-  for (auto& p : t.chunk(parts, dim)) pieces.push_back(p.chunk(n, dim)[static_cast<size_t>(r)]);
-  return at::cat(pieces, dim);
 }
 
 // A dense Linear and one backward through it: every rank draws the same from `seed`. x [3, 8,
@@ -235,20 +232,7 @@ void layers() {
   }
 }
 
-using tandem::testing::small_gpt;
-
-// The dense tensor's part that rank r of n holds after the GPT's plan.
-at::Tensor gpt_shard(const std::string& name, const at::Tensor& t, int r, int n) {
-  auto ends = [&](const std::string& s) {
-    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
-  };
-  if (ends("attn.qkv.weight") || ends("attn.qkv.bias")) return shard(t, 0, r, n, 3);
-  if (ends("attn.proj.weight") || ends("fc_proj.weight")) return shard(t, 1, r, n);
-  if (ends(".fc.weight") || ends(".fc.bias") || name == "wte.weight" || name == "head.weight")
-    return shard(t, 0, r, n);
-  return t;  // replicated: LayerNorms, position embedding, row-parallel biases
-}
-
+// Every distinct parameter tensor of `m` once (the tied head and embedding are one).
 std::vector<at::Tensor> unique_parameters(torch::nn::Module& m) {
   std::vector<at::Tensor> out;
   std::set<c10::TensorImpl*> seen;
