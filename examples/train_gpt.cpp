@@ -1,5 +1,9 @@
-// Data-parallel training of a byte-level GPT on this project's own text.
+// Training of a byte-level GPT on this project's own text, under every layout tandem launch
+// gives it: data parallel, ZeRO 1-3, tensor parallel (--tp_size), pipeline parallel (--pp_size)
+// and their combinations.
 //   tandem launch --num_processes 2 --cpu build/examples/train_gpt --steps 200
+//   tandem launch --num_processes 4 --cpu --tp_size 2 --pp_size 2 build/examples/train_gpt
+// Settings the launcher gives (accumulation, precision, layout) hold unless a flag here is given.
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
@@ -12,28 +16,52 @@ int main(int argc, char** argv) {
   CLI::App app{"train_gpt: a byte-level GPT trained on this project's own text"};
   examples::GPTConfig cfg;
   int64_t steps = 200, batch = 8, accum = 1, eval_every = 100, eval_batches = 8;
+  int tp_size = 1, pp_size = 1, microbatches = 0;
   double lr = 3e-3;
   std::string mixed_precision;  // empty: the launcher's (TANDEM_MIXED_PRECISION), else "no"
   std::string data = TANDEM_SOURCE_DIR, text_file;
-  app.add_option("--steps", steps, "Optimizer steps");
-  app.add_option("--batch-size", batch, "Sequences per process per micro-step");
-  app.add_option("--accumulate", accum, "Gradient accumulation steps");
+  app.add_option("--steps", steps, "Optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--batch-size", batch, "Sequences per data-parallel rank per micro-step")
+      ->check(CLI::PositiveNumber);
+  auto* accum_opt = app.add_option("--accumulate", accum,
+                                   "Gradient accumulation steps (default: the launcher's "
+                                   "--gradient_accumulation_steps, else 1)")
+                        ->check(CLI::PositiveNumber);
   app.add_option("--mixed_precision", mixed_precision, "no, bf16, fp16, bf16-true, fp16-true, fp8");
+  auto* tp_opt = app.add_option("--tp_size", tp_size,
+                                "Tensor-parallel size (default: the launcher's --tp_size, else 1)")
+                     ->check(CLI::PositiveNumber);
+  auto* pp_opt = app.add_option("--pp_size", pp_size,
+                                "Pipeline stages (default: the launcher's --pp_size, else 1)")
+                     ->check(CLI::PositiveNumber);
+  app.add_option("--microbatches", microbatches,
+                 "Pipeline micro-batches per step (default: the number of stages); they must "
+                 "divide --batch-size")
+      ->check(CLI::PositiveNumber);
   app.add_option("--lr", lr, "Learning rate (AdamW)");
-  app.add_option("--context", cfg.context, "Context length");
-  app.add_option("--layers", cfg.layers, "Transformer blocks");
-  app.add_option("--heads", cfg.heads, "Attention heads");
-  app.add_option("--width", cfg.width, "Embedding width");
+  app.add_option("--context", cfg.context, "Context length")->check(CLI::PositiveNumber);
+  app.add_option("--layers", cfg.layers, "Transformer blocks")->check(CLI::PositiveNumber);
+  app.add_option("--heads", cfg.heads, "Attention heads")->check(CLI::PositiveNumber);
+  app.add_option("--width", cfg.width, "Embedding width")->check(CLI::PositiveNumber);
   app.add_option("--eval-every", eval_every, "Evaluate every N steps (and at the end)");
   app.add_option("--eval-batches", eval_batches, "Held-out batches per process per evaluation");
   app.add_option("--source-tree", data, "Directory whose text to train on");
   app.add_option("--text", text_file, "A text file to train on instead");
   CLI11_PARSE(app, argc, argv);
   try {
-    auto options = tandem::AcceleratorOptions().seed(1234).gradient_accumulation_steps(
-        static_cast<int>(accum));
+    auto options = tandem::AcceleratorOptions().seed(1234);
+    if (accum_opt->count()) options.gradient_accumulation_steps(static_cast<int>(accum));
     if (!mixed_precision.empty()) options.mixed_precision(mixed_precision);
+    if (tp_opt->count() || pp_opt->count()) {
+      auto shape = tandem::comm::mesh_shape_from_environment();
+      if (tp_opt->count()) shape.tp_size(tp_size);
+      if (pp_opt->count()) shape.pp_size(pp_size);
+      options.parallelism(shape);
+    }
     tandem::Accelerator acc(options);
+    const auto* mesh = acc.mesh();
+    const int tp = mesh ? mesh->size("tp") : 1, pp = mesh ? mesh->size("pp") : 1;
+    const int dp = acc.data_parallel_group().size();
     std::string text;
     if (!text_file.empty()) {
       std::ifstream in(text_file, std::ios::binary);
@@ -48,13 +76,43 @@ int main(int argc, char** argv) {
     const size_t split = text.size() * 9 / 10;
     examples::ByteWindows train(text, cfg.context, 0, split), held_out(text, cfg.context, split, text.size());
 
-    auto model = acc.prepare(examples::GPT(cfg));
+    // The model as the layout needs it: the GPT (head tied to the token embedding), split by its
+    // tensor-parallel plan under tp; under pp the same blocks as a Sequential (untied head),
+    // this rank's stage of it, split over tp too when tp > 1.
+    examples::GPT model{nullptr};
+    std::shared_ptr<tandem::parallel::Pipeline> pipeline;
+    std::shared_ptr<torch::nn::Module> trained;
+    if (pp > 1) {
+      if (microbatches == 0) microbatches = pp;
+      if (batch % microbatches != 0)
+        throw std::runtime_error("--batch-size " + std::to_string(batch) +
+                                 " must be a multiple of --microbatches " +
+                                 std::to_string(microbatches));
+      auto tp_group = tp > 1 ? (*mesh)["tp"] : nullptr;
+      auto loss = [tp_group](const torch::Tensor& logits, const torch::Tensor& targets) {
+        return examples::gpt_sequential_loss(logits, targets, tp_group);
+      };
+      auto popts = tandem::parallel::PipelineOptions().microbatches(microbatches);
+      pipeline = tp > 1 ? acc.prepare_pipeline(examples::gpt_sequential(cfg), loss, popts,
+                                               examples::gpt_sequential_tensor_parallel_plan())
+                        : acc.prepare_pipeline(examples::gpt_sequential(cfg), loss, popts);
+      trained = pipeline->module();
+    } else {
+      model = examples::GPT(cfg);
+      if (tp > 1) acc.parallelize(*model, examples::gpt_tensor_parallel_plan());
+      model = acc.prepare(model);
+      trained = model.ptr();
+    }
     auto opt = acc.prepare(std::make_shared<torch::optim::AdamW>(
-        model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.01)));
+        trained->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.01)));
     auto loader = acc.prepare_data_loader(
         train, tandem::data::DataLoaderOptions().batch_size(batch).shuffle(true).seed(7));
-    acc.print("GPT with", model->num_parameters(), "parameters in", acc.mixed_precision(), "precision;", text.size(), "bytes of text;",
-              acc.num_processes(), "processes");
+    acc.print("GPT with", examples::gpt_parameter_count(cfg, /*tied_head=*/pp == 1), "parameters in", acc.mixed_precision(), "precision;",
+              text.size(), "bytes of text;", acc.num_processes(), "processes (dp", dp, "x tp", tp,
+              "x pp", std::to_string(pp) + ")");
+    if (pp > 1)
+      acc.print("pipeline: the held-out evaluation is skipped (a pipeline runs training steps "
+                "only); the head is untied from the token embedding, as stages need");
 
     auto evaluate = [&]() {
       torch::NoGradGuard no_grad;
@@ -84,21 +142,31 @@ int main(int argc, char** argv) {
       loader->set_epoch(epoch);
       for (auto& b : *loader) {
         auto scope = acc.accumulate();  // autocast on for this micro-step, in bf16/fp16 modes
-        auto loss = model->loss_per_sample(b.data, b.target).mean();
-        acc.backward(loss);
-        acc.clip_grad_norm_(model->parameters(), 1.0);
+        torch::Tensor loss;
+        if (pipeline) {
+          loss = torch::tensor(pipeline->step(b.data, b.target));  // mean over dp, every rank
+        } else {
+          loss = model->loss_per_sample(b.data, b.target).mean();
+          acc.backward(loss);
+        }
+        acc.clip_grad_norm_(trained->parameters(), 1.0);
         opt.step();
         opt.zero_grad();
-        tokens += b.data.numel() * acc.num_processes();
+        tokens += b.data.numel() * dp;
         if (!acc.sync_gradients()) continue;
         last_loss = acc.reduce(loss.detach()).item<double>();
         if (first_loss < 0) first_loss = last_loss;
         bar.update(++step, last_loss);
         if (step % eval_every == 0 || step == steps) {
-          auto [eval_loss, n] = evaluate();
           double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-          acc.print("step", step, "train loss", last_loss, "held-out loss", eval_loss, "over", n,
-                    "sequences,", static_cast<int64_t>(tokens / secs), "tokens/s");
+          if (pipeline) {
+            acc.print("step", step, "train loss", last_loss, static_cast<int64_t>(tokens / secs),
+                      "tokens/s");
+          } else {
+            auto [eval_loss, n] = evaluate();
+            acc.print("step", step, "train loss", last_loss, "held-out loss", eval_loss, "over", n,
+                      "sequences,", static_cast<int64_t>(tokens / secs), "tokens/s");
+          }
         }
         if (step >= steps) break;
       }

@@ -15,12 +15,15 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", batch, "Batch size per process");
   app.add_option("--epochs", epochs, "Epochs");
   app.add_option("--lr", lr, "Learning rate (SGD with momentum 0.9)");
-  app.add_option("--accumulate", accum, "Gradient accumulation steps");
+  auto* accum_opt = app.add_option("--accumulate", accum,
+                                   "Gradient accumulation steps (default: the launcher's "
+                                   "--gradient_accumulation_steps, else 1)")
+                        ->check(CLI::PositiveNumber);
   app.add_option("--mixed_precision", mixed_precision, "no, bf16, fp16, bf16-true, fp16-true, fp8");
   CLI11_PARSE(app, argc, argv);
   try {
-    auto options = tandem::AcceleratorOptions().seed(0).gradient_accumulation_steps(
-        static_cast<int>(accum));
+    auto options = tandem::AcceleratorOptions().seed(0);
+    if (accum_opt->count()) options.gradient_accumulation_steps(static_cast<int>(accum));
     if (!mixed_precision.empty()) options.mixed_precision(mixed_precision);
     tandem::Accelerator acc(options);
     // One teacher, two draws of points: a training set and a held-out test set.

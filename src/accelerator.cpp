@@ -152,6 +152,8 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
     auto shape = options_.parallelism().value_or(comm::mesh_shape_from_environment());
     if (!shape.empty()) {
       shape = shape.resolve(state_.world_size, state_.local_world_size);
+      tp_size_ = shape.tp;
+      pp_size_ = shape.pp;
       if (shape.tp > 1 || shape.pp > 1) {
         mesh_ = std::make_unique<comm::DeviceMesh>(
             comm::make_device_mesh(pg_, shape, state_.local_world_size));
@@ -161,6 +163,15 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(state_.prefix() + " parallelism: " + e.what());
   }
+  // Note [Pipelines and ZeRO]: refused here, before any training, so that a program that
+  // never reaches prepare_pipeline cannot run a pipeline layout under ZeRO either.
+  if (pp_size_ > 1 && options_.sharding() && options_.sharding()->stage() > 0)
+    throw std::invalid_argument(
+        state_.prefix() + " ZeRO stage " + std::to_string(options_.sharding()->stage()) +
+        " does not combine with pipeline parallel in tandem: pp_size " + std::to_string(pp_size_) +
+        " (tandem launch --pp_size, or AcceleratorOptions().parallelism) with ZeRO (--use_deepspeed "
+        "--zero_stage, --use_fsdp, or AcceleratorOptions().sharding); the pipeline averages each "
+        "stage's gradients itself. Drop one of the two (ZeRO combines with --tp_size)");
   activation_checkpointing_ = options_.activation_checkpointing().value_or(
       parallel::activation_checkpointing_from_environment());
   parallel::StrategyContext ctx;
@@ -185,6 +196,49 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
           .timeline_dir(options_.timeline_dir()),
       loader_state_.get());
   if (options_.seed()) set_seed(*options_.seed());
+  // A log always says what ran.
+  if (is_main_process()) std::cerr << layout_line() << std::endl;
+}
+
+std::string Accelerator::layout_line() const {
+  std::ostringstream os;
+  os << "tandem: " << state_.world_size << (state_.world_size == 1 ? " process" : " processes")
+     << " on " << device_.str() << "; strategy " << strategy_->name();
+  if (options_.sharding() && options_.sharding()->stage() > 0)
+    os << " (ZeRO stage " << options_.sharding()->stage() << ")";
+  os << "; mesh pp " << pp_size_ << " x dp " << dp_->size() << " x tp " << tp_size_
+     << "; precision " << precision_->policy().name() << "; gradient accumulation "
+     << accumulation_steps_ << "; activation checkpointing "
+     << (activation_checkpointing_ ? "on" : "off");
+  return os.str();
+}
+
+// Note [Layouts that must take effect]: with tp (or pp) above 1 every rank holds the whole model
+// until the program splits it; trained like that, each rank computes the dense model and the
+// layout flag changes nothing (or, under pp, the clipping norm adds every stage's copy). The
+// first backward or optimizer step refuses such a run, on every rank alike, naming the flag and
+// the call that is missing. A model split by parallel::parallelize_module directly counts too.
+void Accelerator::check_model_split(const char* where) {
+  if (split_checked_) return;
+  if (tp_size_ > 1 && !tp_applied_) {
+    for (const auto& m : models_)
+      if (!parallel::tensor_parallel_splits(*m).empty()) tp_applied_ = true;
+  }
+  if (tp_size_ > 1 && !tp_applied_)
+    throw std::invalid_argument(
+        state_.prefix() + " " + where + ": this run has tp_size " + std::to_string(tp_size_) +
+        " (tandem launch --tp_size, parallelism_config tp_size, or "
+        "AcceleratorOptions().parallelism), but the model was never split: every rank would "
+        "train the whole model. Call acc.parallelize(model, plan) before prepare(model) (or "
+        "prepare_pipeline with a plan), or run without --tp_size");
+  if (pp_size_ > 1 && !pipeline_prepared_)
+    throw std::invalid_argument(
+        state_.prefix() + " " + where + ": this run has pp_size " + std::to_string(pp_size_) +
+        " (tandem launch --pp_size, parallelism_config pp_size, or "
+        "AcceleratorOptions().parallelism), but no pipeline was prepared: every rank would train "
+        "the whole model. Build the model as a torch::nn::Sequential and call "
+        "acc.prepare_pipeline(model, loss, options), or run without --pp_size");
+  split_checked_ = true;
 }
 
 Accelerator::~Accelerator() {
@@ -228,6 +282,7 @@ void Accelerator::parallelize(torch::nn::Module& model, const parallel::TensorPa
               "--tp_size, parallelism_config_tp_size, or AcceleratorOptions().parallelism)");
   model.to(device_);
   parallel::parallelize_module(model, (*mesh_)["tp"], plan);
+  tp_applied_ = true;
 }
 
 std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
@@ -249,6 +304,13 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
               " does not combine with pipeline parallel in tandem (the pipeline reduces each "
               "stage's gradients itself); run the pipeline with plain data parallel (no "
               "--use_deepspeed/--use_fsdp), or use ZeRO with tensor parallel instead of pp");
+  // The pipeline's micro-batches are its accumulation: Pipeline::step neither divides its loss
+  // by gradient_accumulation_steps nor defers its data-parallel reduction.
+  TORCH_CHECK(accumulation_steps_ == 1, state_.prefix(), " prepare_pipeline: gradient_accumulation_steps is ",
+              accumulation_steps_, " (--gradient_accumulation_steps, or AcceleratorOptions()), but "
+              "a pipeline step does not accumulate across calls; give the pipeline more "
+              "micro-batches instead (PipelineOptions().microbatches, over a larger batch) and "
+              "leave gradient_accumulation_steps at 1");
   auto pp = (*mesh_)["pp"];
   auto stage = parallel::split_sequential(model, pp->size(), pp->rank());
   stage->to(device_);
@@ -258,7 +320,9 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
                 "tensor-parallel dimension; set tp_size (tandem launch --tp_size, "
                 "parallelism_config_tp_size, or AcceleratorOptions().parallelism), or pass no plan");
     parallel::parallelize_module(*stage, (*mesh_)["tp"], stage_plan(plan, *stage, *pp));
+    tp_applied_ = true;
   }
+  pipeline_prepared_ = true;
   precision_->cast_model(*stage);
   if (activation_checkpointing_) parallel::checkpoint_sequential_entries(stage);
   parallel::broadcast_module_state(*stage, *dp_, true, true);
@@ -269,6 +333,30 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
 
 AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimizer> optimizer) {
   TORCH_CHECK(optimizer, state_.prefix(), " prepare: the optimizer is null");
+  // Note [Tied parameters in optimizers]: LibTorch's Module::parameters() lists a tensor once
+  // per module holding it (a tied embedding and head: twice), where PyTorch's yields it once; an
+  // optimizer over such a list steps the tied tensor twice per step (Adam: two updates from one
+  // state). Each tensor keeps its first place, as PyTorch's parameters() orders them.
+  {
+    std::set<const c10::TensorImpl*> seen;
+    int64_t dropped = 0;
+    for (auto& group : optimizer->param_groups()) {
+      auto& params = group.params();
+      const auto before = params.size();
+      params.erase(std::remove_if(params.begin(), params.end(),
+                                  [&seen](const at::Tensor& p) {
+                                    return !seen.insert(p.unsafeGetTensorImpl()).second;
+                                  }),
+                   params.end());
+      dropped += static_cast<int64_t>(before - params.size());
+    }
+    if (dropped > 0 && is_main_process())
+      std::cerr << state_.prefix() << " prepare: the optimizer listed " << dropped
+                << (dropped == 1 ? " tensor" : " tensors")
+                << " more than once (tied weights: Module::parameters() lists a shared tensor "
+                   "once per module that holds it); each is stepped once, as in PyTorch"
+                << std::endl;
+  }
   optimizers_.push_back(optimizer);
   // A sharding strategy makes the optimizer step its shards (fp32 ones for master weights).
   precision_->register_optimizer(*optimizer, strategy_->prepare_optimizer(*optimizer));
@@ -299,6 +387,7 @@ data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o)
 
 void Accelerator::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined(), state_.prefix(), " backward: the loss is undefined");
+  check_model_split("backward");
   auto l = precision_->loss_for_backward(loss, accumulation_steps_);
   const auto begin = track::Timeline::Clock::now();
   {
@@ -332,7 +421,13 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
   if (!sync_gradients_) return 0.0;
   unscale_gradients();
   auto no_autocast = autocast(false);
-  return clip_model_parallel(parameters, max_norm, norm_type);
+  // Note [Tied parameters in optimizers]: model->parameters() lists a tied tensor once per
+  // holder; counted (and scaled) once, as PyTorch's clip_grad_norm_(model.parameters()) does.
+  std::vector<at::Tensor> unique;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& p : parameters)
+    if (seen.insert(p.unsafeGetTensorImpl()).second) unique.push_back(p);
+  return clip_model_parallel(unique, max_norm, norm_type);
 }
 
 // Note [Clipping under model parallel]: the total norm is that of the dense, unsharded model's
@@ -455,6 +550,7 @@ Accelerator* AcceleratedOptimizer::owner() const {
 
 void AcceleratedOptimizer::step() {
   Accelerator* acc = owner();
+  if (acc) acc->check_model_split("optimizer step");
   skipped_ = acc && !acc->sync_gradients();
   if (skipped_) return;
   if (acc && acc->sync_gradients() && !acc->precision_->before_step(acc->pg_.get())) {  // inf/NaN on some rank: every rank skips

@@ -14,6 +14,7 @@
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/checkpoint/training_state.h"
+#include "tandem/parallel/full_state.h"
 #include "tandem/parallel/tensor_parallel.h"
 
 namespace tandem {
@@ -54,11 +55,24 @@ void Accelerator::register_for_checkpointing(const std::string& name,
   registered_.push_back({name, std::move(save), std::move(load)});
 }
 
+std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
+    torch::nn::Module& model) {
+  auto tensors = strategy_->model_state(model);
+  if (!mesh_) return tensors;
+  // A mesh: the first data-parallel replica of every (tp, pp) coordinate joins its tp shards
+  // and sends its stage to rank 0 (the others hold copies).
+  return parallel::gather_model_parallel_state(
+      tensors, parallel::tensor_parallel_splits(model),
+      mesh_->size("tp") > 1 ? (*mesh_)["tp"].get() : nullptr,
+      mesh_->size("pp") > 1 ? (*mesh_)["pp"].get() : nullptr, dp_->rank() == 0);
+}
+
 void Accelerator::save_model(const torch::nn::Module& model, const std::string& dir,
                              const std::string& max_shard_size) {
   std::string error;
-  // Every rank takes part: a sharded strategy gathers the model unit by unit to rank 0.
-  auto tensors = strategy_->model_state(const_cast<torch::nn::Module&>(model));
+  // Every rank takes part: a sharded strategy gathers the model unit by unit to rank 0, and a
+  // mesh joins its shards and stages (get_state_dict).
+  auto tensors = get_state_dict(const_cast<torch::nn::Module&>(model));
   if (is_main_process()) {
     try {
       checkpoint::save_model_tensors(tensors, dir, max_shard_size);

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -220,10 +221,11 @@ struct GPTImpl : torch::nn::Module {
     return l.view({idx.size(0), idx.size(1)}).mean(1);
   }
   int64_t num_parameters() {  // distinct tensors: the tied head is counted once
+    std::set<const void*> seen;
     int64_t n = 0;
     for (auto& p : parameters())
-      if (p.unsafeGetTensorImpl() != head->weight.unsafeGetTensorImpl()) n += p.numel();
-    return n + head->weight.numel();
+      if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
+    return n;
   }
   GPTConfig config;
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
@@ -265,6 +267,14 @@ struct GPTHeadImpl : torch::nn::Module {
   torch::nn::Linear out;
 };
 TORCH_MODULE(GPTHead);
+
+/// The dense model's parameter count: embeddings, blocks (12 w^2 + 13 w each), the final
+/// LayerNorm, and the head's own matrix unless it is tied to the token embedding.
+inline int64_t gpt_parameter_count(const GPTConfig& c, bool tied_head) {
+  const int64_t w = c.width;
+  return (c.vocab + c.context) * w + c.layers * (12 * w * w + 13 * w) + 2 * w +
+         (tied_head ? 0 : c.vocab * w);
+}
 
 /// The GPT as a Sequential (GPT-2's N(0, 0.02) initialisation of every matrix). Seed before the
 /// call for the same model on every rank.

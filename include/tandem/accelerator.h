@@ -403,9 +403,10 @@ class Accelerator {
   /// get_state_dict): under ZeRO-3 they are gathered unit by unit, and every rank must call it
   /// (the other ranks get an empty list). A ZeRO-3 model's parameters are released between its
   /// uses: read them through this, not through model->parameters().
-  std::vector<std::pair<std::string, at::Tensor>> get_state_dict(torch::nn::Module& model) {
-    return strategy_->model_state(model);
-  }
+  /// On a mesh the tensor-parallel shards are joined into the dense tensors and every pipeline
+  /// stage's tensors are gathered, so the main process gets the whole model under its dense
+  /// names (pass each rank's own module: its stage, parallelized); every rank must call it.
+  std::vector<std::pair<std::string, at::Tensor>> get_state_dict(torch::nn::Module& model);
   /// Writes the model's weights as safetensors (sharded past max_shard_size, with an index) from
   /// the main process; every rank returns when the files are complete.
   void save_model(const torch::nn::Module& model, const std::string& dir,
@@ -452,6 +453,11 @@ class Accelerator {
   std::vector<checkpoint::StatePart> checkpoint_parts();
   void load_optimizers(const checkpoint::StateReader& reader);
   std::string mesh_shape_string() const;  // "pp 1 x dp_replicate 2 x ..." of the mesh
+  // Note [Layouts that must take effect]: a run whose layout asks for tensor or pipeline
+  // parallel refuses its first backward/step until the model was split.
+  void check_model_split(const char* where);
+  // The line the main process prints at construction: strategy, mesh, precision, accumulation.
+  std::string layout_line() const;
   // The safetensors metadata of a model.mp<r> file (Note [Tensor-parallel shards in checkpoints]).
   std::map<std::string, std::string> model_parallel_metadata(torch::nn::Module& model) const;
 
@@ -463,6 +469,10 @@ class Accelerator {
   c10::Device device_ = c10::Device(c10::kCPU);
   std::shared_ptr<ProcessGroup> pg_;
   std::unique_ptr<comm::DeviceMesh> mesh_;  // model-parallel runs only
+  int tp_size_ = 1, pp_size_ = 1;           // the resolved layout (1 without a mesh)
+  bool tp_applied_ = false;                 // parallelize() or prepare_pipeline(plan) ran
+  bool pipeline_prepared_ = false;          // prepare_pipeline() ran
+  bool split_checked_ = false;              // check_model_split() passed once
   std::shared_ptr<ProcessGroup> dp_;        // mesh["dp"] or pg_
   bool activation_checkpointing_ = false;
   int accumulation_steps_ = 1;

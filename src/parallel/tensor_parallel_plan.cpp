@@ -89,28 +89,37 @@ at::Tensor param(torch::nn::Module& m, const std::string& name) {
   return p ? *p : at::Tensor();
 }
 
-// The dense tensors already replaced by their shard, and how they were split ("rows/3", "cols").
+// Note [Dense tensors after parallelize]: each split parameter becomes a new tensor, this
+// rank's shard, which the tensor-parallel layer holds (and any planned module tied to it). The
+// dense tensor object stays with the replaced module, which a typed member of the user's module
+// (`torch::nn::Linear up`) may still hold and call: it then shares the shard's memory (the dense
+// data is freed) and refuses any gradient, so a model that still calls `up(x)` instead of the
+// planned layer (parallel::planned_child) fails at its first backward, naming the module and the
+// fix, instead of training each rank's half-layer without a collective. A module tied to a
+// split tensor but not planned itself is refused the same way.
 struct ShardBook {
-  std::map<c10::TensorImpl*, std::string> split;
+  std::map<c10::TensorImpl*, at::Tensor> shard_of;  // dense tensor -> its shard
+  std::map<c10::TensorImpl*, std::string> split;    // shard -> how it was split ("rows/3", "cols")
   std::set<c10::TensorImpl*> summed;  // replicated parameters of sequence-parallel modules
 
-  // `dense` becomes this rank's shard in place (set_data: every holder of the tensor sees it);
-  // a tensor already sharded the same way is left as is.
+  // This rank's shard of `dense`, as a new tensor; a tensor already sharded the same way (a tied
+  // parameter) gives the same shard.
   at::Tensor adopt(at::Tensor dense, const std::string& how, const ProcessGroup& g,
-                   const std::string& path, int64_t parts) {
+                   const std::string& path, const std::string& what, int64_t parts) {
     if (summed.count(dense.unsafeGetTensorImpl()))
       throw std::invalid_argument(g.prefix() + " parallelize_module: " + path +
                                   " shares a parameter with a sequence-parallel module, which "
                                   "keeps it replicated; its plan entry would split it as " + how +
                                   "; untie the parameter or plan both modules alike");
-    auto it = split.find(dense.unsafeGetTensorImpl());
-    if (it != split.end()) {
-      if (it->second != how)
+    auto it = shard_of.find(dense.unsafeGetTensorImpl());
+    if (it != shard_of.end()) {
+      const auto& had = split.at(it->second.unsafeGetTensorImpl());
+      if (had != how)
         throw std::invalid_argument(g.prefix() + " parallelize_module: " + path +
-                                    " shares a parameter with a module sharded as " + it->second +
+                                    " shares a parameter with a module sharded as " + had +
                                     ", but its plan entry splits it as " + how +
                                     "; tied parameters must be split the same way");
-      return dense;
+      return it->second;
     }
     at::Tensor shard;
     {
@@ -118,13 +127,50 @@ struct ShardBook {
       shard = how == "cols" ? detail::shard_cols(dense, g.rank(), g.size())
                             : detail::shard_rows(dense, g.rank(), g.size(), parts);
     }
-    dense.set_data(shard);
+    shard = shard.detach();
+    shard.set_requires_grad(dense.requires_grad());
+    dense.set_data(shard);  // the dense data is freed; the replaced module sees the shard
     if (dense.grad().defined()) dense.mutable_grad() = at::Tensor();
-    split[dense.unsafeGetTensorImpl()] = how;
-    return dense;
+    if (dense.requires_grad()) {
+      const std::string message =
+          g.prefix() + " tensor parallel: a gradient reached the original tensor of " + path +
+          ", which the plan replaced by a " + what +
+          ": the model still computes with the module the plan replaced, usually through a "
+          "typed member (`up(x)` on a `torch::nn::Linear up`), which gives only this rank's "
+          "shard without the collective. Call the planned layer instead: `if (auto tp = "
+          "tandem::parallel::planned_child(*this, \"name\")) return tp->forward(x);` (see "
+          "docs/model_parallel.md, \"Modules with typed members\"); a module tied to a split "
+          "parameter must be planned too";
+      dense.register_hook([message](const at::Tensor&) -> at::Tensor {
+        throw std::runtime_error(message);
+      });
+    }
+    shard_of[dense.unsafeGetTensorImpl()] = shard;
+    split[shard.unsafeGetTensorImpl()] = how;
+    return shard;
   }
-  bool sharded(const at::Tensor& t) const { return split.count(t.unsafeGetTensorImpl()) > 0; }
+  bool sharded(const at::Tensor& t) const {
+    return split.count(t.unsafeGetTensorImpl()) > 0 || shard_of.count(t.unsafeGetTensorImpl()) > 0;
+  }
 };
+
+// Puts `replacement` in the place of `parent`'s child `name`: registered (replace_module), and
+// inside a Sequential's or a ModuleList's own list too, which their forward and iteration use.
+void replace_child(torch::nn::Module& parent, const std::string& name,
+                   const std::shared_ptr<torch::nn::Module>& replacement,
+                   const torch::nn::AnyModule& any) {
+  auto children = parent.named_children();
+  int64_t index = -1;
+  for (size_t i = 0; i < children.size(); ++i)
+    if (children[i].key() == name) index = static_cast<int64_t>(i);
+  parent.replace_module(name, replacement);
+  if (index < 0) return;
+  if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&parent)) {
+    *(seq->begin() + index) = any;
+  } else if (auto* list = dynamic_cast<torch::nn::ModuleListImpl*>(&parent)) {
+    *(list->begin() + index) = replacement;
+  }
+}
 
 // Note [Sequence-parallel parameter gradients]: a per-token module on sequence shards sees only
 // this rank's positions, so the gradient of each of its (replicated) parameters is a partial
@@ -305,32 +351,42 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
                                                                                  : w.size(1);
       const std::string rows_how = "rows/" + std::to_string(e.parts);
       std::shared_ptr<torch::nn::Module> replacement;
+      torch::nn::AnyModule any;
       if (e.style == ParallelStyle::kColwise) {
         detail::check_divisible(*tp, rows, e.parts, path + ".weight rows (out_features)");
         auto o = ColumnParallelLinearOptions(cols, rows)
                      .parts(e.parts)
                      .gather_output(e.gather_output)
                      .sequence_parallel(e.sequence_parallel);
-        auto ws = book.adopt(w, rows_how, *tp, path, e.parts);
-        auto bs = b.defined() ? book.adopt(b, rows_how, *tp, path, e.parts) : at::Tensor();
-        replacement = std::make_shared<ColumnParallelLinearImpl>(o, tp, ws, bs);
+        const std::string what = "ColumnParallelLinear (" + rows_how + ")";
+        auto ws = book.adopt(w, rows_how, *tp, path + ".weight", what, e.parts);
+        auto bs = b.defined() ? book.adopt(b, rows_how, *tp, path + ".bias", what, e.parts)
+                              : at::Tensor();
+        auto layer = std::make_shared<ColumnParallelLinearImpl>(o, tp, ws, bs);
+        replacement = layer;
+        any = torch::nn::AnyModule(layer);
       } else if (e.style == ParallelStyle::kRowwise) {
         detail::check_divisible(*tp, cols, 1, path + ".weight columns (in_features)");
         auto o = RowParallelLinearOptions(cols, rows)
                      .input_is_parallel(e.input_is_parallel)
                      .sequence_parallel(e.sequence_parallel);
-        auto ws = book.adopt(w, "cols", *tp, path, 1);
-        replacement = std::make_shared<RowParallelLinearImpl>(o, tp, ws, b.defined() ? b : at::Tensor());
+        auto ws = book.adopt(w, "cols", *tp, path + ".weight", "RowParallelLinear (cols)", 1);
+        auto layer =
+            std::make_shared<RowParallelLinearImpl>(o, tp, ws, b.defined() ? b : at::Tensor());
+        replacement = layer;
+        any = torch::nn::AnyModule(layer);
       } else {
         if (e.sequence_parallel)
           refuse("sequence_parallel applies to colwise and rowwise entries; a vocab-parallel "
                  "embedding's output is replicated (scatter it with scatter_to_sequence_region)");
         if (b.defined()) refuse("an embedding has no bias; this module has one");
         detail::check_divisible(*tp, rows, 1, path + ".weight rows (num_embeddings)");
-        auto ws = book.adopt(w, "rows/1", *tp, path, 1);
-        replacement = std::make_shared<VocabParallelEmbeddingImpl>(rows, tp, ws);
+        auto ws = book.adopt(w, "rows/1", *tp, path + ".weight", "VocabParallelEmbedding", 1);
+        auto layer = std::make_shared<VocabParallelEmbeddingImpl>(rows, tp, ws);
+        replacement = layer;
+        any = torch::nn::AnyModule(layer);
       }
-      parent.replace_module(name, replacement);
+      replace_child(parent, name, replacement, any);
     }
   }
 }

@@ -188,6 +188,19 @@ TEST(PipelineParallel, PipelineTimesTensorParallelGptEqualsOneProcess) {
   // checkpoint (merge_weights: 4 files, 2 stages x 2 tp shards; 29 tensors) with the dense model, tensor by tensor.
   EXPECT_EQ(checks, 4 * 9 + 29) << r.output;
   EXPECT_EQ(count_of(r.output, "merged 29 tensors from 4 files"), 1) << r.output;
+  // get_state_dict: the main process gets the dense model (both stages, tp shards joined), the
+  // other ranks nothing.
+  EXPECT_EQ(count_of(r.output, "state_dict tensors 29 dense 29 names_and_shapes 1 relative"), 1)
+      << r.output;
+  EXPECT_EQ(count_of(r.output, ": 0 tensors"), 3) << r.output;
+  for (double v : [&] {
+         std::vector<double> out;
+         for (auto at = r.output.find("names_and_shapes 1 relative "); at != std::string::npos;
+              at = r.output.find("names_and_shapes 1 relative ", at + 1))
+           out.push_back(std::stod(r.output.substr(at + 28)));
+         return out;
+       }())
+    EXPECT_LE(v, 1e-5) << r.output;
   EXPECT_EQ(count_of(r.output, "same names 1"), 1) << r.output;
   EXPECT_EQ(count_of(r.output, "falling 1"), 4) << r.output;
   EXPECT_EQ(count_of(r.output, "plan refused: [rank "), 4) << r.output;

@@ -264,6 +264,26 @@ int gpt(const std::string& dir) {
   }
   std::printf("check gpt_params %.3g\n", worst);
   std::fflush(stdout);
+  // The whole model on the main process (tp shards joined, both stages), under the dense names.
+  auto full = acc.get_state_dict(*pipe->module());
+  if (acc.is_main_process()) {
+    double state_worst = 0;
+    bool same = full.size() == dense_params.size();
+    for (const auto& [name, t] : full) {
+      auto* d = dense_params.find(name);
+      if (!d || d->sizes() != t.sizes()) {
+        same = false;
+        continue;
+      }
+      state_worst = std::max(state_worst, (t - d->detach()).abs().max().item<double>() /
+                                              d->detach().abs().max().item<double>());
+    }
+    std::printf("state_dict tensors %zu dense %zu names_and_shapes %d relative %.3g\n",
+                full.size(), dense_params.size(), same ? 1 : 0, state_worst);
+  } else {
+    std::printf("state_dict on rank %d: %zu tensors\n", acc.process_index(), full.size());
+  }
+  std::fflush(stdout);
   // Every stage's tp shards in one checkpoint; merge_weights joins stages and shards into the
   // dense Sequential's weights (same names: stage modules keep their index in the Sequential).
   const std::string ckpt = dir + "/gpt-ckpt";

@@ -84,6 +84,14 @@ void expect_all_within(const Checks& c, int ranks, double tolerance, const std::
   }
 }
 
+// The main process's "state_dict ..." line says names, shapes and values are the dense model's
+// (within 1e-5 relative), and every other rank got no tensors.
+void expect_state_dict_is_dense(const std::string& output, int ranks) {
+  EXPECT_EQ(count_of(output, "names_and_shapes 1 relative "), 1) << output;
+  for (double v : numbers_after(output, "names_and_shapes 1 relative ")) EXPECT_LE(v, 1e-5);
+  EXPECT_EQ(count_of(output, ": 0 tensors"), ranks - 1) << output;
+}
+
 }  // namespace
 
 // Each layer on 2 ranks against the dense layer (same seed on every rank): outputs, input
@@ -223,6 +231,34 @@ TEST(TensorParallel, AcceleratorTensorTimesDataParallelEqualsOneProcess) {
   EXPECT_EQ(c.count["acc_loss_step3"], 4);
   EXPECT_EQ(c.count["acc_params_relative"], 4);
   expect_all_within(c, 4, 1e-5, r.output);
+  // get_state_dict joins the tp shards into the dense tensors under the dense names (the main
+  // process; the others get nothing): 22 parameters of the GPT, the tied head included.
+  expect_state_dict_is_dense(r.output, 4);
+}
+
+// A module written with typed members and called directly (`up(x)`) cannot be reached by a
+// plan: its first backward is refused on every rank, naming the tensor and the fix, instead of
+// each tp rank training its own half-model.
+TEST(TensorParallel, TypedMembersCalledDirectlyAreRefused) {
+  auto r = launch(2, "typed", {"--tp_size", "2"}, {"direct"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_GE(count_of(r.output, "tensor parallel: a gradient reached the original tensor of "), 1)
+      << r.output;
+  EXPECT_GE(count_of(r.output, "planned_child"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "typed trained rank"), 0) << r.output;
+}
+
+// The same module calling its members through the planned child, and a Sequential whose entries
+// the plan replaces: AdamW steps equal the dense model, and get_state_dict gives it back.
+TEST(TensorParallel, TypedMembersThroughPlannedChildAndSequentialsEqualTheDenseModel) {
+  for (const char* variant : {"planned", "sequential"}) {
+    auto r = launch(2, "typed", {"--tp_size", "2"}, {variant});
+    ASSERT_EQ(r.exit_code, 0) << variant << "\n" << r.output;
+    auto c = parse_checks(r.output);
+    EXPECT_EQ(c.count["typed_loss_step2"], 2) << variant;
+    expect_all_within(c, 2, 1e-5, r.output);
+    expect_state_dict_is_dense(r.output, 2);
+  }
 }
 
 // The same with the GPT's sequence-parallel plan: LayerNorm gradients summed over tp, then

@@ -458,6 +458,104 @@ void train() {
   std::cout << "check train_params_relative " << worst_relative(*model, *dense, t, n) << std::endl;
 }
 
+// acc.get_state_dict of a parallelized model against the dense model: on the main process
+// "state_dict tensors <n> dense <n> names_and_shapes <0|1> relative <worst>", elsewhere the
+// number of tensors it got (none).
+void print_state_dict_check(tandem::Accelerator& acc, torch::nn::Module& model,
+                            torch::nn::Module& dense) {
+  auto full = acc.get_state_dict(model);
+  if (!acc.is_main_process()) {
+    std::printf("state_dict on rank %d: %zu tensors\n", acc.process_index(), full.size());
+    std::fflush(stdout);
+    return;
+  }
+  auto expected = dense.named_parameters();
+  size_t params = 0;
+  double worst = 0;
+  bool same = true;
+  for (const auto& [name, t] : full) {
+    auto* d = expected.find(name);
+    if (!d) continue;  // a buffer
+    ++params;
+    if (d->sizes() != t.sizes()) {
+      same = false;
+      continue;
+    }
+    const double scale = std::max(1e-12, d->detach().abs().max().item<double>());
+    worst = std::max(worst, (t - d->detach()).abs().max().item<double>() / scale);
+  }
+  same = same && params == expected.size();
+  std::printf("state_dict tensors %zu dense %zu names_and_shapes %d relative %.3g\n", params,
+              expected.size(), same ? 1 : 0, worst);
+  std::fflush(stdout);
+}
+
+// Modules written as LibTorch users write them: typed members, registered, and called. `direct`
+// calls them as members (`up(x)`), which a plan cannot reach: refused at the first backward;
+// otherwise through the planned child (examples::call_child), which trains as the dense model.
+struct TypedMlpImpl : torch::nn::Module {
+  explicit TypedMlpImpl(bool direct) : direct(direct) {
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+    up = register_module("up", torch::nn::Linear(16, 32));
+    down = register_module("down", torch::nn::Linear(32, 16));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = norm(x);
+    if (direct) return down(torch::gelu(up(h)));
+    return examples::call_child(*this, "down", down,
+                                torch::gelu(examples::call_child(*this, "up", up, h)));
+  }
+  bool direct;
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(TypedMlp);
+
+// (2 ranks, --tp_size 2) `variant`: "direct" / "planned" (TypedMlp), or "sequential" (a
+// Sequential of Linear, GELU, Linear, whose entries the plan replaces in its own list too).
+// Three AdamW steps through the Accelerator against the dense model on one process.
+void typed(const std::string& variant) {
+  tandem::Accelerator acc;
+  auto make = [&]() -> std::shared_ptr<torch::nn::Module> {
+    torch::manual_seed(5);
+    if (variant == "sequential")
+      return torch::nn::Sequential(torch::nn::Linear(16, 32), torch::nn::GELU(),
+                                   torch::nn::Linear(32, 16))
+          .ptr();
+    return TypedMlp(variant == "direct").ptr();
+  };
+  auto dense = make(), model = make();
+  auto call = [&](const std::shared_ptr<torch::nn::Module>& m, const torch::Tensor& x) {
+    if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(m)) return seq->forward(x);
+    return std::dynamic_pointer_cast<TypedMlpImpl>(m)->forward(x);
+  };
+  tp::TensorParallelPlan plan;
+  if (variant == "sequential")
+    plan.colwise("0").rowwise("2");
+  else
+    plan.colwise("up").rowwise("down");
+  acc.parallelize(*model, plan);
+  model = acc.prepare(model);
+  auto adam = torch::optim::AdamWOptions(1e-2);
+  torch::optim::AdamW dense_opt(dense->parameters(), adam);
+  auto opt = acc.prepare(std::make_shared<torch::optim::AdamW>(model->parameters(), adam));
+  for (int step = 0; step < 3; ++step) {
+    torch::manual_seed(50 + step);
+    auto x = torch::randn({4, 16});
+    dense_opt.zero_grad();
+    auto dl = call(dense, x).pow(2).mean();
+    dl.backward();
+    dense_opt.step();
+    auto l = call(model, x).pow(2).mean();
+    acc.backward(l);
+    opt.step();
+    opt.zero_grad();
+    check("typed_loss_step" + std::to_string(step), l.detach(), dl.detach());
+  }
+  print_state_dict_check(acc, *model, *dense);
+  std::cout << "typed trained rank " << acc.process_index() << std::endl;
+}
+
 // The Accelerator's model-parallel path: the same training as train(), with data parallel
 // (gradient buckets over mesh["dp"]) done by the Accelerator.
 // `save_dir`: stop after step 2 and save_state there; `load_dir`: load_state from there first and
@@ -525,6 +623,7 @@ void accelerate(const std::string& save_dir, const std::string& load_dir, bool s
     return;
   }
   std::cout << "check acc_params_relative " << worst_relative(*model, *dense, t, n) << std::endl;
+  print_state_dict_check(acc, *model, *dense);
   double digest = 0;
   for (auto& p : model->parameters()) digest += p.detach().to(torch::kDouble).abs().sum().item<double>();
   std::printf("param_digest rank %d %.17g\n", acc.process_index(), digest);
@@ -541,6 +640,10 @@ int main(int argc, char** argv) {
   try {
     if (mode == "compare" && argc == 4) {  // one process: merged checkpoint vs dense weights
       tandem::testing::print_weight_checks(argv[2], argv[3]);
+      return 0;
+    }
+    if (mode == "typed" && argc == 3) {  // the Accelerator joins the job itself
+      typed(argv[2]);
       return 0;
     }
     if (mode == "accelerate") {  // the Accelerator joins the job itself
