@@ -9,15 +9,20 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <limits>
 #include <map>
 #include <memory>
-#include <stdexcept>
+#include <optional>
 #include <set>
+#include <stdexcept>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "detail/json_depth.h"
 #include "tandem/checkpoint/safetensors_header.h"
+#include "tandem/checkpoint/training_state.h"
 
 namespace tandem::checkpoint {
 namespace {
@@ -36,8 +41,9 @@ struct Fd {
   Fd& operator=(const Fd&) = delete;
 };
 
-// The source files of the model in `checkpoint`.
-std::vector<fs::path> model_files(const fs::path& checkpoint, std::size_t index) {
+// The source files of the model in `checkpoint`; `verify` is called on an index before it is read.
+std::vector<fs::path> model_files(const fs::path& checkpoint, std::size_t index,
+                                  const std::function<void(const fs::path&)>& verify) {
   auto fail = [&](const std::string& what) {
     throw std::runtime_error("merge_weights: " + checkpoint.string() + ": " + what);
   };
@@ -56,6 +62,7 @@ std::vector<fs::path> model_files(const fs::path& checkpoint, std::size_t index)
     fail("does not exist");
   }
   if (p.string().size() > 5 && p.string().substr(p.string().size() - 5) == ".json") {
+    verify(p);
     auto idx = read_safetensors_index(p.string());
     std::vector<fs::path> out;
     for (const auto& f : idx.files) {
@@ -88,8 +95,12 @@ std::vector<fs::path> model_parallel_files(const fs::path& checkpoint, std::size
         f.compare(f.size() - suffix.size(), suffix.size(), suffix) != 0)
       continue;
     const std::string rank = f.substr(prefix.size(), f.size() - prefix.size() - suffix.size());
-    if (rank.find_first_not_of("0123456789") == std::string::npos)
-      found.emplace_back(std::stoi(rank), e.path());
+    if (rank.find_first_not_of("0123456789") != std::string::npos) continue;
+    if (rank.size() > 9)
+      throw std::runtime_error("merge_weights: " + e.path().string() +
+                               ": expected a rank of fewer than 10 digits in its name (" + prefix +
+                               "<rank>" + suffix + "); rename or remove the file");
+    found.emplace_back(std::stoi(rank), e.path());
   }
   std::sort(found.begin(), found.end());
   std::vector<fs::path> out;
@@ -97,12 +108,117 @@ std::vector<fs::path> model_parallel_files(const fs::path& checkpoint, std::size
   return out;
 }
 
+constexpr const char* kMetadataFix =
+    "; the file was altered or written by another tool: merge the model.mp<r> files exactly as "
+    "save_state() wrote them, or save the checkpoint again";
+
+// A value as it appeared, shortened, for "is ..." in messages.
+std::string shown(const std::string& value) {
+  return "\"" + (value.size() > 80 ? value.substr(0, 77) + "..." : value) + "\"";
+}
+
+[[noreturn]] void bad_metadata(const fs::path& file, const std::string& key,
+                               const std::string& value, const std::string& expected) {
+  throw std::runtime_error("merge_weights: " + file.string() + ": metadata \"" + key + "\" is " +
+                           shown(value) + ", expected " + expected + kMetadataFix);
+}
+
+// A decimal integer in [lo, hi] written without sign, spaces or leading zeros, or nullopt.
+std::optional<int64_t> parse_count(const std::string& text, int64_t lo, int64_t hi) {
+  if (text.empty() || text.size() > 18 ||
+      text.find_first_not_of("0123456789") != std::string::npos ||
+      (text.size() > 1 && text[0] == '0'))
+    return std::nullopt;
+  const int64_t v = std::stoll(text);
+  if (v < lo || v > hi) return std::nullopt;
+  return v;
+}
+
+// The tensor-parallel metadata of one model.mp<r> file (Note [Tensor-parallel shards in
+// checkpoints]), every value checked; size 0 when the file has none (a pipeline stage of a run
+// without tensor parallelism).
+struct TpMetadata {
+  int size = 0;
+  int rank = 0;
+  std::map<std::string, std::string> split;  // name -> "cols" | "rows/<parts>"
+};
+
+constexpr int64_t kMaxTpSize = 1 << 16;
+
+TpMetadata tp_metadata(const fs::path& file, const SafetensorsMetadata& meta) {
+  TpMetadata out;
+  const bool any =
+      meta.count("tandem_tp_size") || meta.count("tandem_tp_rank") || meta.count("tandem_tp_split");
+  if (!any) return out;
+  for (const char* key : {"tandem_tp_size", "tandem_tp_rank", "tandem_tp_split"})
+    if (!meta.count(key))
+      throw std::runtime_error(
+          "merge_weights: " + file.string() + ": the metadata has " +
+          (meta.count("tandem_tp_size") ? "\"tandem_tp_size\"" : "tensor-parallel keys") +
+          " but no \"" + key +
+          "\" (expected tandem_tp_size, tandem_tp_rank and tandem_tp_split "
+          "together)" +
+          kMetadataFix);
+  const std::string& size = meta.at("tandem_tp_size");
+  const auto tp = parse_count(size, 1, kMaxTpSize);
+  if (!tp)
+    bad_metadata(
+        file, "tandem_tp_size", size,
+        "the number of tensor-parallel ranks, an integer from 1 to " + std::to_string(kMaxTpSize));
+  out.size = static_cast<int>(*tp);
+  const std::string& rank = meta.at("tandem_tp_rank");
+  const auto r = parse_count(rank, 0, *tp - 1);
+  if (!r)
+    bad_metadata(file, "tandem_tp_rank", rank,
+                 "this file's tensor-parallel rank, an integer from 0 to " +
+                     std::to_string(*tp - 1) + " (tandem_tp_size is " + size + ")");
+  out.rank = static_cast<int>(*r);
+
+  // Note [JSON depth limit]: the value is text from the file, parsed as JSON.
+  const std::string& text = meta.at("tandem_tp_split");
+  const std::string split_expected = "a JSON object {tensor name: \"cols\" or \"rows/<parts>\"}";
+  if (auto deep = detail::json_depth_problem(text); !deep.empty())
+    bad_metadata(file, "tandem_tp_split", text, split_expected + " (the value " + deep + ")");
+  nlohmann::json cuts;
+  try {
+    cuts = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    bad_metadata(file, "tandem_tp_split", text,
+                 split_expected + " (it does not parse: " + e.what() + ")");
+  }
+  if (!cuts.is_object()) bad_metadata(file, "tandem_tp_split", text, split_expected);
+  for (const auto& [name, how] : cuts.items()) {
+    const std::string value = how.is_string() ? how.get<std::string>() : how.dump();
+    const bool rows = how.is_string() && value.rfind("rows/", 0) == 0 &&
+                      parse_count(value.substr(5), 1, std::numeric_limits<int32_t>::max());
+    if (!rows && value != "cols")
+      throw std::runtime_error(
+          "merge_weights: " + file.string() + ": metadata \"tandem_tp_split\" gives tensor '" +
+          name + "' the split " + (how.is_string() ? shown(value) : value) +
+          ", expected \"cols\" or \"rows/<parts>\" with <parts> a positive integer" + kMetadataFix);
+    out.split[name] = value;
+  }
+  return out;
+}
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+std::string tensor_text(const TensorInfo& t) {
+  return std::string(dtype_name(t.dtype)) + " " + shape_text(t.shape);
+}
+
 // Note [Joining tensor-parallel shards]: each file's metadata names its tp rank and how each
 // split tensor was cut (Note [Tensor-parallel shards in checkpoints], accelerator_state.cpp).
 // "rows/k": the dense rows are k blocks (q, k, v of a fused projection), each split into tp
 // consecutive parts; the dense tensor is block 0 of rank 0, ..., of rank tp-1, then block 1 of
 // every rank, ... "cols": every row is the ranks' columns one after the other. A tensor no
-// file splits is replicated (or belongs to one pipeline stage): the first copy is taken.
+// file splits is replicated (or belongs to one pipeline stage): the first copy is taken, after
+// checking that every copy has its shape. Every metadata value and every shard's shape is
+// checked before a byte is planned, so that a bad file is refused, never joined short.
 std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> join_model_parallel(
     const std::vector<fs::path>& files, const std::vector<SafetensorsHeader>& headers) {
   auto fail = [](const std::string& what) {
@@ -112,29 +228,100 @@ std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> join_model_pa
     std::size_t file;
     const TensorInfo* info;
   };
+  std::vector<TpMetadata> meta;
+  for (std::size_t f = 0; f < files.size(); ++f)
+    meta.push_back(tp_metadata(files[f], headers[f].metadata));
+  const int tp_size = meta.front().size;
+  for (std::size_t f = 1; f < files.size(); ++f)
+    if (meta[f].size != tp_size)
+      fail(files[f].string() + ": metadata \"tandem_tp_size\" is " +
+           (meta[f].size ? shown(std::to_string(meta[f].size)) : std::string("absent")) +
+           ", but in " + files.front().string() + " it is " +
+           (tp_size ? shown(std::to_string(tp_size)) : std::string("absent")) +
+           " (expected the files of one checkpoint, which agree)" + kMetadataFix);
+
   std::map<std::string, std::map<int, Shard>> by_rank;  // name -> tp rank -> shard
-  std::map<std::string, std::string> split;
-  int tp_size = 1;
+  std::map<std::string, std::pair<std::string, std::size_t>> split;  // name -> how, which file
   for (std::size_t f = 0; f < files.size(); ++f) {
-    const auto& meta = headers[f].metadata;
-    int rank = 0;
-    if (meta.count("tandem_tp_size")) {
-      tp_size = std::stoi(meta.at("tandem_tp_size"));
-      rank = std::stoi(meta.at("tandem_tp_rank"));
-      const auto cuts = nlohmann::json::parse(meta.at("tandem_tp_split"));
-      for (auto it = cuts.begin(); it != cuts.end(); ++it) split[it.key()] = it.value().get<std::string>();
+    for (const auto& [name, how] : meta[f].split) {
+      auto [it, added] = split.emplace(name, std::make_pair(how, f));
+      if (!added && it->second.first != how)
+        fail(files[f].string() + ": metadata \"tandem_tp_split\" gives tensor '" + name +
+             "' the split " + shown(how) + ", but " + files[it->second.second].string() +
+             " gives " + shown(it->second.first) + " (expected one split per tensor)" +
+             kMetadataFix);
     }
+    const int rank = meta[f].rank;
     for (const auto& [name, info] : headers[f].tensors) {
       auto& slot = by_rank[name];
       auto it = slot.find(rank);
       if (it == slot.end()) {
         slot.emplace(rank, Shard{f, &info});
       } else if (it->second.info->shape != info.shape || it->second.info->dtype != info.dtype) {
-        fail("tensor '" + name + "' of tp rank " + std::to_string(rank) + " differs between " +
-             files[it->second.file].string() + " and " + files[f].string());
+        fail("tensor '" + name + "' of tp rank " + std::to_string(rank) + " is " +
+             tensor_text(*it->second.info) + " in " + files[it->second.file].string() + " but " +
+             tensor_text(info) + " in " + files[f].string() +
+             " (expected the same tensor in every pipeline stage that holds it)");
       }
     }
   }
+
+  // Every shard checked before any is joined.
+  for (const auto& [name, ranks] : by_rank) {
+    const Shard& first = ranks.begin()->second;
+    auto how = split.find(name);
+    if (how == split.end()) {
+      for (const auto& [r, s] : ranks)
+        if (s.info->shape != first.info->shape || s.info->dtype != first.info->dtype)
+          fail("tensor '" + name + "' is " + tensor_text(*first.info) + " in " +
+               files[first.file].string() + " but " + tensor_text(*s.info) + " in " +
+               files[s.file].string() +
+               ", and no file's metadata \"tandem_tp_split\" names it (expected a replicated "
+               "tensor to be the same on every tp rank)" +
+               kMetadataFix);
+      continue;
+    }
+    const std::string& cut = how->second.first;
+    for (int r = 0; r < tp_size; ++r)
+      if (!ranks.count(r))
+        fail("the shard of tp rank " + std::to_string(r) + " of '" + name +
+             "' is in none of the model.mp<r> files; copy every rank's file of the checkpoint");
+    const bool cols = cut == "cols";
+    const int64_t parts = cols ? 1 : std::stoll(cut.substr(5));
+    for (const auto& [r, s] : ranks) {
+      const TensorInfo& t = *s.info;
+      const std::string file = files[s.file].string();
+      if (!meta[s.file].split.count(name))
+        fail(file + ": metadata \"tandem_tp_split\" does not name tensor '" + name + "', but " +
+             files[how->second.second].string() + " splits it as " + shown(cut) +
+             " (expected every shard of a split tensor to say how it was cut)" + kMetadataFix);
+      if (t.dtype != first.info->dtype || t.shape.size() != first.info->shape.size())
+        fail("the shards of '" + name + "' differ: " + tensor_text(*first.info) + " in " +
+             files[first.file].string() + ", " + tensor_text(t) + " in " + file +
+             " (expected one dtype and one number of dimensions)" + kMetadataFix);
+      if (cols && t.shape.size() != 2)
+        fail(file + ": metadata \"tandem_tp_split\" gives tensor '" + name +
+             "' the split \"cols\", but it is " + tensor_text(t) +
+             " (expected a 2-D tensor for a split by columns)" + kMetadataFix);
+      if (!cols && (t.shape.empty() || t.shape[0] % parts != 0))
+        fail(file + ": metadata \"tandem_tp_split\" gives tensor '" + name + "' the split " +
+             shown(cut) + ", but its shard is " + tensor_text(t) + ": " +
+             (t.shape.empty() ? std::string("a scalar has no rows")
+                              : std::to_string(t.shape[0]) + " rows do not divide into " +
+                                    std::to_string(parts) + " equal parts") +
+             kMetadataFix);
+      // Every dimension but the split one is the dense tensor's.
+      const std::size_t dim = cols ? 1 : 0;
+      for (std::size_t d = 0; d < t.shape.size(); ++d)
+        if (d != dim && t.shape[d] != first.info->shape[d])
+          fail("the shards of '" + name + "' (split " + shown(cut) + ") disagree in dimension " +
+               std::to_string(d) + ": " + tensor_text(*first.info) + " in " +
+               files[first.file].string() + ", " + tensor_text(t) + " in " + file +
+               " (expected them to differ only in dimension " + std::to_string(dim) + ")" +
+               kMetadataFix);
+    }
+  }
+
   std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> out;
   for (const auto& [name, ranks] : by_rank) {
     const auto& first = *ranks.begin()->second.info;
@@ -146,23 +333,19 @@ std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> join_model_pa
       const auto& s = ranks.begin()->second;
       segments.push_back({s.file, start(s), s.info->nbytes()});
     } else {
-      for (int r = 0; r < tp_size; ++r)
-        if (!ranks.count(r))
-          fail("the shard of tp rank " + std::to_string(r) + " of '" + name +
-               "' is in none of the model.mp<r> files; copy every rank's file of the checkpoint");
-      for (const auto& [r, s] : ranks)
-        if (s.info->shape.size() != first.shape.size() || s.info->dtype != first.dtype)
-          fail("the shards of '" + name + "' differ in rank or dtype");
       // The dense tensor is `pieces` runs of every rank's bytes in rank order: for "cols" each
-      // row of each shard, for "rows/<parts>" each fused block of each shard.
-      const bool cols = how->second == "cols";
-      if (!cols && how->second.rfind("rows/", 0) != 0)
-        fail("'" + name + "' has an unknown split '" + how->second + "'");
-      if (cols && first.shape.size() != 2) fail("'" + name + "' is split by columns but is not 2-D");
+      // row of each shard, for "rows/<parts>" each fused block of each shard (checked above:
+      // every shard divides into them exactly).
+      const bool cols = how->second.first == "cols";
       const std::size_t dim = cols ? 1 : 0;
-      const int64_t pieces = cols ? first.shape[0] : std::stoll(how->second.substr(5));
+      int64_t pieces = cols ? first.shape[0] : std::stoll(how->second.first.substr(5));
       joined.shape[dim] = 0;
-      for (const auto& [r, s] : ranks) joined.shape[dim] += s.info->shape[dim];
+      uint64_t bytes = 0;
+      for (const auto& [r, s] : ranks) {
+        joined.shape[dim] += s.info->shape[dim];
+        bytes += s.info->nbytes();
+      }
+      if (bytes == 0) pieces = 0;
       for (int64_t i = 0; i < pieces; ++i)
         for (const auto& [r, s] : ranks) {
           const uint64_t piece = s.info->nbytes() / static_cast<uint64_t>(pieces);
@@ -171,6 +354,15 @@ std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> join_model_pa
     }
     uint64_t total = 0;
     for (const auto& sg : segments) total += sg.length;
+    uint64_t need = dtype_size(joined.dtype);
+    bool overflow = false;
+    for (auto d : joined.shape)
+      overflow = overflow || __builtin_mul_overflow(need, static_cast<uint64_t>(d), &need);
+    if (overflow || total != need)
+      fail("joining '" + name + "' gave " + std::to_string(total) + " bytes for " +
+           tensor_text(joined) + ", which needs " +
+           (overflow ? std::string("more than 2^64") : std::to_string(need)) +
+           " (expected every shard to hold its part exactly)" + kMetadataFix);
     joined.begin = 0;
     joined.end = total;
     out[name] = {joined, std::move(segments)};
@@ -182,13 +374,28 @@ std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> join_model_pa
 
 MergeReport merge_weights(const std::string& checkpoint, const std::string& out_dir,
                           std::size_t model_index) {
+  // A save_state() checkpoint (a manifest.json beside the model's files) is verified as
+  // load_state verifies it, with the same code: every file read is listed in the manifest and
+  // has its size and xxh64, so that a damaged file is refused, never merged.
+  const fs::path home =
+      fs::is_directory(checkpoint) ? fs::path(checkpoint) : fs::path(checkpoint).parent_path();
+  std::unique_ptr<StateReader> manifest;
+  if (fs::exists(home / "manifest.json"))
+    manifest = std::make_unique<StateReader>(home.string(), "", "merge_weights");
+  auto verify = [&](const fs::path& file) {
+    if (manifest) manifest->verified(file.filename().string());
+  };
+
   auto sources = model_parallel_files(checkpoint, model_index);
   const bool model_parallel = !sources.empty();
-  if (!model_parallel) sources = model_files(checkpoint, model_index);
+  if (!model_parallel) sources = model_files(checkpoint, model_index, verify);
   std::map<std::string, std::vector<Segment>> from;
   std::vector<TensorInfo> entries;
   std::vector<SafetensorsHeader> headers;
-  for (const auto& f : sources) headers.push_back(read_safetensors_header(f.string()));
+  for (const auto& f : sources) {
+    verify(f);
+    headers.push_back(read_safetensors_header(f.string()));
+  }
   if (model_parallel) {
     for (auto& [name, joined] : join_model_parallel(sources, headers)) {
       entries.push_back(joined.first);

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "../compat/optimizer.h"
+#include "detail/json_depth.h"
 
 namespace tandem::checkpoint {
 namespace {
@@ -226,7 +227,23 @@ OptimizerState optimizer_state(const optim::Optimizer& optimizer) {
 }
 
 void load_optimizer_state(optim::Optimizer& optimizer, const OptimizerState& state) {
-  auto doc = json::parse(state.json);
+  // Note [JSON depth limit]: the text comes from a checkpoint file.
+  if (auto deep = detail::json_depth_problem(state.json); !deep.empty())
+    throw std::runtime_error("load_state: the optimizer state's JSON " + deep +
+                             ": the checkpoint is damaged; use another checkpoint");
+  json doc;
+  try {
+    doc = json::parse(state.json);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(
+        std::string("load_state: the optimizer state's JSON does not parse (") + e.what() +
+        "): the checkpoint is damaged; use another checkpoint");
+  }
+  if (!doc.is_object() || !doc.contains("type") || !doc["type"].is_string())
+    throw std::runtime_error(
+        "load_state: the optimizer state's JSON has no \"type\" string "
+        "(expected {\"type\": \"AdamW\", \"param_groups\": [...], ...}): "
+        "the checkpoint is damaged; use another checkpoint");
   std::map<std::string, at::Tensor> tensors(state.tensors.begin(), state.tensors.end());
   with_codec(optimizer, [&](const auto& codec) {
     if (doc.at("type").get<std::string>() != codec.name)

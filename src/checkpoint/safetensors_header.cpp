@@ -13,6 +13,8 @@
 #include <sstream>
 #include <tuple>
 
+#include "detail/json_depth.h"
+
 namespace tandem::checkpoint {
 namespace {
 
@@ -372,6 +374,11 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
     fail("the header holds a NUL byte at offset " + std::to_string(8 + nul) +
          " (expected JSON text padded with spaces)" + kCorruptFix);
   }
+  // Note [JSON depth limit]: a header nests three deep; deeper text never reaches the parser.
+  if (auto deep = detail::json_depth_problem(text); !deep.empty()) {
+    fail("the header " + deep + " (a header nests 3 deep: {name: {\"shape\": [...]}})" +
+         kCorruptFix);
+  }
   json root = parse_rejecting_duplicates(text, fail);
   if (!root.is_object()) {
     fail("the header must be a JSON object, found " + found(root) + kCorruptFix);
@@ -494,6 +501,11 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
 
 SafetensorsIndex parse_safetensors_index(std::string_view text, const std::string& source) {
   const std::string where = "safetensors index '" + source + "': ";
+  // Note [JSON depth limit]: an index nests two deep; deeper text never reaches the parser.
+  if (auto deep = detail::json_depth_problem(text); !deep.empty())
+    throw SafetensorsError(where + "the index " + deep +
+                           " (an index nests 2 deep: {\"weight_map\": {name: file}}); the file "
+                           "is corrupt or not a model.safetensors.index.json: re-create it");
   json j;
   try {
     j = json::parse(text);

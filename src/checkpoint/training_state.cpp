@@ -35,6 +35,7 @@
 #include <regex>
 #include <sstream>
 
+#include "detail/json_depth.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/comm/collectives.h"
 #include "tandem/comm/process_group.h"
@@ -83,6 +84,23 @@ std::string xxh64_of(const fs::path& p) {
   std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH64_digest(st)));
   XXH64_freeState(st);
   return hex;
+}
+
+constexpr const char* kDamagedFix =
+    ": the checkpoint is damaged or was not written by tandem; use another checkpoint";
+
+// A checkpoint's JSON file `path` (Note [JSON depth limit]: its depth is measured before
+// nlohmann sees it). `where` begins the errors.
+json parse_checkpoint_json(const std::string& text, const std::string& path,
+                           const std::string& where) {
+  if (auto deep = detail::json_depth_problem(text); !deep.empty())
+    throw std::runtime_error(where + path + " " + deep + kDamagedFix);
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(where + path + " is corrupt (expected JSON, found text that does " +
+                             "not parse: " + e.what() + ")" + kDamagedFix);
+  }
 }
 
 // Fault injection for the crash-consistency tests: TANDEM_CHECKPOINT_CRASH=<point> kills this
@@ -190,26 +208,43 @@ struct StateReader::Impl {
 
 StateReader::~StateReader() = default;
 
-StateReader::StateReader(std::string dir, std::string prefix)
-    : dir_(std::move(dir)), prefix_(std::move(prefix)), impl_(std::make_unique<Impl>()) {
+StateReader::StateReader(std::string dir, std::string prefix, std::string operation)
+    : dir_(std::move(dir)),
+      prefix_(std::move(prefix)),
+      where_((prefix_.empty() ? "" : prefix_ + " ") + operation + ": "),
+      impl_(std::make_unique<Impl>()) {
   const fs::path manifest_path = fs::path(dir_) / "manifest.json";
   if (!fs::exists(manifest_path))
-    throw std::runtime_error(prefix_ + " load_state: " + dir_ +
+    throw std::runtime_error(where_ + dir_ +
                              " is not a complete checkpoint (no manifest.json): its save was "
                              "interrupted or it is not a tandem checkpoint");
-  try {
-    impl_->manifest = json::parse(read_file(manifest_path));
-  } catch (const json::exception& e) {
-    throw std::runtime_error(prefix_ + " load_state: " + manifest_path.string() +
-                             " is corrupt: " + e.what());
+  impl_->manifest = parse_checkpoint_json(read_file(manifest_path), manifest_path.string(), where_);
+  // What verified() relies on: {"files": {name: {"size": n, "xxh64": "hex"}}}.
+  const json& m = impl_->manifest;
+  if (!m.is_object() || !m.contains("files") || !m["files"].is_object())
+    throw std::runtime_error(where_ + manifest_path.string() +
+                             " has no \"files\" object (expected {\"files\": {name: {\"size\", "
+                             "\"xxh64\"}}, ...})" +
+                             kDamagedFix);
+  for (const auto& [name, entry] : m["files"].items()) {
+    if (!entry.is_object() || !entry.contains("size") || !entry["size"].is_number_unsigned() ||
+        !entry.contains("xxh64") || !entry["xxh64"].is_string())
+      throw std::runtime_error(
+          where_ + manifest_path.string() + ": the entry of '" + name + "' is " + entry.dump() +
+          ", expected {\"size\": <bytes>, \"xxh64\": \"<hex>\"}" + kDamagedFix);
   }
-  try {
-    impl_->state = json::parse(read_bytes("state.json"));
-    saved_world_ = impl_->manifest.value("world_size", impl_->state.value("world_size", 0));
-  } catch (const json::exception& e) {
-    throw std::runtime_error(prefix_ + " load_state: " + dir_ + "/state.json is corrupt: " +
-                             e.what());
-  }
+  impl_->state = parse_checkpoint_json(read_bytes("state.json"), dir_ + "/state.json", where_);
+  if (!impl_->state.is_object())
+    throw std::runtime_error(where_ + dir_ + "/state.json holds " +
+                             std::string(impl_->state.type_name()) + ", expected an object" +
+                             kDamagedFix);
+  const json& world = m.contains("world_size")              ? m["world_size"]
+                      : impl_->state.contains("world_size") ? impl_->state["world_size"]
+                                                            : json(0);
+  if (!world.is_number_integer())
+    throw std::runtime_error(where_ + manifest_path.string() + ": \"world_size\" is " +
+                             world.dump() + ", expected a number of processes" + kDamagedFix);
+  saved_world_ = world.get<int>();
 }
 
 bool StateReader::has(const std::string& file) const {
@@ -221,24 +256,31 @@ std::string StateReader::verified(const std::string& name) const {
   const auto& files = impl_->manifest["files"];
   auto it = files.find(name);
   if (it == files.end())
-    throw std::runtime_error(prefix_ + " load_state: " + p.string() +
-                             " is not listed in manifest.json");
-  if (!fs::exists(p))
-    throw std::runtime_error(prefix_ + " load_state: " + p.string() + " is missing");
+    throw std::runtime_error(where_ + p.string() + " is not listed in manifest.json");
+  if (!fs::exists(p)) throw std::runtime_error(where_ + p.string() + " is missing");
   auto size = fs::file_size(p);
   if (size != (*it)["size"].get<uint64_t>())
-    throw std::runtime_error(prefix_ + " load_state: " + p.string() + " has " +
-                             std::to_string(size) + " bytes, the manifest says " +
-                             (*it)["size"].dump() + ": the file was truncated or altered");
+    throw std::runtime_error(where_ + p.string() + " has " + std::to_string(size) +
+                             " bytes, the manifest says " + (*it)["size"].dump() +
+                             ": the file was truncated or altered; restore it from a copy or "
+                             "use another checkpoint");
   if (xxh64_of(p) != (*it)["xxh64"].get<std::string>())
-    throw std::runtime_error(prefix_ + " load_state: " + p.string() +
+    throw std::runtime_error(where_ + p.string() +
                              " does not match its checksum in manifest.json: the file was altered "
-                             "or damaged");
+                             "or damaged; restore it from a copy or use another checkpoint");
   return p.string();
 }
 
 std::string StateReader::read_bytes(const std::string& file) const {
-  return read_file(verified(file));
+  const std::string path = verified(file);
+  std::string bytes = read_file(path);
+  // Note [JSON depth limit]: the parts parse their JSON files (optimizer.json, the ZeRO shards'
+  // layouts) themselves; none of them sees text nested too deep.
+  if (file.size() > 5 && file.compare(file.size() - 5, 5, ".json") == 0) {
+    if (auto deep = detail::json_depth_problem(bytes); !deep.empty())
+      throw std::runtime_error(where_ + path + " " + deep + kDamagedFix);
+  }
+  return bytes;
 }
 
 const SafetensorsFile& StateReader::tensors(const std::string& file) const {

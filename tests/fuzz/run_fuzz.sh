@@ -40,6 +40,24 @@ seed empty '{}      ' ''
 seed one '{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}' '\0\0\x80\x3f\0\0\0\x40'
 seed meta '{"__metadata__":{"format":"pt"},"w":{"dtype":"I64","shape":[1,1],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[],"data_offsets":[8,10]}}' '\1\0\0\0\0\0\0\0\x80\x3f'
 seed zero '{"e":{"dtype":"U8","shape":[0,3],"data_offsets":[0,0]},"f":{"dtype":"BOOL","shape":[1],"data_offsets":[0,1]}}' '\1'
+# Note [JSON depth limit]: nesting at the limit (64), just past it, and far past it, in a header
+# and in an index; brackets inside a name, which are not nesting.
+rep() { printf "%*s" "$2" "" | tr ' ' "$1"; }  # rep CHAR COUNT
+seed deep64 "{\"t\":{\"dtype\":\"F32\",\"shape\":$(rep '[' 62)$(rep ']' 62),\"data_offsets\":[0,0]}}" ''
+seed deep65 "{\"t\":{\"dtype\":\"F32\",\"shape\":$(rep '[' 63)$(rep ']' 63),\"data_offsets\":[0,0]}}" ''
+seed deep_objects "{\"t\":$(rep '{' 1000)" ''
+seed deep_index "{\"weight_map\":{\"a\":\"m.safetensors\"},\"metadata\":$(rep '[' 1500)$(rep ']' 1500)}" ''
+seed bracket_name "{\"$(rep '[' 100)\\\"$(rep '{' 100)\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}" '\1'
+
+# Inputs longer than -max_len, run once each: headers and an index nested 70,000 and 300,000
+# deep, which overflowed the stack inside the JSON library before the depth limit.
+big=$build/deep
+mkdir -p "$big"
+for n in 70000 300000; do
+  corpus=$big seed "header_$n" "{\"t\":{\"dtype\":\"F32\",\"shape\":$(rep '[' $n)$(rep ']' $n),\"data_offsets\":[0,0]}}" ''
+  corpus=$big seed "index_$n" "{\"weight_map\":{},\"metadata\":$(rep '{' $n)" ''
+done
+"$build/safetensors_fuzz" -rss_limit_mb=2048 "$big"/*
 
 exec "$build/safetensors_fuzz" "$corpus" -dict="$here/safetensors.dict" \
   -max_total_time="$seconds" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \

@@ -6,10 +6,14 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <optional>
 
 #include "checkpoint_test_util.h"
+#include "tandem/checkpoint/merge_weights.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/checkpoint/safetensors.h"
+#include "tandem/checkpoint/training_state.h"
+#include "tandem/comm/process_group.h"
 
 using namespace tandem::checkpoint;
 using tandem_test::message_of;
@@ -335,4 +339,214 @@ TEST(ModelIo, CorruptShardNamesTheFile) {
   tandem_test::write_file(path, bytes.substr(0, bytes.size() - 1));  // truncated
   auto msg = message_of<SafetensorsError>([&] { load_model(a, dir.path().string()); });
   EXPECT_HAS(msg, path);
+}
+
+// ---- merge_weights ----------------------------------------------------------------------------
+
+namespace {
+
+// A save_state() checkpoint of one process holding model.safetensors, with its manifest.
+void save_checkpoint(const std::string& dir, const NamedTensors& tensors) {
+  StatePart model{"model", [&](StateWriter& w) { w.write_tensors("model.safetensors", tensors); },
+                  [](const StateReader&) {}};
+  save_training_state(*tandem::ProcessGroup::single(), dir, {model});
+}
+
+// One tp rank's model.mp<r> file: w is split by rows, c by columns, b is replicated.
+struct TpCheckpoint {
+  TempDir dir;
+  torch::Tensor w = torch::arange(24, torch::kFloat).reshape({6, 4});
+  torch::Tensor c = torch::arange(12, torch::kFloat).reshape({3, 4});
+  torch::Tensor b = torch::arange(3, torch::kFloat);
+
+  SafetensorsMetadata meta(int rank, const std::string& split = R"({"c":"cols","w":"rows/1"})") {
+    return {{"format", "pt"},
+            {"tandem_tp_rank", std::to_string(rank)},
+            {"tandem_tp_size", "2"},
+            {"tandem_tp_split", split}};
+  }
+  std::string file(int rank) const {
+    return dir.file("model.mp" + std::to_string(rank) + ".safetensors");
+  }
+  void write(int rank, const SafetensorsMetadata& metadata) {
+    save_safetensors(file(rank),
+                     {{"w", w.chunk(2, 0)[rank].contiguous()},
+                      {"c", c.chunk(2, 1)[rank].contiguous()},
+                      {"b", b}},
+                     metadata);
+  }
+  // The error of merging with rank 1's metadata replaced by `metadata` (and rank 0's by
+  // `metadata0`, when given); it names the file of rank `named`.
+  std::string error_with(const SafetensorsMetadata& metadata,
+                         const std::optional<SafetensorsMetadata>& metadata0 = {}, int named = 1) {
+    write(0, metadata0 ? *metadata0 : meta(0));
+    write(1, metadata);
+    const std::string out = dir.file("merged");
+    auto msg = message_of<std::runtime_error>([&] { merge_weights(dir.path().string(), out); });
+    EXPECT_FALSE(fs::exists(out + "/model.safetensors")) << "a refused merge wrote its output";
+    EXPECT_EQ(msg.rfind("merge_weights: " + file(named) + ": ", 0), 0u) << msg;
+    return msg;
+  }
+};
+
+}  // namespace
+
+// merge-weights verifies a save_state() checkpoint against its manifest, as load_state does: a
+// flipped data byte or a truncated file is refused naming the file, and nothing is written.
+TEST(MergeWeights, VerifiesTheManifestOfASavedState) {
+  TempDir dir;
+  const std::string ckpt = dir.file("checkpoint_0"), out = dir.file("merged");
+  save_checkpoint(ckpt, {{"w", torch::arange(16, torch::kFloat)}});
+  auto report = merge_weights(ckpt, out);
+  EXPECT_EQ(report.tensors, 1u);
+  fs::remove_all(out);
+
+  const std::string model = ckpt + "/model.safetensors";
+  std::string bytes = tandem_test::read_file(model);
+  std::string flipped = bytes;
+  flipped[flipped.size() - 3] ^= 0x01;  // a data byte: the header still parses
+  tandem_test::write_file(model, flipped);
+  auto msg = message_of<std::runtime_error>([&] { merge_weights(ckpt, out); });
+  EXPECT_EQ(
+      msg.rfind("merge_weights: " + model + " does not match its checksum in manifest.json", 0), 0u)
+      << msg;
+  EXPECT_HAS(msg, "restore it from a copy or use another checkpoint");
+  EXPECT_FALSE(fs::exists(out + "/model.safetensors"));
+  // The file given directly is verified too, against the manifest beside it.
+  EXPECT_HAS(message_of<std::runtime_error>([&] { merge_weights(model, out); }),
+             "does not match its checksum");
+
+  tandem_test::write_file(model, bytes.substr(0, bytes.size() - 4));
+  EXPECT_HAS(message_of<std::runtime_error>([&] { merge_weights(ckpt, out); }),
+             model + " has " + std::to_string(bytes.size() - 4) + " bytes, the manifest says " +
+                 std::to_string(bytes.size()));
+
+  // A model file the manifest does not list is not part of the checkpoint.
+  tandem_test::write_file(model, bytes);
+  save_safetensors(ckpt + "/model.mp0.safetensors", {{"w", torch::ones({2})}});
+  EXPECT_HAS(message_of<std::runtime_error>([&] { merge_weights(ckpt, out); }),
+             ckpt + "/model.mp0.safetensors is not listed in manifest.json");
+}
+
+// A manifest or state.json nested too deep is refused before it is parsed (Note [JSON depth
+// limit]), by load_state's reader and so by merge-weights.
+TEST(MergeWeights, DeeplyNestedManifestIsRefused) {
+  TempDir dir;
+  const std::string ckpt = dir.file("checkpoint_0");
+  save_checkpoint(ckpt, {{"w", torch::ones({2})}});
+  tandem_test::write_file(ckpt + "/manifest.json", "{\"files\":" + std::string(300'000, '[') +
+                                                       std::string(300'000, ']') + "}");
+  auto msg = message_of<std::runtime_error>([&] { merge_weights(ckpt, dir.file("merged")); });
+  EXPECT_EQ(
+      msg.rfind("merge_weights: " + ckpt + "/manifest.json nests arrays and objects 300001 deep",
+                0),
+      0u)
+      << msg;
+  EXPECT_HAS(msg, "more than the limit of 64");
+  msg = message_of<std::runtime_error>([&] { StateReader(ckpt, "[rank 0/1]"); });
+  EXPECT_EQ(msg.rfind("[rank 0/1] load_state: " + ckpt + "/manifest.json nests", 0), 0u) << msg;
+
+  tandem_test::write_file(ckpt + "/manifest.json", R"({"files": {"state.json": 3}})");
+  EXPECT_HAS(message_of<std::runtime_error>([&] { StateReader(ckpt, "[rank 0/1]"); }),
+             "the entry of 'state.json' is 3, expected {\"size\": <bytes>, \"xxh64\": \"<hex>\"}");
+}
+
+// The shards of a tensor-parallel checkpoint join into the dense tensors.
+TEST(MergeWeights, JoinsTensorParallelShards) {
+  TpCheckpoint t;
+  t.write(0, t.meta(0));
+  t.write(1, t.meta(1));
+  const std::string out = t.dir.file("merged");
+  auto report = merge_weights(t.dir.path().string(), out);
+  EXPECT_EQ(report.sources, 2u);
+  SafetensorsFile merged(out + "/model.safetensors");
+  EXPECT_TRUE(torch::equal(merged.tensor("w"), t.w));
+  EXPECT_TRUE(torch::equal(merged.tensor("c"), t.c));
+  EXPECT_TRUE(torch::equal(merged.tensor("b"), t.b));
+}
+
+// Every bad tensor-parallel metadata value is refused naming the file, the key and the value;
+// before, rows/0 and rows/7 wrote a truncated file and tp_size "abc" said only "stoi".
+TEST(MergeWeights, RefusesBadTensorParallelMetadata) {
+  TpCheckpoint t;
+  auto meta = [&](const std::string& key, const std::string& value) {
+    auto m = t.meta(1);
+    m[key] = value;
+    return m;
+  };
+  auto msg = t.error_with(meta("tandem_tp_split", R"({"c":"cols","w":"rows/0"})"));
+  EXPECT_HAS(msg,
+             "metadata \"tandem_tp_split\" gives tensor 'w' the split \"rows/0\", expected "
+             "\"cols\" or \"rows/<parts>\" with <parts> a positive integer");
+  EXPECT_HAS(msg, "save the checkpoint again");
+
+  const std::string seven = R"({"c":"cols","w":"rows/7"})";
+  auto seven0 = t.meta(0);
+  seven0["tandem_tp_split"] = seven;
+  msg = t.error_with(meta("tandem_tp_split", seven), seven0, 0);
+  EXPECT_HAS(msg,
+             "metadata \"tandem_tp_split\" gives tensor 'w' the split \"rows/7\", but its "
+             "shard is F32 [3, 4]: 3 rows do not divide into 7 equal parts");
+
+  msg = t.error_with(meta("tandem_tp_size", "abc"));
+  EXPECT_HAS(msg,
+             "metadata \"tandem_tp_size\" is \"abc\", expected the number of "
+             "tensor-parallel ranks, an integer from 1 to 65536");
+  EXPECT_EQ(msg.find("stoi"), std::string::npos) << msg;
+
+  msg = t.error_with(meta("tandem_tp_size", "3"));
+  EXPECT_HAS(msg, "metadata \"tandem_tp_size\" is \"3\", but in " + t.file(0) + " it is \"2\"");
+  auto none = t.meta(1);
+  for (const char* key : {"tandem_tp_size", "tandem_tp_rank", "tandem_tp_split"}) none.erase(key);
+  EXPECT_HAS(t.error_with(none), "metadata \"tandem_tp_size\" is absent, but in");
+
+  msg = t.error_with(meta("tandem_tp_rank", "2"));
+  EXPECT_HAS(msg,
+             "metadata \"tandem_tp_rank\" is \"2\", expected this file's tensor-parallel "
+             "rank, an integer from 0 to 1");
+  EXPECT_HAS(t.error_with(meta("tandem_tp_rank", "-1")), "\"tandem_tp_rank\" is \"-1\"");
+
+  msg = t.error_with(meta("tandem_tp_split", "{\"w\": 12"));
+  EXPECT_HAS(msg, "metadata \"tandem_tp_split\" is \"{\"w\": 12\", expected a JSON object");
+  EXPECT_HAS(t.error_with(meta("tandem_tp_split", R"(["w"])")),
+             "metadata \"tandem_tp_split\" is \"[\"w\"]\", expected a JSON object");
+  EXPECT_HAS(t.error_with(meta("tandem_tp_split", R"({"c":"cols","w":2})")),
+             "gives tensor 'w' the split 2, expected");
+  EXPECT_HAS(t.error_with(meta("tandem_tp_split", R"({"c":"cols","w":"rows/x"})")),
+             "the split \"rows/x\"");
+  EXPECT_HAS(t.error_with(meta("tandem_tp_split", R"({"c":"cols","w":"cols"})")),
+             "gives tensor 'w' the split \"cols\", but " + t.file(0) + " gives \"rows/1\"");
+  // A value nested 70,000 deep is refused before it is parsed (Note [JSON depth limit]).
+  msg = t.error_with(meta("tandem_tp_split", std::string(70'000, '[') + std::string(70'000, ']')));
+  EXPECT_HAS(msg, "metadata \"tandem_tp_split\" is \"[[[");
+  EXPECT_HAS(msg, "(the value nests arrays and objects 70000 deep");
+
+  auto without = t.meta(1);
+  without.erase("tandem_tp_rank");
+  EXPECT_HAS(t.error_with(without),
+             "the metadata has \"tandem_tp_size\" but no \"tandem_tp_rank\"");
+}
+
+// Shards whose shapes do not fit together are refused before anything is joined.
+TEST(MergeWeights, RefusesShardsThatDoNotFit) {
+  TpCheckpoint t;
+  t.write(0, t.meta(0));
+  save_safetensors(
+      t.file(1), {{"w", torch::zeros({3, 5})}, {"c", t.c.chunk(2, 1)[1].contiguous()}, {"b", t.b}},
+      t.meta(1));
+  auto msg = message_of<std::runtime_error>(
+      [&] { merge_weights(t.dir.path().string(), t.dir.file("merged")); });
+  EXPECT_HAS(msg, "the shards of 'w' (split \"rows/1\") disagree in dimension 1: F32 [3, 4] in " +
+                      t.file(0) + ", F32 [3, 5] in " + t.file(1));
+
+  save_safetensors(t.file(1),
+                   {{"w", t.w.chunk(2, 0)[1].contiguous()},
+                    {"c", t.c.chunk(2, 1)[1].contiguous()},
+                    {"b", torch::zeros({4})}},
+                   t.meta(1));
+  msg = message_of<std::runtime_error>(
+      [&] { merge_weights(t.dir.path().string(), t.dir.file("merged")); });
+  EXPECT_HAS(msg, "tensor 'b' is F32 [3] in " + t.file(0) + " but F32 [4] in " + t.file(1) +
+                      ", and no file's metadata \"tandem_tp_split\" names it");
+  EXPECT_FALSE(fs::exists(t.dir.file("merged") + "/model.safetensors"));
 }

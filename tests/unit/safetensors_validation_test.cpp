@@ -250,3 +250,62 @@ TEST_F(SafetensorsValidation, TruncationsAndCorruptionsNeverCrash) {
     }
   }
 }
+
+// Note [JSON depth limit]: a header nested 70,000 deep overflowed the stack inside the JSON
+// library (a debug build; 300,000 deep a release build) instead of being refused. The depth is
+// measured before parsing, so every such header is an error naming the file and the limit.
+TEST_F(SafetensorsValidation, DeeplyNestedHeaderIsRefusedBeforeParsing) {
+  for (std::size_t depth : {63, 70'000, 300'000}) {
+    // {"t": {"shape": [[[...]]]}}: two levels of objects, then `depth` arrays.
+    std::string json = R"({"t":{"dtype":"F32","shape":)" + std::string(depth, '[') +
+                       std::string(depth, ']') + R"(,"data_offsets":[0,0]}})";
+    auto msg = error_of(json);
+    EXPECT_HAS(msg, "the header nests arrays and objects " + std::to_string(depth + 2) + " deep");
+    EXPECT_HAS(msg, "more than the limit of 64");
+    EXPECT_HAS(msg, "level 65 opens at byte 90 of the JSON");
+  }
+  // Exactly the limit reaches the parser, which refuses the shape for what it holds.
+  std::string at_limit = R"({"t":{"dtype":"F32","shape":)" + std::string(62, '[') +
+                         std::string(62, ']') + R"(,"data_offsets":[0,0]}})";
+  auto msg = error_of(at_limit);
+  EXPECT_HAS(msg, "\"shape\" must hold non-negative integers");
+  EXPECT_EQ(msg.find("nests"), std::string::npos) << msg;
+  // Deep objects count as arrays do; unbalanced closing brackets do not hide an opening run.
+  EXPECT_HAS(error_of("{\"a\":" + std::string(100'000, '{')), "nests arrays and objects 100001");
+  EXPECT_HAS(error_of("{}]]]]]]" + std::string(65, '[')), "nests arrays and objects 65 deep");
+}
+
+// Brackets inside strings, escaped quotes included, are text, not nesting.
+TEST_F(SafetensorsValidation, BracketsInsideNamesAreNotNesting) {
+  const std::string name = std::string(1000, '[') + "\"\\" + std::string(1000, '{') + "\"";
+  std::string bytes = serialize_safetensors({{name, at::ones({2}, at::kFloat)}},
+                                            {{"note", std::string(500, '[') + "\\\""}});
+  auto h = parse_safetensors_header(bytes, bytes.size(), "names");
+  ASSERT_EQ(h.tensors.count(name), 1u);
+  EXPECT_EQ(h.tensors.at(name).shape, std::vector<int64_t>{2});
+}
+
+// The sharded index model.safetensors.index.json gets the same limit, in memory and on disk.
+TEST_F(SafetensorsValidation, DeeplyNestedIndexIsRefusedBeforeParsing) {
+  for (std::size_t depth : {70'000, 300'000}) {
+    const std::string text = R"({"weight_map":{"a":"m.safetensors"},"metadata":{"x":)" +
+                             std::string(depth, '[') + std::string(depth, ']') + "}}";
+    std::string msg = tandem_test::message_of<SafetensorsError>(
+        [&] { parse_safetensors_index(text, "idx.json"); });
+    EXPECT_EQ(msg.rfind("safetensors index 'idx.json': the index nests arrays and objects " +
+                            std::to_string(depth + 2) + " deep",
+                        0),
+              0u)
+        << msg;
+    EXPECT_HAS(msg, "more than the limit of 64");
+    const std::string path = dir_.file("model.safetensors.index.json");
+    tandem_test::write_file(path, text);
+    msg = tandem_test::message_of<SafetensorsError>([&] { read_safetensors_index(path); });
+    EXPECT_HAS(msg, "safetensors index '" + path + "': the index nests arrays and objects");
+  }
+  // Brackets in names are not nesting.
+  auto idx = parse_safetensors_index(
+      R"({"weight_map":{"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\"": "m.safetensors"}})",
+      "names");
+  EXPECT_EQ(idx.files, std::vector<std::string>{"m.safetensors"});
+}

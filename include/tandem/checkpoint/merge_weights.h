@@ -23,8 +23,11 @@ struct MergeReport {
 /// pipeline stages and tensor-parallel shards) is joined into the dense model: the stages'
 /// tensors side by side, each split tensor's shards concatenated as their metadata says
 /// (Note [Joining tensor-parallel shards]). Streaming: tensor bytes are copied file to file in chunks of
-/// at most 64 MiB, never a whole model (nor a whole tensor) in memory. Throws std::runtime_error
-/// naming the file and what is wrong (missing shard, a tensor in two shards, unreadable file).
+/// at most 64 MiB, never a whole model (nor a whole tensor) in memory. A save_state() checkpoint
+/// (a manifest.json beside the files) is verified first, as load_state verifies it: every file
+/// read is listed, with its size and xxh64. Throws std::runtime_error naming the file and what is
+/// wrong (a damaged file, missing shard, a tensor in two shards, bad tensor-parallel metadata or
+/// shards whose shapes do not join, unreadable file), before anything is written.
 MergeReport merge_weights(const std::string& checkpoint, const std::string& out_dir,
                           std::size_t model_index = 0);
 

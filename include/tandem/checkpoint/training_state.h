@@ -64,8 +64,9 @@ class StateWriter {
 /// manifest (listed, present, same size, same checksum) before it is read.
 class StateReader {
  public:
-  /// Opens `dir` (throws, naming the problem, when it has no readable manifest).
-  StateReader(std::string dir, std::string prefix);
+  /// Opens `dir` (throws, naming the problem, when it has no readable manifest). Errors begin
+  /// with `prefix` and `operation` ("[rank 0/2] load_state: ..."); merge_weights passes its own.
+  StateReader(std::string dir, std::string prefix, std::string operation = "load_state");
   ~StateReader();
   const std::string& dir() const { return dir_; }
   /// The number of processes that saved it.
@@ -74,6 +75,8 @@ class StateReader {
   bool has(const std::string& file) const;
   /// The verified path of `file` (throws when it is missing, truncated or altered).
   std::string verified(const std::string& file) const;
+  /// The verified bytes of `file`; a "*.json" file is also refused when it nests deeper than
+  /// JSON readers accept (Note [JSON depth limit]).
   std::string read_bytes(const std::string& file) const;
   /// The verified safetensors file, opened once.
   const SafetensorsFile& tensors(const std::string& file) const;
@@ -84,6 +87,7 @@ class StateReader {
  private:
   struct Impl;
   std::string dir_, prefix_;
+  std::string where_;  // the start of every error: "<prefix> <operation>: "
   int saved_world_ = 0;
   std::unique_ptr<Impl> impl_;
 };
