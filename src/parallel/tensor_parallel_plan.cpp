@@ -105,7 +105,8 @@ struct ShardBook {
   // This rank's shard of `dense`, as a new tensor; a tensor already sharded the same way (a tied
   // parameter) gives the same shard.
   at::Tensor adopt(at::Tensor dense, const std::string& how, const ProcessGroup& g,
-                   const std::string& path, const std::string& what, int64_t parts) {
+                   const std::string& path, const std::string& tensor, const std::string& what,
+                   int64_t parts) {
     if (summed.count(dense.unsafeGetTensorImpl()))
       throw std::invalid_argument(g.prefix() + " parallelize_module: " + path +
                                   " shares a parameter with a sequence-parallel module, which "
@@ -134,6 +135,7 @@ struct ShardBook {
     if (dense.requires_grad()) {
       const std::string message =
           g.prefix() + " tensor parallel: a gradient reached the original tensor of " + path +
+          "." + tensor +
           ", which the plan replaced by a " + what +
           ": the model still computes with the module the plan replaced, usually through a "
           "typed member (`up(x)` on a `torch::nn::Linear up`), which gives only this rank's "
@@ -359,8 +361,8 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
                      .gather_output(e.gather_output)
                      .sequence_parallel(e.sequence_parallel);
         const std::string what = "ColumnParallelLinear (" + rows_how + ")";
-        auto ws = book.adopt(w, rows_how, *tp, path + ".weight", what, e.parts);
-        auto bs = b.defined() ? book.adopt(b, rows_how, *tp, path + ".bias", what, e.parts)
+        auto ws = book.adopt(w, rows_how, *tp, path, "weight", what, e.parts);
+        auto bs = b.defined() ? book.adopt(b, rows_how, *tp, path, "bias", what, e.parts)
                               : at::Tensor();
         auto layer = std::make_shared<ColumnParallelLinearImpl>(o, tp, ws, bs);
         replacement = layer;
@@ -370,7 +372,7 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
         auto o = RowParallelLinearOptions(cols, rows)
                      .input_is_parallel(e.input_is_parallel)
                      .sequence_parallel(e.sequence_parallel);
-        auto ws = book.adopt(w, "cols", *tp, path + ".weight", "RowParallelLinear (cols)", 1);
+        auto ws = book.adopt(w, "cols", *tp, path, "weight", "RowParallelLinear (cols)", 1);
         auto layer =
             std::make_shared<RowParallelLinearImpl>(o, tp, ws, b.defined() ? b : at::Tensor());
         replacement = layer;
@@ -381,7 +383,7 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
                  "embedding's output is replicated (scatter it with scatter_to_sequence_region)");
         if (b.defined()) refuse("an embedding has no bias; this module has one");
         detail::check_divisible(*tp, rows, 1, path + ".weight rows (num_embeddings)");
-        auto ws = book.adopt(w, "rows/1", *tp, path + ".weight", "VocabParallelEmbedding", 1);
+        auto ws = book.adopt(w, "rows/1", *tp, path, "weight", "VocabParallelEmbedding", 1);
         auto layer = std::make_shared<VocabParallelEmbeddingImpl>(rows, tp, ws);
         replacement = layer;
         any = torch::nn::AnyModule(layer);

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -24,9 +26,31 @@ const std::vector<std::string> kSmallGpt{"--steps", "4", "--layers", "2", "--wid
                                          "--heads", "4", "--context", "32", "--eval-every", "100",
                                          "--eval-batches", "2"};
 
+// A fixed text for train_gpt (the default, this source tree, changes as it is edited): words
+// drawn by a fixed linear congruential sequence, 256 KB.
+const std::string& fixed_text() {
+  static const std::string path = [] {
+    const std::string p = tandem::testing::temp_path("examples", "text.txt");
+    const char* words[] = {"the ", "rank ", "gradient ", "of ", "a ", "model ", "shard ",
+                           "pipeline ", "tensor ", "sum ", "and ", "step ", "loss\n", "batch ",
+                           "every ", "stage "};
+    std::ofstream out(p, std::ios::binary);
+    uint64_t x = 12345;
+    for (size_t n = 0; n < 256 * 1024;) {
+      x = x * 6364136223846793005ULL + 1442695040888963407ULL;
+      const char* w = words[(x >> 33) % 16];
+      out << w;
+      n += std::strlen(w);
+    }
+    return p;
+  }();
+  return path;
+}
+
 tandem::testing::RunResult launch(int n, std::vector<std::string> flags,
                                   const std::string& program,
                                   std::vector<std::string> args = kSmallGpt) {
+  if (program == kTrainGpt) args.insert(args.end(), {"--text", fixed_text()});
   std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
                                 "--num_cpu_threads_per_process", "1"};
   argv.insert(argv.end(), flags.begin(), flags.end());

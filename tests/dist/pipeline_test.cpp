@@ -4,6 +4,8 @@
 // point-to-point transfers fail fast, naming the peer, when it leaves or stays silent.
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -216,9 +218,32 @@ TEST(PipelineParallel, ZeroWithAPipelineIsRefused) {
                        "accelerate", "--out", out_dir()},
                       {}, 120);
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count_of(r.output, "ZeRO stage 1 does not combine with pipeline parallel"), 2)
+  // By the launcher, before any rank starts, naming both flags.
+  EXPECT_EQ(count_of(r.output, "--pp_size 2 does not combine with --use_deepspeed --zero_stage 1"), 1)
       << r.output;
   EXPECT_EQ(count_of(r.output, "acc trained rank"), 0) << r.output;
+  // By the Accelerator of ranks another launcher started (torchrun's variables), at
+  // construction: before, only prepare_pipeline refused, so a program that never reached it ran.
+  const int port = tandem::testing::free_port();
+  std::vector<tandem::testing::RunResult> ranks(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank)
+    threads.emplace_back([&, rank] {
+      ranks[rank] = run_command(
+          {kWorker, "accelerate", "--out", out_dir()},
+          {{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank)},
+           {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)},
+           {"TANDEM_USE_CPU", "1"}, {"TANDEM_PP_SIZE", "2"}, {"TANDEM_DISTRIBUTED_TYPE", "DEEPSPEED"},
+           {"TANDEM_ZERO_STAGE", "1"}},
+          120);
+    });
+  for (auto& t : threads) t.join();
+  for (const auto& rr : ranks) {
+    EXPECT_NE(rr.exit_code, 0) << rr.output;
+    EXPECT_EQ(count_of(rr.output, "ZeRO stage 1 does not combine with pipeline parallel"), 1)
+        << rr.output;
+    EXPECT_EQ(count_of(rr.output, "acc trained rank"), 0) << rr.output;
+  }
 }
 
 TEST(PipelineParallel, AStageThatDiesEndsTheJob) {

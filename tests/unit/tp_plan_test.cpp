@@ -84,13 +84,24 @@ TEST(TensorParallelPlan, ParallelizeOnOneRankEqualsTheDenseModelAndRefusesBadEnt
   auto one = tandem::ProcessGroup::single();
   auto weight_before = model->emb->weight;
   parallelize_module(*model, one, plan);
-  // The planned children are tensor-parallel layers holding the same parameter tensors.
+  // The planned children are tensor-parallel layers holding this rank's shards as new tensors
+  // (Note [Dense tensors after parallelize]); the dense tensor the model's member still holds
+  // shares the shard's memory and refuses gradients.
   ASSERT_TRUE(planned_child(*model, "l0_up") != nullptr);
   ASSERT_TRUE(planned_child(*model, "l1_down") != nullptr);
   EXPECT_EQ(planned_child(*model, "nothing"), nullptr);
   auto emb = std::dynamic_pointer_cast<VocabParallelEmbeddingImpl>(planned_child(*model, "emb"));
   ASSERT_TRUE(emb != nullptr);
-  EXPECT_EQ(emb->weight.unsafeGetTensorImpl(), weight_before.unsafeGetTensorImpl());
+  EXPECT_NE(emb->weight.unsafeGetTensorImpl(), weight_before.unsafeGetTensorImpl());
+  EXPECT_EQ(emb->weight.data_ptr(), weight_before.data_ptr());
+  EXPECT_EQ(model->named_parameters()["emb.weight"].unsafeGetTensorImpl(),
+            emb->weight.unsafeGetTensorImpl());
+  {
+    auto stale = model->emb->forward(torch::randint(0, 8, {2})).sum();  // the replaced module
+    const auto e = error_of<std::exception>([&] { stale.backward(); });
+    EXPECT_TRUE(contains(e, "a gradient reached the original tensor of emb.weight")) << e;
+    EXPECT_TRUE(contains(e, "planned_child")) << e;
+  }
   EXPECT_EQ(model->named_parameters().size(), dense->named_parameters().size());
 
   auto ids = torch::randint(0, 8, {3, 5});
