@@ -11,5 +11,21 @@ cuda=${CUDAToolkit_ROOT:-/usr/local/cuda}
 export TANDEM_BUILD_DIR=${TANDEM_BUILD_DIR:-$root/build-torch2}
 # No GPU to detect the architecture from: Hopper (sm_90) unless the caller says otherwise.
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-exec "$root/scripts/build.sh" -DCMAKE_PREFIX_PATH="$torch_prefix" -DCUDAToolkit_ROOT="$cuda" \
+"$root/scripts/build.sh" -DCMAKE_PREFIX_PATH="$torch_prefix" -DCUDAToolkit_ROOT="$cuda" \
   -DCMAKE_CUDA_COMPILER="$cuda/bin/nvcc" -DTANDEM_PYTHON="$venv/bin/python" "$@"
+# Note [Two LibTorch installations]: the library must load one LibTorch, the wheel's, and none of
+# a system LibTorch (Debian's libtorch-dev) beside it.
+lib=$TANDEM_BUILD_DIR/src/libtandem.so
+if [ -f "$lib" ]; then
+  torch_lib=$("$venv/bin/python" -c 'import os, torch; print(os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib")))')
+  linked=$(ldd "$lib" | awk '$1 ~ /^lib(torch|c10)/ {print $1 " " $3}')
+  outside=$(echo "$linked" | while read -r name path; do
+    [ "$(dirname "$(realpath -m "$path")")" = "$torch_lib" ] || echo "  $name => $path"
+  done)
+  if [ -z "$linked" ] || [ -n "$outside" ]; then
+    echo "build-torch2: $lib links LibTorch libraries outside $torch_lib:${outside:- none found}" >&2
+    ldd "$lib" >&2
+    exit 1
+  fi
+  echo "build-torch2: $lib links one LibTorch ($torch_lib): $(echo "$linked" | awk '{print $1}' | paste -sd ' ')"
+fi
