@@ -129,15 +129,67 @@ const std::set<std::string> kIgnoredKeys = {
 const std::set<std::string> kSections = {"fsdp_config", "deepspeed_config", "fp8_config",
                                          "parallelism_config"};
 
-// deepspeed_config keys Accelerate's questionnaire and launcher know; tandem acts on the first
-// group and reports the second as ignored.
-const std::set<std::string> kDeepSpeedActedOn = {"zero_stage",
+// deepspeed_config keys Accelerate's questionnaire and launcher know; tandem checks the first
+// group and reports the second as ignored. Any other key is refused (a typo such as zero_stgae
+// would otherwise leave the default stage running).
+const std::vector<std::string> kDeepSpeedKeys = {"zero_stage",
                                                  "offload_optimizer_device",
                                                  "offload_param_device",
                                                  "gradient_accumulation_steps",
                                                  "gradient_clipping",
                                                  "zero3_init_flag",
                                                  "zero3_save_16bit_model"};
+const std::vector<std::string> kDeepSpeedIgnoredKeys = {
+    "deepspeed_config_file",        "offload_optimizer_nvme_path",  "offload_param_nvme_path",
+    "deepspeed_hostfile",           "deepspeed_exclusion_filter",   "deepspeed_inclusion_filter",
+    "deepspeed_multinode_launcher", "deepspeed_moe_layer_cls_names"};
+// Every fsdp_config key Accelerate writes (FSDP1 and FSDP2), with its fsdp_ prefix.
+const std::vector<std::string> kFsdpKeys = {"fsdp_sharding_strategy",
+                                            "fsdp_offload_params",
+                                            "fsdp_auto_wrap_policy",
+                                            "fsdp_min_num_params",
+                                            "fsdp_transformer_layer_cls_to_wrap",
+                                            "fsdp_state_dict_type",
+                                            "fsdp_backward_prefetch",
+                                            "fsdp_forward_prefetch",
+                                            "fsdp_sync_module_states",
+                                            "fsdp_cpu_ram_efficient_loading",
+                                            "fsdp_use_orig_params",
+                                            "fsdp_activation_checkpointing",
+                                            "fsdp_reshard_after_forward",
+                                            "fsdp_version"};
+
+// Levenshtein distance, for "did you mean" in the errors about unknown keys.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] != b[j - 1])});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+[[noreturn]] void unknown_key(const std::string& origin, const std::string& section,
+                              const std::string& key, const std::vector<std::string>& known) {
+  std::string closest;
+  size_t best = std::string::npos;
+  for (const auto& k : known) {
+    const size_t d = edit_distance(lower(key), k);
+    if (d < best) {
+      best = d;
+      closest = k;
+    }
+  }
+  std::string msg = origin + ": '" + key + "' is not a key of " + section;
+  if (best <= std::max<size_t>(2, closest.size() / 4)) msg += "; did you mean " + closest + "?";
+  throw std::invalid_argument(msg + " Expected one of " + join(known, ", "));
+}
 
 // A value that means "not used": such ignored keys are not worth a warning (Accelerate writes
 // tpu_env: [], tpu_use_cluster: false, dynamo_config: {} into every file).
@@ -156,7 +208,10 @@ void note_ignored(LaunchConfig& c, const std::string& entry) {
 
 void set_fsdp(LaunchConfig& c, std::string key, const std::string& value,
               const std::string& origin) {
+  const std::string written = key;
   if (key.rfind("fsdp_", 0) != 0) key = "fsdp_" + key;  // as Accelerate's launcher does
+  if (std::find(kFsdpKeys.begin(), kFsdpKeys.end(), key) == kFsdpKeys.end())
+    unknown_key(origin, "fsdp_config", written, kFsdpKeys);
   std::string v = trim(value);
   if (key == "fsdp_sharding_strategy") {
     const auto& names = fsdp_sharding_strategies();
@@ -210,9 +265,14 @@ void set_deepspeed(LaunchConfig& c, const std::string& key, const std::string& v
       bad(origin, value, "a gradient norm >= 0 such as 1.0");
   } else if (key == "zero3_init_flag" || key == "zero3_save_16bit_model") {
     v = parse_bool(origin, value) ? "true" : "false";
-  } else {
+  } else if (std::find(kDeepSpeedIgnoredKeys.begin(), kDeepSpeedIgnoredKeys.end(), key) !=
+             kDeepSpeedIgnoredKeys.end()) {
     if (!unset_value(key, v)) note_ignored(c, "deepspeed_config." + key + ": " + v);
     return;
+  } else {
+    std::vector<std::string> known = kDeepSpeedKeys;
+    known.insert(known.end(), kDeepSpeedIgnoredKeys.begin(), kDeepSpeedIgnoredKeys.end());
+    unknown_key(origin, "deepspeed_config", key, known);
   }
   c.deepspeed_config[key] = v;
 }
@@ -369,9 +429,11 @@ void set_value(LaunchConfig& c, const std::string& key, const std::string& value
     std::string t = one_of(origin, value, accelerate_distributed_types(), true);
     if (t == "TPU") t = "XLA";
     c.distributed_type = t;
-    const auto& ours = tandem_distributed_types();
-    // MEGATRON_LM is refused at launch (launch::check_strategy_available), not ignored.
-    if (std::find(ours.begin(), ours.end(), t) == ours.end() && t != "MEGATRON_LM")
+    // Only DATA_PARALLEL (SageMaker's data parallel) runs as something else, as data parallel.
+    // The device types tandem cannot drive (XLA, MULTI_XPU, ...) and the model-parallel ones
+    // (MEGATRON_LM, MODEL_PARALLEL) are refused, by `tandem launch` and `tandem config validate`
+    // alike (launch::unavailable_strategy_message), never ignored.
+    if (t == "DATA_PARALLEL")
       note_ignored(c, "distributed_type: " + t + " (runs as plain data parallel)");
   } else if (key == "mixed_precision") {
     c.mixed_precision = one_of(origin, value, mixed_precision_values(), false);
@@ -577,6 +639,44 @@ void validate(const LaunchConfig& c) {
                                   " (--tp_size, --pp_size, --dp_replicate_size, --dp_shard_size)");
     }
   }
+  // Note [Pipelines and ZeRO]: refused before any rank starts, naming both settings as given.
+  if (shape.pp > 1) {
+    auto from_flag = [&](const std::string& key) {
+      auto it = c.sources.find(key);
+      return it != c.sources.end() && it->second == Source::kCommandLine;
+    };
+    const std::string in_file = c.path.empty() ? "" : " in " + c.path;
+    std::string zero;
+    if (c.distributed_type == "DEEPSPEED") {
+      auto st = c.deepspeed_config.find("zero_stage");
+      const std::string stage = st == c.deepspeed_config.end() ? "2" : st->second;
+      const std::string type = from_flag("distributed_type")
+                                   ? "--use_deepspeed"
+                                   : "distributed_type: DEEPSPEED" + in_file;
+      if (stage != "0")
+        zero = type + (!c.given("deepspeed_config.zero_stage") ? " (ZeRO stage 2, its default)"
+                       : from_flag("deepspeed_config.zero_stage")
+                           ? " --zero_stage " + stage
+                           : " (deepspeed_config.zero_stage: " + stage + ")");
+    } else if (c.distributed_type == "FSDP") {
+      auto st = c.fsdp_config.find("fsdp_sharding_strategy");
+      const std::string strategy = st == c.fsdp_config.end() ? "FULL_SHARD" : st->second;
+      if (strategy != "NO_SHARD")
+        zero = (from_flag("distributed_type") ? "--use_fsdp" : "distributed_type: FSDP" + in_file) +
+               " (" + strategy + ")";
+    }
+    if (!zero.empty())
+      throw std::invalid_argument(
+          (from_flag("parallelism_config.pp_size")
+               ? "--pp_size " + std::to_string(shape.pp)
+               : "parallelism_config.pp_size: " + std::to_string(shape.pp) + in_file) +
+          " does not combine with " + zero +
+          ": tandem's pipeline averages each stage's gradients over the data-parallel ranks "
+          "itself, so a ZeRO stage has no place in it (DeepSpeed, too, refuses ZeRO-2/3 with "
+          "pipeline parallel). Drop one of the two: run the pipeline with plain data parallel "
+          "(no --use_deepspeed/--use_fsdp, or --zero_stage 0), or use ZeRO with --tp_size "
+          "instead of --pp_size");
+  }
   const bool sharded = c.distributed_type == "DEEPSPEED";
   if (sharded) {
     auto it = c.deepspeed_config.find("offload_param_device");
@@ -606,6 +706,61 @@ std::string ignored_warning(const LaunchConfig& c) {
   if (c.ignored.empty()) return "";
   return "tandem: warning: " + std::string(c.path.empty() ? "the configuration" : c.path) +
          " has settings for things tandem does not do; they are ignored: " + join(c.ignored, ", ");
+}
+
+std::vector<std::string> not_acted_on(const LaunchConfig& c) {
+  std::vector<std::string> out;
+  auto value = [](const std::map<std::string, std::string>& m, const std::string& k) {
+    auto it = m.find(k);
+    return it == m.end() ? std::string() : it->second;
+  };
+  if (c.distributed_type == "FSDP") {
+    // The value in each pair is what tandem does; any other value asks for something else.
+    const std::vector<std::pair<std::string, std::string>> fsdp = {
+        {"fsdp_forward_prefetch", "false"},           // units are gathered when called
+        {"fsdp_backward_prefetch", "NO_PREFETCH"},    // nor prefetched in backward
+        {"fsdp_cpu_ram_efficient_loading", "false"},  // every rank loads the whole model
+        {"fsdp_sync_module_states", "true"},          // rank 0's parameters are broadcast
+        {"fsdp_use_orig_params", "true"},             // the original parameters are kept
+        {"fsdp_reshard_after_forward", "true"},       // fsdp_sharding_strategy decides
+        {"fsdp_state_dict_type", "FULL_STATE_DICT"},  // checkpoints hold the whole model
+    };
+    for (const auto& [k, does] : fsdp) {
+      const std::string v = value(c.fsdp_config, k);
+      if (!v.empty() && v != does) out.push_back("fsdp_config." + k + ": " + v);
+    }
+    // Units are the entries of the model's Sequentials, whatever their class.
+    if (auto v = value(c.fsdp_config, "fsdp_transformer_layer_cls_to_wrap"); !v.empty())
+      out.push_back("fsdp_config.fsdp_transformer_layer_cls_to_wrap: " + v);
+  } else {
+    // Only fsdp_activation_checkpointing acts outside FSDP (parallel/activation_checkpoint.h).
+    for (const auto& [k, v] : c.fsdp_config)
+      if (k != "fsdp_activation_checkpointing")
+        out.push_back("fsdp_config." + k + ": " + v + " (distributed_type is " +
+                      c.distributed_type + ", not FSDP)");
+  }
+  if (c.distributed_type == "DEEPSPEED") {
+    // The model is built whole on every rank and saved in the dtype it trains in.
+    for (const char* k : {"zero3_init_flag", "zero3_save_16bit_model"})
+      if (value(c.deepspeed_config, k) == "true")
+        out.push_back(std::string("deepspeed_config.") + k + ": true");
+  } else {
+    // gradient_clipping acts under every strategy (TANDEM_GRADIENT_CLIPPING).
+    for (const auto& [k, v] : c.deepspeed_config)
+      if (k != "gradient_clipping")
+        out.push_back("deepspeed_config." + k + ": " + v + " (distributed_type is " +
+                      c.distributed_type + ", not DEEPSPEED)");
+  }
+  if (c.given("same_network") && !c.same_network) out.push_back("same_network: false");
+  return out;
+}
+
+std::string not_acted_on_warning(const LaunchConfig& c) {
+  const auto keys = not_acted_on(c);
+  if (keys.empty()) return "";
+  return "tandem: warning: tandem accepts these settings but does not act on them yet; they "
+         "change nothing in this run: " +
+         join(keys, ", ");
 }
 
 namespace {

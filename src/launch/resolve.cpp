@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <map>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -123,7 +124,58 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
         "--cpu and --multi_gpu contradict each other: pass --cpu to run "
         "on the CPU (MULTI_CPU), or --multi_gpu to use the GPUs");
 
-  // Types tandem does not have run as plain data parallel (config::set_value noted them).
+  // A sharding flag without the flag that turns its strategy on would change nothing: refused,
+  // naming both (the strategy may also come from the config file's distributed_type).
+  for (const auto& [key, value] : flags) {
+    const bool deepspeed = key.rfind("deepspeed_config.", 0) == 0 &&
+                           key != "deepspeed_config.gradient_clipping" &&
+                           key != "deepspeed_config.gradient_accumulation_steps";
+    const bool fsdp =
+        key.rfind("fsdp_config.", 0) == 0 && key != "fsdp_config.fsdp_activation_checkpointing";
+    const std::string wanted = deepspeed ? "DEEPSPEED" : fsdp ? "FSDP" : "";
+    if (wanted.empty() || c.distributed_type == wanted) continue;
+    const std::string flag = flag_for_key(key);
+    std::string needs = deepspeed ? "--use_deepspeed" : "--use_fsdp";
+    std::string alternative;
+    if (key == "deepspeed_config.zero_stage" && c.distributed_type == "FSDP") {
+      alternative = " (under --use_fsdp, --fsdp_sharding_strategy sets the stage)";
+    } else if (key == "deepspeed_config.zero_stage") {
+      if (value == "3") alternative = " (or use --use_fsdp for FSDP's FULL_SHARD)";
+      if (value == "2") alternative = " (or use --use_fsdp --fsdp_sharding_strategy SHARD_GRAD_OP)";
+    } else if (key == "deepspeed_config.offload_optimizer_device") {
+      alternative = " (or use --use_fsdp --fsdp_offload_params true)";
+    } else if (key == "deepspeed_config.offload_param_device") {
+      needs = "--use_deepspeed --zero_stage 3";
+      alternative = " (or use --use_fsdp --fsdp_offload_params true)";
+    } else if (key.rfind("deepspeed_config.zero3_", 0) == 0) {
+      needs = "--use_deepspeed --zero_stage 3";
+    } else if (key == "fsdp_config.fsdp_sharding_strategy") {
+      alternative = " (or use --use_deepspeed --zero_stage N for ZeRO stage N)";
+    }
+    auto src = c.sources.find("distributed_type");
+    const std::string t = c.distributed_type;
+    const std::string from = src == c.sources.end()                ? ""
+                             : src->second == Source::kCommandLine ? " from the command line"
+                             : c.path.empty()                      ? ""
+                                                                   : " from " + c.path;
+    const bool plain = t == "NO" || t == "MULTI_CPU" || t == "MULTI_GPU";
+    const std::string runs =
+        plain ? "plain data parallel" + (from.empty() ? "" : " (distributed_type " + t + from + ")")
+              : "distributed_type " + t + from;
+    throw std::invalid_argument(flag + " " + value + " needs " + needs + alternative +
+                                ": without it the run is " + runs + ", where " + flag +
+                                " would change nothing. Add " + needs + ", or leave out " + flag);
+  }
+
+  // A type tandem refuses is refused before anything else is resolved: the same answer as
+  // `tandem config validate` gives, whatever else the file lacks.
+  if (!unavailable_strategy_message(c.distributed_type).empty()) {
+    ResolvedLaunch refused;
+    refused.config = c;
+    refused.distributed_type = c.distributed_type;
+    check_strategy_available(refused);
+  }
+  // DATA_PARALLEL runs as plain data parallel (config::set_value noted it).
   std::string t = c.distributed_type;
   const auto& ours = config::tandem_distributed_types();
   if (std::find(ours.begin(), ours.end(), t) == ours.end()) t = "MULTI_GPU";
@@ -225,9 +277,44 @@ EnvMap program_environment(const ResolvedLaunch& r) {
   return env;
 }
 
+const std::vector<std::pair<std::string, std::string>>& launcher_variables() {
+  // What make_plan and run() write for every rank, and how to choose each instead.
+  static const std::vector<std::pair<std::string, std::string>> v = {
+      {"RANK",
+       "choose the ranks with --num_processes, --num_machines and --machine_rank (rank = "
+       "machine_rank x processes per machine + local rank)"},
+      {"WORLD_SIZE", "choose it with --num_processes (processes over all machines)"},
+      {"LOCAL_RANK",
+       "choose the local ranks with --num_processes (0 to processes per machine - 1)"},
+      {"LOCAL_WORLD_SIZE", "choose it with --num_processes and --num_machines"},
+      {"GROUP_RANK", "choose it with --machine_rank"},
+      {"NODE_RANK", "choose it with --machine_rank"},
+      {"MASTER_ADDR", "choose it with --main_process_ip"},
+      {"MASTER_PORT", "choose it with --main_process_port"},
+      {"TANDEM_NUM_CPU_THREADS", "choose it with --num_cpu_threads_per_process"},
+      {"TANDEM_CPU_AFFINITY", "choose it with --enable_cpu_affinity"},
+      {"TANDEM_USE_CPU", "choose it with --cpu"},
+      {"TANDEM_LAUNCHER", "it marks a rank that tandem launch started"},
+      {"TANDEM_RESTART_COUNT", "it counts restarts (0, 1, ...; --max_restarts)"},
+      {"TANDEM_ERROR_FILE", "it is the launcher's own file for each rank's failure"},
+  };
+  return v;
+}
+
+void check_user_environment(const EnvMap& user_env) {
+  for (const auto& [name, hint] : launcher_variables()) {
+    auto it = user_env.find(name);
+    if (it == user_env.end()) continue;
+    throw std::invalid_argument("--env " + name + "=" + it->second + ": tandem launch sets " +
+                                name + " for every rank itself and would replace this value; " +
+                                hint + ", and pass --env only for other variables");
+  }
+}
+
 LaunchOptions to_launch_options(const ResolvedLaunch& r, const EnvMap& user_env,
                                 LaunchOptions launcher) {
   const auto& c = r.config;
+  check_user_environment(user_env);
   EnvMap env = program_environment(r);
   for (const auto& [k, v] : launcher.extra_env()) env[k] = v;
   for (const auto& [k, v] : user_env) env[k] = v;
@@ -244,16 +331,37 @@ LaunchOptions to_launch_options(const ResolvedLaunch& r, const EnvMap& user_env,
 }
 
 std::string unavailable_strategy_message(const std::string& t) {
+  static const std::map<std::string, std::string> devices = {
+      {"XLA", "TPUs (Accelerate's TPU/XLA type)"},
+      {"TPU", "TPUs (Accelerate's TPU/XLA type)"},
+      {"MULTI_XPU", "Intel GPUs (XPU)"},
+      {"MULTI_NPU", "Ascend NPUs"},
+      {"MULTI_MLU", "Cambricon MLUs"},
+      {"MULTI_HPU", "Intel Gaudi HPUs"},
+      {"MULTI_SDAA", "SDAA accelerators"},
+      {"MULTI_MUSA", "Moore Threads GPUs (MUSA)"},
+      {"MULTI_NEURON", "AWS Neuron devices"}};
+  const std::string instead =
+      ". Plain data parallel runs instead when you ask for it: set `distributed_type: MULTI_CPU` "
+      "(MULTI_GPU on GPUs) in the config file, or pass --multi_gpu on GPUs";
+  if (auto it = devices.find(t); it != devices.end())
+    return "distributed_type " + t + " asks for " + it->second +
+           ", which tandem does not drive (it runs on CPUs and CUDA GPUs); it refuses rather "
+           "than run the job on other devices" +
+           instead;
   std::string what;
   if (t == "MEGATRON_LM")
     what = "distributed_type MEGATRON_LM asks for Megatron-LM's tensor and pipeline parallelism";
+  else if (t == "MODEL_PARALLEL")
+    what = "distributed_type MODEL_PARALLEL asks for SageMaker's model parallelism";
   else
     return "";
   return what +
          ", which this version of tandem does not implement; it refuses rather than run "
-         "something else. Plain data parallel runs instead when you ask for it: drop the flag, "
-         "or set `distributed_type: MULTI_CPU` (MULTI_GPU on GPUs) in the config file; every "
-         "rank then holds the whole model, its gradients and the optimizer state";
+         "something else (tandem's own tensor and pipeline parallel: --tp_size, --pp_size)" +
+         instead +
+         "; every rank then holds the whole model, its gradients and the optimizer "
+         "state";
 }
 
 void check_strategy_available(const ResolvedLaunch& r) {

@@ -170,18 +170,30 @@ TEST_F(LaunchConfigFiles, IgnoredSettingsWarnOnce) {
 
 TEST_F(LaunchConfigFiles, FlagsBeatTheFile) {
   // --multi_gpu replaces the file's DEEPSPEED (and, without GPUs, runs on the CPU).
-  auto r = dry_run("deepspeed", {"--multi_gpu", "--zero_stage", "2", "--num-processes", "3",
-                                 "--mixed_precision", "bf16-true"});
+  auto r = dry_run("deepspeed",
+                   {"--multi_gpu", "--num-processes", "3", "--mixed_precision", "bf16-true"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "(local "), 3) << r.output;
   auto b = rank_block(r.output, 2);
   EXPECT_TRUE(has(b, "TANDEM_DISTRIBUTED_TYPE=MULTI_CPU")) << b;
   EXPECT_TRUE(has(b, "TANDEM_MIXED_PRECISION=bf16-true")) << b;
   EXPECT_TRUE(has(b, "TANDEM_GRADIENT_ACCUMULATION_STEPS=4")) << b;  // from the file
+  // The file's deepspeed_config no longer applies, and the one warning says so.
+  EXPECT_TRUE(has(r.output,
+                  "deepspeed_config.zero_stage: 3 (distributed_type is MULTI_GPU, not "
+                  "DEEPSPEED)"))
+      << r.output;
+  EXPECT_EQ(count_of(r.output, "warning"), 1) << r.output;
   EXPECT_TRUE(has(r.output, "num_processes: 3 (3 on this machine)  [command line]")) << r.output;
   EXPECT_TRUE(has(r.output, "deepspeed_config.offload_optimizer_device: cpu  [config file]"))
       << r.output;
   EXPECT_TRUE(has(r.output, "gradient_accumulation_steps: 4  [config file]")) << r.output;
+  // A DeepSpeed flag beside --multi_gpu would change nothing: refused, naming both.
+  r = dry_run("deepspeed", {"--multi_gpu", "--zero_stage", "2"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(has(r.output, "--zero_stage 2 needs --use_deepspeed")) << r.output;
+  EXPECT_TRUE(has(r.output, "distributed_type MULTI_GPU from the command line")) << r.output;
+  EXPECT_EQ(count_of(r.output, "(local "), 0) << r.output;
 
   // --env wins over the TANDEM_* settings.
   r = dry_run("multi_cpu", {"--env", "TANDEM_MIXED_PRECISION=no", "--mixed_precision", "bf16"});
@@ -264,8 +276,9 @@ TEST_F(ConfigCommand, DefaultShowValidate) {
   EXPECT_FALSE(has(r.output, "refuses")) << r.output;  // ZeRO-3 with offload runs
   std::ofstream(home_ + "/megatron.yaml") << "distributed_type: MEGATRON_LM\nnum_processes: 2\n";
   r = tandem({"config", "validate", home_ + "/megatron.yaml"});
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(has(r.output, "warning: tandem launch refuses this file")) << r.output;
+  EXPECT_EQ(r.exit_code, 1) << r.output;  // what tandem launch refuses is not valid
+  EXPECT_TRUE(has(r.output, "tandem config validate: distributed_type MEGATRON_LM")) << r.output;
+  EXPECT_FALSE(has(r.output, "is valid")) << r.output;
   std::ofstream(home_ + "/wrong.yaml") << "distributed_type: MULTI_CPU\nnum_machines: 2\n"
                                           "machine_rank: 3\nmain_process_ip: h\n"
                                           "main_process_port: 1\nnum_processes: 2\n";
@@ -283,6 +296,67 @@ TEST_F(ConfigCommand, DefaultShowValidate) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(has(r.output, "Default config: " + home_ + "/default_config.yaml")) << r.output;
   EXPECT_TRUE(has(r.output, "    mixed_precision: bf16")) << r.output;
+}
+
+// `tandem config validate` and `tandem launch` give one answer on files for devices tandem does
+// not drive: both refuse, with the same message.
+TEST_F(ConfigCommand, ValidateAndLaunchAgreeOnOtherDevices) {
+  for (const char* type : {"TPU", "MULTI_XPU"}) {
+    for (const char* more : {"", "num_processes: 2\n"}) {
+      const std::string path = home_ + "/device.yaml";
+      std::ofstream(path) << "distributed_type: " << type << "\n" << more;
+      auto v = tandem({"config", "validate", path});
+      auto l = tandem({"launch", "--config_file", path, "--dry_run", "prog"});
+      EXPECT_EQ(v.exit_code, 1) << v.output;
+      EXPECT_EQ(l.exit_code, 2) << l.output;
+      EXPECT_FALSE(has(v.output, "is valid")) << v.output;
+      EXPECT_EQ(count_of(l.output, "(local "), 0) << l.output;
+      auto message = [](const std::string& out, const std::string& prefix) {
+        auto at = out.find(prefix);
+        if (at == std::string::npos) return std::string();
+        auto end = out.find('\n', at);
+        return out.substr(at + prefix.size(), end - at - prefix.size());
+      };
+      const auto said = message(v.output, "tandem config validate: ");
+      EXPECT_TRUE(has(said, "does not drive")) << v.output;
+      EXPECT_EQ(said, message(l.output, "tandem launch: ")) << v.output << "\n" << l.output;
+    }
+  }
+}
+
+// Keys tandem checks but does not act on are named in one warning, by validate and by launch.
+TEST_F(ConfigCommand, SettingsNotActedOnAreNamed) {
+  const std::string path = home_ + "/prefetch.yaml";
+  std::ofstream(path) << "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\n"
+                         "fsdp_config:\n  fsdp_forward_prefetch: true\n"
+                         "  fsdp_cpu_ram_efficient_loading: true\n";
+  for (auto r : {tandem({"config", "validate", path}),
+                 tandem({"launch", "--config_file", path, "--dry_run", "prog"})}) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(count_of(r.output, "warning"), 1) << r.output;
+    EXPECT_TRUE(has(r.output, "does not act on them yet")) << r.output;
+    EXPECT_TRUE(has(r.output,
+                    "fsdp_config.fsdp_forward_prefetch: true, "
+                    "fsdp_config.fsdp_cpu_ram_efficient_loading: true"))
+        << r.output;
+  }
+  // Given on the command line, too.
+  auto r = tandem({"launch", "--use_fsdp", "--num_processes", "2", "--cpu",
+                   "--fsdp_backward_prefetch", "BACKWARD_POST", "--dry_run", "prog"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(has(r.output, "fsdp_config.fsdp_backward_prefetch: BACKWARD_POST")) << r.output;
+  // A typo inside a section is refused by both, naming the closest key.
+  std::ofstream(path) << "distributed_type: DEEPSPEED\nnum_processes: 2\nuse_cpu: true\n"
+                         "deepspeed_config:\n  zero_stgae: 3\n";
+  for (auto t : {tandem({"config", "validate", path}),
+                 tandem({"launch", "--config_file", path, "--dry_run", "prog"})}) {
+    EXPECT_NE(t.exit_code, 0) << t.output;
+    EXPECT_TRUE(has(t.output,
+                    "'zero_stgae' is not a key of deepspeed_config; did you mean "
+                    "zero_stage?"))
+        << t.output;
+    EXPECT_EQ(count_of(t.output, "(local "), 0) << t.output;
+  }
 }
 
 TEST_F(ConfigCommand, QuestionnaireNeedsATerminal) {

@@ -333,3 +333,87 @@ TEST(ConfigFile, WriteAndReportTheDefaultConfig) {
   EXPECT_EQ(load_config_file(path).use_cpu, true);
   std::remove(path.c_str());
 }
+
+// A typo inside deepspeed_config would leave the default stage 2 running, one inside
+// fsdp_config the default strategy: both are refused, naming the key, the section and the
+// closest known key (or every known key).
+TEST(ConfigFile, UnknownKeysInsideTheSectionsAreRefused) {
+  auto e = parse_error("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stgae: 3\n");
+  EXPECT_TRUE(contains(e, "deepspeed_config.zero_stgae")) << e;
+  EXPECT_TRUE(contains(e, "'zero_stgae' is not a key of deepspeed_config")) << e;
+  EXPECT_TRUE(contains(e, "did you mean zero_stage?")) << e;
+  e = parse_error("distributed_type: FSDP\nfsdp_config:\n  fsdp_offlaod_params: true\n");
+  EXPECT_TRUE(contains(e, "'fsdp_offlaod_params' is not a key of fsdp_config")) << e;
+  EXPECT_TRUE(contains(e, "did you mean fsdp_offload_params?")) << e;
+  e = parse_error("distributed_type: FSDP\nfsdp_config:\n  banana: 1\n");
+  EXPECT_TRUE(contains(e, "'banana' is not a key of fsdp_config")) << e;
+  EXPECT_FALSE(contains(e, "did you mean")) << e;
+  EXPECT_TRUE(contains(e, "fsdp_sharding_strategy, fsdp_offload_params")) << e;  // the keys
+  // Accelerate's DeepSpeed launcher keys are known: ignored with the one warning.
+  auto c = parse_config(
+      "distributed_type: DEEPSPEED\ndeepspeed_config:\n  "
+      "deepspeed_multinode_launcher: standard\n  zero_stage: 3\n");
+  EXPECT_EQ(c.deepspeed_config.at("zero_stage"), "3");
+  const auto w = tandem::config::ignored_warning(c);
+  EXPECT_TRUE(contains(w, "deepspeed_config.deepspeed_multinode_launcher: standard")) << w;
+}
+
+// Keys tandem checks but does not act on say so, in one line, when their value asks for
+// something tandem does not do; the values that describe what tandem does say nothing.
+TEST(ConfigFile, SettingsNotActedOnGiveOneWarningNamingThem) {
+  using tandem::config::not_acted_on_warning;
+  auto c = parse_config(
+      "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_forward_prefetch: true\n"
+      "  fsdp_backward_prefetch: BACKWARD_PRE\n  fsdp_cpu_ram_efficient_loading: true\n"
+      "  fsdp_sharding_strategy: FULL_SHARD\n  fsdp_offload_params: false\n");
+  auto w = not_acted_on_warning(c);
+  for (const char* k : {"fsdp_config.fsdp_forward_prefetch: true",
+                        "fsdp_config.fsdp_backward_prefetch: BACKWARD_PRE",
+                        "fsdp_config.fsdp_cpu_ram_efficient_loading: true", "does not act on"})
+    EXPECT_TRUE(contains(w, k)) << k << " in " << w;
+  EXPECT_FALSE(contains(w, "fsdp_sharding_strategy")) << w;  // acted on
+  EXPECT_FALSE(contains(w, "fsdp_offload_params")) << w;
+  EXPECT_FALSE(contains(w, "\n")) << "one warning, one line: " << w;
+  EXPECT_EQ(not_acted_on_warning(parse_config(
+                "distributed_type: FSDP\nfsdp_config:\n  fsdp_forward_prefetch: false\n"
+                "  fsdp_backward_prefetch: NO_PREFETCH\n  fsdp_sync_module_states: true\n")),
+            "");
+  w = not_acted_on_warning(parse_config(
+      "distributed_type: DEEPSPEED\nsame_network: false\ndeepspeed_config:\n  zero_stage: 3\n"
+      "  zero3_init_flag: true\n"));
+  EXPECT_TRUE(contains(w, "deepspeed_config.zero3_init_flag: true")) << w;
+  EXPECT_TRUE(contains(w, "same_network: false")) << w;
+  EXPECT_FALSE(contains(w, "zero_stage")) << w;
+  // A section of another strategy changes nothing; the keys that act under every strategy do.
+  w = not_acted_on_warning(parse_config(
+      "distributed_type: MULTI_CPU\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 3\n"
+      "  gradient_clipping: 1.0\nfsdp_config:\n  fsdp_activation_checkpointing: true\n"));
+  EXPECT_TRUE(contains(w,
+                       "deepspeed_config.zero_stage: 3 (distributed_type is MULTI_CPU, not "
+                       "DEEPSPEED)"))
+      << w;
+  EXPECT_FALSE(contains(w, "gradient_clipping")) << w;
+  EXPECT_FALSE(contains(w, "activation_checkpointing")) << w;
+}
+
+// Note [Pipelines and ZeRO]: a pipeline averages its stages' gradients itself.
+TEST(ConfigFile, PipelineWithZeroIsRefused) {
+  auto refused = [](const std::string& yaml) {
+    return error_of([&] { validate(parse_config(yaml, "pp.yaml")); });
+  };
+  auto e = refused(
+      "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  "
+      "zero_stage: 1\nparallelism_config:\n  pp_size: 2\n");
+  EXPECT_TRUE(contains(e,
+                       "parallelism_config.pp_size: 2 in pp.yaml does not combine with "
+                       "distributed_type: DEEPSPEED in pp.yaml (deepspeed_config.zero_stage: 1)"))
+      << e;
+  e = refused("distributed_type: FSDP\nnum_processes: 2\nparallelism_config:\n  pp_size: 2\n");
+  EXPECT_TRUE(contains(e, "distributed_type: FSDP in pp.yaml (FULL_SHARD)")) << e;
+  EXPECT_EQ(refused("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  "
+                    "zero_stage: 0\nparallelism_config:\n  pp_size: 2\n"),
+            "");
+  EXPECT_EQ(refused("distributed_type: MULTI_CPU\nnum_processes: 2\nparallelism_config:\n  "
+                    "pp_size: 2\n"),
+            "");
+}

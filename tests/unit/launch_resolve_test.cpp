@@ -140,9 +140,118 @@ TEST(LaunchResolve, DistributedType) {
   EXPECT_EQ(
       resolve_launch(file("multi_cpu"), {{"num_processes", "1"}}, cpu_machine()).distributed_type,
       "NO");
-  // Types tandem does not have run as data parallel.
-  auto npu = parse_config("distributed_type: MULTI_NPU\nnum_processes: 2\nuse_cpu: true\n");
-  EXPECT_EQ(resolve_launch(npu, {}, cpu_machine()).distributed_type, "MULTI_CPU");
+  // SageMaker's DATA_PARALLEL runs as data parallel; devices tandem cannot drive are refused
+  // (DeviceTypesTandemCannotDriveAreRefused).
+  auto dp = parse_config("distributed_type: DATA_PARALLEL\nnum_processes: 2\nuse_cpu: true\n");
+  EXPECT_EQ(resolve_launch(dp, {}, cpu_machine()).distributed_type, "MULTI_CPU");
+}
+
+// `tandem config validate` and `tandem launch` give one answer on a file for other devices: the
+// same refusal (check_strategy_available), before anything else about the file is resolved.
+TEST(LaunchResolve, DeviceTypesTandemCannotDriveAreRefused) {
+  for (const char* type : {"TPU", "MULTI_XPU", "MULTI_NPU", "MULTI_HPU", "MODEL_PARALLEL"}) {
+    for (const char* more : {"", "num_processes: 2\nuse_cpu: true\n"}) {
+      auto cfg = parse_config(std::string("distributed_type: ") + type + "\n" + more, "dev.yaml");
+      tandem::launch::ResolvedLaunch as_validate;  // what `tandem config validate` checks
+      as_validate.config = cfg;
+      as_validate.distributed_type = cfg.distributed_type;
+      auto validate_says = error_of([&] { tandem::launch::check_strategy_available(as_validate); });
+      auto launch_says = error_of([&] { resolve_launch(cfg, {}, cpu_machine()); });
+      EXPECT_EQ(launch_says, validate_says) << type;
+      EXPECT_TRUE(contains(launch_says, "(from dev.yaml) asks for")) << launch_says;
+      EXPECT_TRUE(contains(launch_says, "MULTI_CPU")) << launch_says;     // what runs instead
+      EXPECT_TRUE(tandem::config::ignored_warning(cfg).empty()) << type;  // not "ignored"
+    }
+  }
+  auto e =
+      error_of([] { resolve_launch(parse_config("distributed_type: TPU\n"), {}, cpu_machine()); });
+  EXPECT_TRUE(contains(e, "distributed_type XLA (from <config>) asks for TPUs")) << e;
+  EXPECT_TRUE(contains(e, "does not drive")) << e;
+}
+
+// Note [Pipelines and ZeRO], and a strategy flag without the flag that enables it: refused at
+// launch, naming both flags.
+TEST(LaunchResolve, StrategyFlagsNeedTheirEnablingFlag) {
+  auto e = error_of([] {
+    resolve_launch(LaunchConfig(), {{"num_processes", "2"}, {"deepspeed_config.zero_stage", "3"}},
+                   cpu_machine());
+  });
+  EXPECT_TRUE(contains(e,
+                       "--zero_stage 3 needs --use_deepspeed (or use --use_fsdp for FSDP's "
+                       "FULL_SHARD)"))
+      << e;
+  EXPECT_TRUE(contains(e, "plain data parallel")) << e;
+  for (const char* key :
+       {"deepspeed_config.offload_optimizer_device", "deepspeed_config.offload_param_device"}) {
+    e = error_of([&] {
+      resolve_launch(LaunchConfig(), {{"num_processes", "2"}, {key, "cpu"}}, cpu_machine());
+    });
+    EXPECT_TRUE(contains(e, tandem::launch::flag_for_key(key) + " cpu needs --use_deepspeed")) << e;
+  }
+  e = error_of([] {
+    resolve_launch(LaunchConfig(),
+                   {{"distributed_type", "DEEPSPEED"},
+                    {"num_processes", "2"},
+                    {"fsdp_config.fsdp_offload_params", "true"}},
+                   cpu_machine());
+  });
+  EXPECT_TRUE(contains(e, "--fsdp_offload_params true needs --use_fsdp")) << e;
+  EXPECT_TRUE(contains(e, "distributed_type DEEPSPEED from the command line")) << e;
+  e = error_of([] {
+    resolve_launch(file("fsdp"), {{"deepspeed_config.zero_stage", "3"}}, cpu_machine());
+  });
+  EXPECT_TRUE(contains(e, "--zero_stage 3 needs --use_deepspeed")) << e;
+  EXPECT_TRUE(contains(e, "fsdp.yaml")) << e;  // where the FSDP type came from
+  // The enabling flag, or the file's type, or a key that acts under every strategy: accepted.
+  EXPECT_NO_THROW(
+      resolve_launch(file("deepspeed"), {{"deepspeed_config.zero_stage", "3"}}, cpu_machine()));
+  EXPECT_NO_THROW(resolve_launch(LaunchConfig(),
+                                 {{"distributed_type", "DEEPSPEED"},
+                                  {"num_processes", "2"},
+                                  {"deepspeed_config.zero_stage", "3"}},
+                                 cpu_machine()));
+  EXPECT_NO_THROW(resolve_launch(LaunchConfig(),
+                                 {{"num_processes", "2"},
+                                  {"deepspeed_config.gradient_clipping", "1.0"},
+                                  {"fsdp_config.fsdp_activation_checkpointing", "true"}},
+                                 cpu_machine()));
+
+  // --pp_size with ZeRO (DeepSpeed's default stage 2 included) or FSDP.
+  auto pp = [](FlagValues more) {
+    FlagValues f = {{"num_processes", "2"}, {"parallelism_config.pp_size", "2"}};
+    f.insert(f.end(), more.begin(), more.end());
+    return error_of([&] { resolve_launch(LaunchConfig(), f, cpu_machine()); });
+  };
+  e = pp({{"distributed_type", "DEEPSPEED"}, {"deepspeed_config.zero_stage", "2"}});
+  EXPECT_TRUE(contains(e, "--pp_size 2 does not combine with --use_deepspeed --zero_stage 2")) << e;
+  e = pp({{"distributed_type", "DEEPSPEED"}});
+  EXPECT_TRUE(contains(e, "--pp_size 2 does not combine with --use_deepspeed (ZeRO stage 2")) << e;
+  e = pp({{"distributed_type", "FSDP"}});
+  EXPECT_TRUE(contains(e, "--pp_size 2 does not combine with --use_fsdp (FULL_SHARD)")) << e;
+  EXPECT_TRUE(contains(e, "--tp_size")) << e;  // what combines with ZeRO
+  EXPECT_EQ(pp({{"distributed_type", "DEEPSPEED"}, {"deepspeed_config.zero_stage", "0"}}), "");
+  EXPECT_EQ(pp({}), "");
+}
+
+// --env cannot set what the launcher writes for every rank: it would be replaced silently.
+TEST(LaunchResolve, EnvCannotSetWhatTheLauncherSetsPerRank) {
+  auto resolved = resolve_launch(file("multi_cpu"), {}, cpu_machine());
+  auto e = error_of([&] { tandem::launch::to_launch_options(resolved, {{"RANK", "5"}}); });
+  EXPECT_TRUE(contains(e, "--env RANK=5: tandem launch sets RANK for every rank itself")) << e;
+  EXPECT_TRUE(contains(e, "--machine_rank")) << e;
+  for (const auto& [name, flag] :
+       std::vector<std::pair<std::string, std::string>>{{"WORLD_SIZE", "--num_processes"},
+                                                        {"LOCAL_RANK", "--num_processes"},
+                                                        {"LOCAL_WORLD_SIZE", "--num_processes"},
+                                                        {"MASTER_ADDR", "--main_process_ip"},
+                                                        {"MASTER_PORT", "--main_process_port"},
+                                                        {"TANDEM_RESTART_COUNT", "--max_restarts"},
+                                                        {"TANDEM_USE_CPU", "--cpu"}}) {
+    e = error_of([&] { tandem::launch::to_launch_options(resolved, {{name, "1"}}); });
+    EXPECT_TRUE(contains(e, "--env " + name + "=1")) << e;
+    EXPECT_TRUE(contains(e, flag)) << e;
+  }
+  EXPECT_NO_THROW(tandem::launch::to_launch_options(resolved, {{"GLOO_SOCKET_IFNAME", "lo"}}));
 }
 
 TEST(LaunchResolve, NumberOfProcesses) {

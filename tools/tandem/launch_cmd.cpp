@@ -200,6 +200,7 @@ int LaunchCommand::run() {
       machine.cuda_visible_devices = it->second;
     auto resolved = launch::resolve_launch(base, flags, machine);
     launch::check_strategy_available(resolved);
+    if (auto w = config::not_acted_on_warning(resolved.config); !w.empty()) std::cerr << w << "\n";
     if (!quiet_)
       for (const auto& n : resolved.notes) std::cerr << "tandem launch: note: " << n << "\n";
 
@@ -315,21 +316,21 @@ int ConfigCommand::run() {
       const std::string path = pick(validate_file_);
       try {
         auto cfg = config::load_config_file(path);
+        // What tandem launch refuses is invalid here too, with the same message and in the
+        // same order: a type tandem does not run, the checks of several keys, the sharding.
+        launch::ResolvedLaunch plan;
+        plan.config = cfg;
+        plan.distributed_type = cfg.distributed_type;
+        if (!launch::unavailable_strategy_message(cfg.distributed_type).empty())
+          launch::check_strategy_available(plan);
         config::validate(cfg);
+        launch::check_strategy_available(plan);
         if (auto w = config::ignored_warning(cfg); !w.empty()) std::cerr << w << "\n";
+        if (auto w = config::not_acted_on_warning(cfg); !w.empty()) std::cerr << w << "\n";
         std::cout << path << " is valid: distributed_type " << cfg.distributed_type
                   << ", num_processes " << cfg.num_processes << ", num_machines "
                   << cfg.num_machines << ", mixed_precision " << cfg.mixed_precision
                   << (cfg.use_cpu ? ", CPU" : "") << "\n";
-        launch::ResolvedLaunch plan;
-        plan.config = cfg;
-        plan.distributed_type = cfg.distributed_type;
-        try {
-          launch::check_strategy_available(plan);
-        } catch (const std::invalid_argument& e) {
-          std::cerr << "tandem config validate: warning: tandem launch refuses this file: "
-                    << e.what() << "\n";
-        }
         return 0;
       } catch (const std::invalid_argument& e) {
         std::cerr << "tandem config validate: " << e.what() << "\n";

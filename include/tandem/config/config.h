@@ -105,6 +105,19 @@ comm::MeshShape mesh_shape(const LaunchConfig& config);
 /// The one warning about ignored settings ("" when there are none).
 std::string ignored_warning(const LaunchConfig& config);
 
+/// Settings tandem checks but does not act on yet, whose value asks for something tandem does
+/// not do, as "section.key: value": fsdp_forward_prefetch true, fsdp_backward_prefetch other
+/// than NO_PREFETCH, fsdp_cpu_ram_efficient_loading true, fsdp_sync_module_states or
+/// fsdp_use_orig_params false, fsdp_reshard_after_forward other than true, fsdp_state_dict_type
+/// other than FULL_STATE_DICT, fsdp_transformer_layer_cls_to_wrap (FSDP); zero3_init_flag and
+/// zero3_save_16bit_model true (DeepSpeed); the keys of fsdp_config / deepspeed_config under
+/// another distributed_type (except fsdp_activation_checkpointing and gradient_clipping, which
+/// act under every type); same_network false.
+std::vector<std::string> not_acted_on(const LaunchConfig& config);
+
+/// The one warning line naming not_acted_on(config) ("" when there are none).
+std::string not_acted_on_warning(const LaunchConfig& config);
+
 /// The configuration as YAML with Accelerate's keys, readable by `accelerate launch` too.
 std::string to_yaml(const LaunchConfig& config);
 

@@ -56,9 +56,18 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
 /// TANDEM_ACTIVATION_CHECKPOINTING=true (fsdp_config.fsdp_activation_checkpointing: true).
 EnvMap program_environment(const ResolvedLaunch& resolved);
 
+/// The variables the launcher itself writes for every rank (RANK, WORLD_SIZE, MASTER_ADDR, ...,
+/// TANDEM_RESTART_COUNT), each with the flag that sets it.
+const std::vector<std::pair<std::string, std::string>>& launcher_variables();
+
+/// Throws std::invalid_argument when `user_env` (--env KEY=VALUE) names one of
+/// launcher_variables(), which the launcher would overwrite: the message names the flag to use.
+void check_user_environment(const EnvMap& user_env);
+
 /// The LaunchOptions of a resolved launch: processes on this machine, machines, address, port,
-/// CPU, and extra_env = program_environment() overridden by `user_env` (--env KEY=VALUE).
-/// Launcher-only settings (restarts, logging) are taken from `launcher`.
+/// CPU, and extra_env = program_environment() overridden by `user_env` (--env KEY=VALUE; checked
+/// by check_user_environment). Launcher-only settings (restarts, logging) are taken from
+/// `launcher`.
 LaunchOptions to_launch_options(const ResolvedLaunch& resolved, const EnvMap& user_env,
                                 LaunchOptions launcher = {});
 
