@@ -64,8 +64,11 @@ std::string layer_of(const std::string& name) {
 void tally_header(const checkpoint::SafetensorsHeader& header, Tally& tally) {
   for (const auto& [name, info] : header.tensors) {
     const auto n = static_cast<int64_t>(info.numel());
-    tally.total += n;
-    tally.groups[layer_of(name)] += n;
+    auto& group = tally.groups[layer_of(name)];
+    if (__builtin_add_overflow(tally.total, n, &tally.total) ||
+        __builtin_add_overflow(group, n, &group))
+      throw std::runtime_error("the tensors' element counts add up to more than 2^63 - 1 at '" +
+                               name + "'; expected a checkpoint whose shapes are real");
     tally.dtypes[std::string(checkpoint::dtype_name(info.dtype))] += n;
     ++tally.tensors;
   }
@@ -75,7 +78,7 @@ void tally_file(const fs::path& file, Tally& tally) {
   try {
     tally_header(checkpoint::read_safetensors_header(file.string()), tally);
   } catch (const checkpoint::SafetensorsError& e) {
-    throw std::runtime_error(std::string("estimate-memory: ") + e.what());
+    throw std::runtime_error(e.what());
   }
 }
 
@@ -101,7 +104,7 @@ ModelSize read_index(const fs::path& index) {
   try {
     parsed = checkpoint::read_safetensors_index(index.string());
   } catch (const checkpoint::SafetensorsError& e) {
-    throw std::runtime_error(std::string("estimate-memory: ") + e.what());
+    throw std::runtime_error(e.what());
   }
   Tally tally;
   for (const auto& s : parsed.files) {
@@ -122,16 +125,41 @@ ModelSize read_index(const fs::path& index) {
 ModelSize count_gpt_parameters(const GptShape& s) {
   if (s.layers <= 0 || s.hidden <= 0 || s.vocab <= 0 || s.context <= 0) {
     throw std::invalid_argument(
-        "estimate-memory: expected positive --layers, --hidden, --vocab and --context for a GPT "
-        "shape, found layers " + std::to_string(s.layers) + ", hidden " +
-        std::to_string(s.hidden) + ", vocab " + std::to_string(s.vocab) + ", context " +
-        std::to_string(s.context) + "; give all four");
+        "expected positive --layers, --hidden, --vocab and --context for a GPT "
+        "shape, found layers " +
+        std::to_string(s.layers) + ", hidden " + std::to_string(s.hidden) + ", vocab " +
+        std::to_string(s.vocab) + ", context " + std::to_string(s.context) + "; give all four");
   }
+  // Every product and sum is checked: a count past 2^63 - 1 would wrap around into nonsense.
+  auto overflow = [&](const std::string& flags) {
+    return std::invalid_argument(
+        flags + ": the parameter count of this shape (layers " + std::to_string(s.layers) +
+        ", hidden " + std::to_string(s.hidden) + ", vocab " + std::to_string(s.vocab) +
+        ", context " + std::to_string(s.context) +
+        ") overflows a 64-bit integer (more than 9.2e18 parameters); expected a shape whose "
+        "count fits, e.g. --layers 96 --hidden 12288 for a GPT-3-sized model");
+  };
+  auto mul = [&](int64_t a, int64_t b, const char* flags) {
+    int64_t out = 0;
+    if (__builtin_mul_overflow(a, b, &out)) throw overflow(flags);
+    return out;
+  };
+  auto add = [&](int64_t a, int64_t b, const char* flags) {
+    int64_t out = 0;
+    if (__builtin_add_overflow(a, b, &out)) throw overflow(flags);
+    return out;
+  };
   const int64_t h = s.hidden;
-  const int64_t token = s.vocab * h, position = s.context * h;
-  const int64_t block = 12 * h * h + 13 * h;
+  const int64_t token = mul(s.vocab, h, "--vocab with --hidden");
+  const int64_t position = mul(s.context, h, "--context with --hidden");
+  const int64_t block =
+      add(mul(12, mul(h, h, "--hidden"), "--hidden"), mul(13, h, "--hidden"), "--hidden");
+  const int64_t blocks = mul(s.layers, block, "--layers with --hidden");
+  const int64_t total = add(add(add(token, position, "--vocab, --context and --hidden"), blocks,
+                                "--layers, --hidden, --vocab and --context"),
+                            2 * h, "--layers, --hidden, --vocab and --context");
   ModelSize m;
-  m.num_parameters = token + position + s.layers * block + 2 * h;
+  m.num_parameters = total;
   m.source = "GPT: " + std::to_string(s.layers) + " layers, hidden " + std::to_string(h) +
              ", vocab " + std::to_string(s.vocab) + ", context " + std::to_string(s.context);
   std::vector<std::pair<std::string, int64_t>> layers = {
@@ -151,8 +179,10 @@ ModelSize count_gpt_parameters(const GptShape& s) {
 
 int64_t parse_parameter_count(const std::string& text) {
   auto fail = [&]() {
-    return std::invalid_argument("estimate-memory: expected a parameter count like 125M, 7.5B, "
-                                 "1e9 or 350000, found '" + text + "'");
+    return std::invalid_argument(
+        "expected a parameter count like 125M, 7.5B, "
+        "1e9 or 350000, found '" +
+        text + "'");
   };
   std::string s = text;
   s.erase(std::remove_if(s.begin(), s.end(), [](unsigned char c) { return std::isspace(c); }),
@@ -180,8 +210,7 @@ int64_t parse_parameter_count(const std::string& text) {
 
 ModelSize model_size_from_count(int64_t n) {
   if (n <= 0) {
-    throw std::invalid_argument("estimate-memory: expected a positive parameter count, found " +
-                                std::to_string(n));
+    throw std::invalid_argument("expected a positive parameter count, found " + std::to_string(n));
   }
   ModelSize m;
   m.num_parameters = n;
@@ -201,9 +230,10 @@ ModelSize read_safetensors_model_size(const std::string& path_text) {
   fs::path path(path_text);
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    throw std::runtime_error("estimate-memory: expected a .safetensors file, a "
-                             "model.safetensors.index.json or a folder with one, but '" +
-                             path_text + "' does not exist");
+    throw std::runtime_error(
+        "expected a .safetensors file, a "
+        "model.safetensors.index.json or a folder with one, but '" +
+        path_text + "' does not exist");
   }
   if (fs::is_directory(path, ec)) {
     if (fs::exists(path / "model.safetensors.index.json")) {
@@ -228,11 +258,12 @@ ModelSize read_safetensors_model_size(const std::string& path_text) {
         return finish_tally(tally, "safetensors: " + std::to_string(files.size()) +
                                        " files in " + path_text);
       }
-      throw std::runtime_error(
-          "estimate-memory: expected '" + path_text + "' to hold model.safetensors, one "
-          "*.safetensors.index.json or *.safetensors files, found " +
-          std::to_string(indexes.size()) + " index files and " + std::to_string(files.size()) +
-          " safetensors files; pass the file to use");
+      throw std::runtime_error("expected '" + path_text +
+                               "' to hold model.safetensors, one "
+                               "*.safetensors.index.json or *.safetensors files, found " +
+                               std::to_string(indexes.size()) + " index files and " +
+                               std::to_string(files.size()) +
+                               " safetensors files; pass the file to use");
     }
   }
   auto name = path.filename().string();
@@ -251,7 +282,7 @@ std::vector<std::string> memory_dtypes() { return {"float32", "float16/bfloat16"
 MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
                                const std::vector<std::string>& dtypes) {
   if (num_processes < 1) {
-    throw std::invalid_argument("estimate-memory: expected --num_processes of at least 1, found " +
+    throw std::invalid_argument("--num_processes must be at least 1, got " +
                                 std::to_string(num_processes));
   }
   static const std::vector<std::pair<std::string, double>> kRows = {
@@ -268,8 +299,10 @@ MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
     else if (k == "int8") row = "int8";
     else if (k == "int4") row = "int4";
     else {
-      throw std::invalid_argument("estimate-memory: expected dtypes among float32, float16, "
-                                  "bfloat16, int8, int4, found '" + d + "'");
+      throw std::invalid_argument(
+          "expected dtypes among float32, float16, "
+          "bfloat16, int8, int4, found '" +
+          d + "'");
     }
     wanted.push_back(row);
   }

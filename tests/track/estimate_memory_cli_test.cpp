@@ -48,3 +48,47 @@ TEST(EstimateMemoryCli, BadInputExitsWithTwo) {
   EXPECT_EQ(missing.exit_code, 2);
   EXPECT_NE(missing.output.find("does not exist"), std::string::npos) << missing.output;
 }
+
+// Plain messages for bad numbers: --num_processes below 1, and a GPT shape whose parameter count
+// does not fit in 64 bits (it used to wrap around into a wrong, positive count).
+TEST(EstimateMemoryCli, BadNumbersGetPlainMessages) {
+  for (const char* n : {"0", "-3"}) {
+    auto r = run_command({TANDEM_CLI, "estimate-memory", "--params", "1B", "--num_processes", n});
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(std::string("tandem estimate-memory: --num_processes must be at least "
+                                        "1, got ") +
+                            n),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("not in range"), std::string::npos) << r.output;
+  }
+  struct Case {
+    std::vector<std::string> shape;
+    std::string flags;
+  };
+  for (const auto& c : std::vector<Case>{
+           {{"--layers", "100000000000", "--hidden", "1000000", "--vocab", "10", "--context", "10"},
+            "--layers with --hidden"},
+           {{"--layers", "2", "--hidden", "4000000000", "--vocab", "10", "--context", "10"},
+            "--hidden"},
+           {{"--layers", "1", "--hidden", "1000", "--vocab", "9000000000000000000", "--context",
+             "10"},
+            "--vocab with --hidden"},
+           {{"--layers", "1", "--hidden", "1000", "--vocab", "10", "--context",
+             "90000000000000000"},
+            "--context with --hidden"}}) {
+    std::vector<std::string> argv = {TANDEM_CLI, "estimate-memory"};
+    argv.insert(argv.end(), c.shape.begin(), c.shape.end());
+    auto r = run_command(argv);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("tandem estimate-memory: " + c.flags + ": the parameter count"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("overflows a 64-bit integer"), std::string::npos) << r.output;
+  }
+  // The CLI's prefix, once.
+  auto r = run_command({TANDEM_CLI, "estimate-memory", "--params", "lots"});
+  EXPECT_EQ(r.output.find("estimate-memory: estimate-memory"), std::string::npos) << r.output;
+  r = run_command({TANDEM_CLI, "estimate-memory", "/nonexistent/model.safetensors"});
+  EXPECT_EQ(r.output.find("estimate-memory: estimate-memory"), std::string::npos) << r.output;
+}

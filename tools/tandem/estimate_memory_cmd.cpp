@@ -9,10 +9,6 @@
 #include "flag_names.h"
 
 namespace tandem::cli {
-namespace {
-
-
-}  // namespace
 
 EstimateMemoryCommand::EstimateMemoryCommand(CLI::App& app) {
   sub_ = app.add_subcommand(
@@ -35,7 +31,6 @@ EstimateMemoryCommand::EstimateMemoryCommand(CLI::App& app) {
       ->group("GPT shape");
   sub_->add_option(both("num_processes"), num_processes_,
                    "Devices for the DDP / ZeRO table (default 1)")
-      ->check(CLI::PositiveNumber)
       ->group("Output");
   sub_->add_option(both("dtypes"), dtypes_,
                    "Rows to show among float32, float16, bfloat16, int8, int4 (default all)")
@@ -45,6 +40,11 @@ EstimateMemoryCommand::EstimateMemoryCommand(CLI::App& app) {
 }
 
 int EstimateMemoryCommand::run() const {
+  if (num_processes_ < 1) {
+    std::cerr << "tandem estimate-memory: --num_processes must be at least 1, got "
+              << num_processes_ << "\n";
+    return 2;
+  }
   const bool shape_given = layers_ || hidden_ || vocab_ || context_;
   const int ways = !model_.empty() + !params_.empty() + shape_given;
   if (ways != 1) {
