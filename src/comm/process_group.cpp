@@ -2,6 +2,7 @@
 #include "tandem/comm/process_group.h"
 
 #include <arpa/inet.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -176,6 +178,12 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
   for (int r = 0; r < st.world_size; ++r) impl->global_ranks.push_back(r);
 
   const std::string where = st.master_addr + ":" + std::to_string(st.master_port);
+  if (auto why = host_resolution_error(st.master_addr); !why.empty())
+    throw std::runtime_error(st.prefix() + " MASTER_ADDR '" + st.master_addr +
+                             "' does not resolve (" + why +
+                             "): expected the address or host name of rank 0's machine. Fix "
+                             "MASTER_ADDR (tandem launch: --main_process_ip), e.g. its IP "
+                             "address such as 10.0.0.1, or 127.0.0.1 on one machine.");
   const auto secs = std::chrono::duration_cast<std::chrono::seconds>(options.timeout()).count();
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(st.master_port);
@@ -505,6 +513,25 @@ int try_bind(const std::string& host, int port) {
 // any outgoing connection on the machine may take it, because the OS hands out the same
 // ephemeral range (ip_local_port_range) both to bind(port 0) and to connect(). Picking below that
 // range leaves only another job choosing the same random port in the same instant.
+std::string host_resolution_error(const std::string& host) {
+  if (host.empty()) return "the address is empty";
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  int rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  // A temporary failure (EAI_AGAIN: no DNS server answered) may pass: one more try.
+  if (rc == EAI_AGAIN) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    rc = ::getaddrinfo(host.c_str(), nullptr, &hints, &res);
+  }
+  if (rc == 0) {
+    ::freeaddrinfo(res);
+    return "";
+  }
+  return rc == EAI_SYSTEM ? std::string(std::strerror(errno)) : std::string(::gai_strerror(rc));
+}
+
 int find_free_port(const std::string& host) {
   int low = 32768;
   if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> low;

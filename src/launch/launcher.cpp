@@ -50,6 +50,12 @@ void write_all(int fd, const std::string& s) {
   }
 }
 
+std::string number_text(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
 std::string signal_name(int sig) {
   const char* d = strsignal(sig);
   static const std::map<int, std::string> abbrev = {
@@ -121,9 +127,18 @@ std::vector<std::string> make_envp(const EnvMap& overrides) {
 }
 
 void spawn(Child& c, const LaunchOptions& opts) {
+  // The log file first: a folder that cannot be written is refused before the rank starts.
+  std::unique_ptr<std::ofstream> log;
+  if (!opts.log_dir().empty()) {
+    std::string path = opts.log_dir() + "/rank" + std::to_string(c.plan.rank) + ".log";
+    log = std::make_unique<std::ofstream>(path, std::ios::app);
+    if (!*log)
+      throw std::runtime_error("cannot write the log file " + path +
+                               ": check that --log_dir exists and is writable");
+  }
   int out_pipe[2], err_pipe[2];
   if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0)
-    throw std::runtime_error(std::string("tandem launch: pipe() failed: ") + std::strerror(errno));
+    throw std::runtime_error(std::string("pipe() failed: ") + std::strerror(errno));
   auto envs = make_envp(c.plan.env);
   std::vector<char*> envp, argv;
   for (auto& e : envs) envp.push_back(e.data());
@@ -131,11 +146,24 @@ void spawn(Child& c, const LaunchOptions& opts) {
   for (auto& a : c.plan.argv) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   pid_t parent = ::getpid();
+  // Note [Signals between fork and exec]: until the child resets them, it runs the launcher's
+  // handlers, which write into the launcher's signal pipe: a SIGTERM sent to stop a rank that
+  // has not reached exec yet would read as a signal the launcher received. So the signals stay
+  // blocked in the child until its handlers are the default ones.
+  sigset_t stop_signals, before;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  ::sigprocmask(SIG_BLOCK, &stop_signals, &before);
   pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error(std::string("tandem launch: fork() failed: ") +
-                                        std::strerror(errno));
+  if (pid < 0) {
+    const int err = errno;
+    ::sigprocmask(SIG_SETMASK, &before, nullptr);
+    throw std::runtime_error(std::string("fork() failed: ") + std::strerror(err));
+  }
   if (pid == 0) {
     // Child: own process group (so the whole tree can be signalled), die with the launcher.
+    g_signal_pipe[1] = -1;
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(1);
@@ -164,6 +192,7 @@ void spawn(Child& c, const LaunchOptions& opts) {
     write_all(2, msg);
     ::_exit(127);
   }
+  ::sigprocmask(SIG_SETMASK, &before, nullptr);
   ::setpgid(pid, pid);
   ::close(out_pipe[1]);
   ::close(err_pipe[1]);
@@ -174,11 +203,8 @@ void spawn(Child& c, const LaunchOptions& opts) {
   const std::string prefix = "[rank " + std::to_string(c.plan.rank) + "] ";
   c.out = Stream{out_pipe[0], 1, "", prefix, nullptr, true};
   c.err = Stream{err_pipe[0], 2, "", prefix, nullptr, true};
-  if (!opts.log_dir().empty()) {
-    std::string path = opts.log_dir() + "/rank" + std::to_string(c.plan.rank) + ".log";
-    c.log = std::make_unique<std::ofstream>(path, std::ios::app);
-    if (!*c.log) throw std::runtime_error("tandem launch: cannot write the log file " + path +
-                                          ": check that --log_dir exists and is writable");
+  if (log) {
+    c.log = std::move(log);
     c.out.log = c.err.log = c.log.get();
     c.out.to_terminal = c.err.to_terminal = opts.tee();
   }
@@ -208,7 +234,18 @@ std::string describe_exit(const Child& c) {
 
 // Runs one attempt. Returns the exit code; sets `interrupted` when a signal stopped the job.
 int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& interrupted) {
-  for (auto& c : children) spawn(c, opts);
+  try {
+    for (auto& c : children) spawn(c, opts);
+  } catch (...) {
+    // The ranks already started would wait for the missing one until their timeout.
+    for (auto& c : children)
+      if (c.alive) {
+        ::kill(-c.pid, SIGKILL);
+        ::waitpid(c.pid, nullptr, 0);
+        c.alive = false;
+      }
+    throw;
+  }
   const Child* failed = nullptr;
   int forwarded_signal = 0;
   bool stopping = false;
@@ -327,8 +364,8 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
 std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::string>& command,
                                 const EnvMap& environment) {
   if (command.empty())
-    throw std::invalid_argument("tandem launch: no program given: tandem launch [options] PROGRAM "
-                                "[ARGS...]");
+    throw std::invalid_argument(
+        "no program given: expected tandem launch [options] PROGRAM [ARGS...]");
   if (o.num_processes() < 1)
     throw std::invalid_argument("--num_processes=" + std::to_string(o.num_processes()) +
                                 " must be at least 1");
@@ -338,9 +375,28 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
   if (o.machine_rank() < 0 || o.machine_rank() >= o.num_machines())
     throw std::invalid_argument("--machine_rank=" + std::to_string(o.machine_rank()) +
                                 " must be in [0, " + std::to_string(o.num_machines()) + ")");
+  if (o.max_restarts() < 0)
+    throw std::invalid_argument("--max_restarts=" + std::to_string(o.max_restarts()) +
+                                " must be at least 0: how many times every rank is started again "
+                                "after a failure (0: never)");
+  if (!(o.grace_period_s() >= 0))
+    throw std::invalid_argument("--grace_period=" + number_text(o.grace_period_s()) +
+                                " must be at least 0: seconds between SIGTERM and SIGKILL when "
+                                "the other ranks are stopped");
+  if (!(o.monitor_interval_s() > 0))
+    throw std::invalid_argument("--monitor_interval=" + number_text(o.monitor_interval_s()) +
+                                " must be above 0: seconds between health checks (e.g. 0.1)");
   if (o.main_process_port() < 0 || o.main_process_port() > 65535)
     throw std::invalid_argument("--main_process_port=" + std::to_string(o.main_process_port()) +
                                 " is not a TCP port (1-65535, or 0 to pick a free one)");
+  // c10d's store would retry a name that does not resolve every second until its timeout.
+  if (auto why = host_resolution_error(o.main_process_ip()); !why.empty())
+    throw std::invalid_argument(
+        "--main_process_ip " + o.main_process_ip() +
+        " (MASTER_ADDR of every rank) does not resolve: " + why +
+        ". Expected the IP address or host name of machine 0, where rank 0 listens: check the "
+        "spelling, or pass its IP address (e.g. --main_process_ip 10.0.0.1; on one machine "
+        "leave it out)");
   int port = o.main_process_port();
   if (port == 0) {
     if (o.num_machines() > 1)
@@ -446,7 +502,7 @@ std::string describe_plan(const std::vector<RankPlan>& plan) {
 
 int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
   if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
-    throw std::runtime_error("tandem launch: pipe() failed");
+    throw std::runtime_error(std::string("pipe() failed: ") + std::strerror(errno));
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
@@ -458,6 +514,24 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
   char tmpl[] = "/tmp/tandem-launch-XXXXXX";
   const char* tmp = ::mkdtemp(tmpl);
   std::string error_dir = tmp ? tmp : "";
+  // Handlers, signal pipe and error files are put back however run() ends (RAII).
+  struct Restore {
+    const std::vector<RankPlan>& plan;
+    const std::string& error_dir;
+    struct sigaction old_int, old_term;
+    ~Restore() {
+      if (!error_dir.empty()) {
+        for (const auto& p : plan)
+          ::unlink((error_dir + "/rank" + std::to_string(p.rank) + ".error").c_str());
+        ::rmdir(error_dir.c_str());
+      }
+      ::sigaction(SIGINT, &old_int, nullptr);
+      ::sigaction(SIGTERM, &old_term, nullptr);
+      ::close(g_signal_pipe[0]);
+      ::close(g_signal_pipe[1]);
+      g_signal_pipe[0] = g_signal_pipe[1] = -1;
+    }
+  } restore{plan, error_dir, old_int, old_term};
   int rc = 0;
   for (int attempt = 0;; ++attempt) {
     std::vector<Child> children(plan.size());
@@ -476,15 +550,6 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
     write_all(2, "tandem launch: restarting all ranks (restart " + std::to_string(attempt + 1) +
                      " of " + std::to_string(opts.max_restarts()) + ")\n");
   }
-  if (!error_dir.empty()) {
-    for (const auto& p : plan) ::unlink((error_dir + "/rank" + std::to_string(p.rank) + ".error").c_str());
-    ::rmdir(error_dir.c_str());
-  }
-  ::sigaction(SIGINT, &old_int, nullptr);
-  ::sigaction(SIGTERM, &old_term, nullptr);
-  ::close(g_signal_pipe[0]);
-  ::close(g_signal_pipe[1]);
-  g_signal_pipe[0] = g_signal_pipe[1] = -1;
   return rc;
 }
 

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 
 namespace tandem::track {
 namespace {
@@ -48,7 +49,8 @@ std::string format_loss(double loss) {
 
 }  // namespace
 
-ProgressBar::ProgressBar(ProgressOptions options) : options_(std::move(options)) {
+ProgressBar::ProgressBar(ProgressOptions options)
+    : options_(std::move(options)), uncaught_at_start_(std::uncaught_exceptions()) {
   active_ = options_.enabled() && options_.is_main_process();
   if (!active_) return;
   terminal_ = options_.terminal().has_value() ? *options_.terminal() : ::isatty(options_.fd()) == 1;
@@ -57,7 +59,16 @@ ProgressBar::ProgressBar(ProgressOptions options) : options_(std::move(options))
   step_ = options_.initial();
 }
 
-ProgressBar::~ProgressBar() { close(); }
+ProgressBar::~ProgressBar() {
+  if (!active_ || closed_) return;
+  if (std::uncaught_exceptions() > uncaught_at_start_) {
+    // The loop ended by an exception: whatever the step count, this run did not finish.
+    closed_ = true;
+    emit(status(!terminal_, true, true) + "\n");
+    return;
+  }
+  close();
+}
 
 double ProgressBar::now() const {
   if (options_.clock()) return options_.clock()();
@@ -90,8 +101,8 @@ void ProgressBar::close() {
 
 // plain: "train: step 120/1000 (12%) 35.2 it/s eta 25s loss 1.234"
 // terminal: "\rtrain: 120/1000  12% [###.......] 35.2 it/s eta 25s loss 1.234"
-// final: "eta ..." becomes "done in 28s".
-std::string ProgressBar::status(bool plain, bool final) const {
+// final: "eta ..." becomes "done in 28s" ("failed after 28s" when an exception ended the loop).
+std::string ProgressBar::status(bool plain, bool final, bool failed) const {
   double elapsed = now() - start_;
   int64_t done = step_ - options_.initial();
   double rate = elapsed > 0 ? static_cast<double>(done) / elapsed : 0.0;
@@ -120,7 +131,9 @@ std::string ProgressBar::status(bool plain, bool final) const {
     }
   }
   s += " " + format_rate(rate);
-  if (final) {
+  if (final && failed) {
+    s += " failed after " + format_duration(elapsed);
+  } else if (final) {
     s += " done in " + format_duration(elapsed);
   } else if (total > 0 && rate > 0) {
     s += " eta " + format_duration(static_cast<double>(std::max<int64_t>(0, total - step_)) / rate);

@@ -182,3 +182,68 @@ TEST(Launch, SigtermReachesEveryRank) {
     EXPECT_NE(kill(pid, 0), 0) << "rank " << k << " still alive";
   }
 }
+
+// An address that does not resolve is an error within seconds, naming the host and the flag,
+// from the launcher and from a rank started by another launcher (torchrun, mpirun) alike;
+// c10d's store would retry it every second until its timeout.
+TEST(Launch, UnresolvableAddressFailsFastNamingTheHost) {
+  auto r = run_command({kCli, "launch", "--num_processes", "2", "--cpu", "--main_process_ip",
+                        "no.such.host.invalid", kWorker, "all"},
+                       {{"TANDEM_TEST_TIMEOUT_S", "120"}}, 150);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--main_process_ip no.such.host.invalid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("does not resolve"), std::string::npos) << r.output;
+  EXPECT_EQ(count_of(r.output, "[rank "), 0) << r.output;  // no rank was started
+  EXPECT_LT(r.seconds, 30) << r.output;
+
+  r = run_command({kWorker, "all"},
+                  {{"RANK", "1"},
+                   {"WORLD_SIZE", "2"},
+                   {"MASTER_ADDR", "no.such.host.invalid"},
+                   {"MASTER_PORT", std::to_string(free_port())},
+                   {"TANDEM_TEST_TIMEOUT_S", "120"}},
+                  150);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("MASTER_ADDR 'no.such.host.invalid' does not resolve"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("--main_process_ip"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+}
+
+// Note [Signals between fork and exec]: the launcher's own stopping of the other ranks, after a
+// rank failed, is never reported as a signal the launcher received. Ranks that fail at once
+// (a program that does not exist) are stopped while others are still between fork and exec,
+// which is where the launcher's handler used to run in the child.
+TEST(Launch, StoppingTheRanksIsNotAReceivedSignal) {
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    auto r = run_command({kCli, "launch", "--num_processes", "16", "--cpu", "--grace_period", "1",
+                          "/nonexistent/program"},
+                         {}, 60);
+    ASSERT_FALSE(r.timed_out) << r.output;
+    EXPECT_EQ(r.exit_code, 127) << r.output;
+    EXPECT_EQ(count_of(r.output, "received signal"), 0) << r.output;
+    EXPECT_EQ(count_of(r.output, "stopping the other ranks"), 1) << r.output;
+  }
+}
+
+// Each message carries the CLI's prefix once.
+TEST(Launch, MessagesCarryTheirPrefixOnce) {
+  for (std::vector<std::string> argv :
+       {std::vector<std::string>{kCli, "launch"},
+        {kCli, "launch", "--cpu", "--max_restarts", "-1", "/bin/true"},
+        {kCli, "launch", "--cpu", "--env", "RANK=5", "/bin/true"},
+        {kCli, "launch", "--cpu", "--log_dir", "/nonexistent/dir", "/bin/true"}}) {
+    auto r = run_command(argv, {}, 60);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_EQ(count_of(r.output, "tandem launch:"), 1) << r.output;
+    EXPECT_EQ(count_of(r.output, "tandem launch: tandem launch"), 0) << r.output;
+  }
+  auto r = run_command({kCli, "launch", "--cpu", "--env", "RANK=5", "/bin/true"}, {}, 60);
+  EXPECT_NE(r.output.find("--env RANK=5: tandem launch sets RANK for every rank itself"),
+            std::string::npos)
+      << r.output;
+  r = run_command({kCli, "launch", "--cpu", "--max_restarts", "-1", "/bin/true"}, {}, 60);
+  EXPECT_NE(r.output.find("--max_restarts=-1 must be at least 0"), std::string::npos) << r.output;
+}

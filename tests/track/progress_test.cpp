@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -138,4 +139,30 @@ TEST(ProgressBar, SilentOffTheMainProcessAndWhenDisabled) {
     bar.update(5);
   }
   EXPECT_EQ(out.text(), "");
+}
+
+// A rank whose loop ends by an exception never reports that it is done: the bar, destroyed
+// while the exception unwinds, says "failed after".
+TEST(ProgressBar, AnExceptionEndsWithFailedNotDone) {
+  Capture out;
+  double now = 0;
+  try {
+    ProgressBar bar(ProgressOptions()
+                        .total(20)
+                        .description("train")
+                        .fd(out.fd())
+                        .terminal(false)
+                        .plain_interval_s(100)
+                        .clock([&] { return now; }));
+    for (int64_t step = 1; step <= 20; ++step) {
+      now = static_cast<double>(step);
+      bar.update(step, 0.5);
+      if (step == 7) throw std::runtime_error("a collective failed");
+    }
+  } catch (const std::runtime_error&) {
+  }
+  auto got = lines(out.text());
+  ASSERT_FALSE(got.empty()) << out.text();
+  EXPECT_EQ(got.back(), "train: step 7/20 (35%) 1.0 it/s failed after 7s loss 0.5");
+  EXPECT_EQ(out.text().find("done"), std::string::npos) << out.text();
 }

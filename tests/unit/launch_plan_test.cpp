@@ -1,6 +1,9 @@
 // make_plan: ranks, environment, and bad options, without starting any process.
 #include <gtest/gtest.h>
 
+#include <chrono>
+
+#include "tandem/comm/process_group.h"
 #include "tandem/launch/launcher.h"
 
 using tandem::launch::LaunchOptions;
@@ -51,6 +54,44 @@ TEST(LaunchPlan, RejectsBadOptions) {
   EXPECT_THROW(make_plan(LaunchOptions().num_machines(2), {"p"}, {}), std::invalid_argument);
   EXPECT_THROW(make_plan(LaunchOptions().main_process_port(70000), {"p"}, {}),
                std::invalid_argument);
+  auto error = [](const LaunchOptions& o, std::vector<std::string> command = {"p"}) {
+    try {
+      make_plan(o, command, {});
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto e = error(LaunchOptions().max_restarts(-1));
+  EXPECT_NE(e.find("--max_restarts=-1 must be at least 0"), std::string::npos) << e;
+  e = error(LaunchOptions().grace_period_s(-1));
+  EXPECT_NE(e.find("--grace_period=-1 must be at least 0"), std::string::npos) << e;
+  e = error(LaunchOptions().monitor_interval_s(0));
+  EXPECT_NE(e.find("--monitor_interval=0 must be above 0"), std::string::npos) << e;
+  EXPECT_EQ(error(LaunchOptions().max_restarts(2)), "");
+  // The CLI prefixes "tandem launch: "; the message must not carry it a second time.
+  e = error(LaunchOptions(), {});
+  EXPECT_EQ(e.rfind("no program given", 0), 0u) << e;
+}
+
+// c10d's store retries a name that does not resolve every second for 30 minutes: the plan
+// refuses it at once, naming the host and the flag.
+TEST(LaunchPlan, UnresolvableMainProcessIpIsRefused) {
+  auto start = std::chrono::steady_clock::now();
+  std::string e;
+  try {
+    make_plan(LaunchOptions().num_processes(2).main_process_ip("no.such.host.invalid"), {"p"}, {});
+  } catch (const std::invalid_argument& x) {
+    e = x.what();
+  }
+  const double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(e.find("--main_process_ip no.such.host.invalid"), std::string::npos) << e;
+  EXPECT_NE(e.find("does not resolve"), std::string::npos) << e;
+  EXPECT_LT(secs, 30);  // the resolver's own timeouts, where no DNS server answers
+  EXPECT_NO_THROW(make_plan(LaunchOptions().main_process_ip("localhost"), {"p"}, {}));
+  EXPECT_EQ(tandem::host_resolution_error("127.0.0.1"), "");
+  EXPECT_NE(tandem::host_resolution_error("no.such.host.invalid"), "");
 }
 
 // Note [Threads per rank]: each local rank gets its share of the launcher's cores, unless the
@@ -59,7 +100,7 @@ TEST(LaunchPlan, ThreadsPerRank) {
   const int cores = static_cast<int>(tandem::launch::usable_cpus().size());
   ASSERT_GE(cores, 1);
   auto plan = make_plan(LaunchOptions().num_processes(2).main_process_port(1), {"p"}, {});
-  const std::string share = std::to_string(std::max(1, cores / 2));
+  const std::string share = std::to_string(tandem::launch::default_threads_per_process(cores, 2));
   EXPECT_EQ(plan[0].env.at("OMP_NUM_THREADS"), share);
   EXPECT_EQ(plan[1].env.at("TANDEM_NUM_CPU_THREADS"), share);
   EXPECT_TRUE(plan[0].cpus.empty());

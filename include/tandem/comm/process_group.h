@@ -156,6 +156,12 @@ class ProcessGroup {
 /// The free TCP port the OS hands out on `host` right now (used when none is given).
 int find_free_port(const std::string& host = "127.0.0.1");
 
+/// Why `host` (an address or a host name) does not resolve to an address this machine can
+/// connect to: the resolver's message (getaddrinfo), or "" when it resolves. c10d's TCPStore
+/// retries a name that does not resolve until its timeout (30 minutes by default), so the
+/// launcher and ProcessGroup::create ask first and fail within seconds instead.
+std::string host_resolution_error(const std::string& host);
+
 /// Whether this LibTorch lets rank 0's rendezvous store listen on 127.0.0.1 only, which tandem
 /// then does for every job whose MASTER_ADDR is a loopback address (LibTorch >= 2.4; 1.13's
 /// store listens on every interface). Note [Loopback rendezvous].

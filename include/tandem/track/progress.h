@@ -65,7 +65,9 @@ class ProgressBar {
   /// Records that `step` steps are done (counted from 0, or from options.initial), with the
   /// latest loss when given, and redraws or prints when it is time to.
   void update(int64_t step, std::optional<double> loss = std::nullopt);
-  /// Draws the final state and ends the line. Idempotent; the destructor calls it.
+  /// Draws the final state and ends the line. Idempotent; the destructor calls it. Destroyed
+  /// while an exception unwinds the loop, the bar's last line says "failed after ..." instead of
+  /// "done in ...": a rank that fails never reports that it finished.
   void close();
 
   /// Whether this bar prints at all (enabled and main process).
@@ -75,7 +77,7 @@ class ProgressBar {
 
  private:
   double now() const;
-  std::string status(bool plain, bool final) const;
+  std::string status(bool plain, bool final, bool failed = false) const;
   void emit(const std::string& text);
 
   ProgressOptions options_;
@@ -88,6 +90,7 @@ class ProgressBar {
   int64_t step_ = 0;
   std::optional<double> loss_;
   size_t last_width_ = 0;
+  int uncaught_at_start_ = 0;  // std::uncaught_exceptions() when the bar was made
 };
 
 }  // namespace tandem::track
