@@ -37,8 +37,7 @@ class Asker {
       std::string line;
       if (!std::getline(in_, line))
         throw std::runtime_error(
-            "tandem config: the input ended before every question was "
-            "answered; nothing was written");
+            "the input ended before every question was answered; nothing was written");
       line = trim(line);
       if (line.empty()) line = fallback;
       if (line.empty()) {

@@ -123,4 +123,11 @@ TEST(Questionnaire, GpuIdsAreCheckedAgainstTheMachine) {
 
 TEST(Questionnaire, EndOfInputIsAnError) {
   EXPECT_THROW(answer({"", "1"}), std::runtime_error);
+  // `tandem config` prefixes its own name: the message must not carry it a second time.
+  try {
+    answer({"", "1"});
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("the input ended before every question", 0), 0u)
+        << e.what();
+  }
 }
