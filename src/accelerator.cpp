@@ -306,11 +306,14 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
               "--use_deepspeed/--use_fsdp), or use ZeRO with tensor parallel instead of pp");
   // The pipeline's micro-batches are its accumulation: Pipeline::step neither divides its loss
   // by gradient_accumulation_steps nor defers its data-parallel reduction.
-  TORCH_CHECK(accumulation_steps_ == 1, state_.prefix(), " prepare_pipeline: gradient_accumulation_steps is ",
-              accumulation_steps_, " (--gradient_accumulation_steps, or AcceleratorOptions()), but "
-              "a pipeline step does not accumulate across calls; give the pipeline more "
-              "micro-batches instead (PipelineOptions().microbatches, over a larger batch) and "
-              "leave gradient_accumulation_steps at 1");
+  if (accumulation_steps_ != 1)
+    throw std::invalid_argument(
+        state_.prefix() + " prepare_pipeline: gradient_accumulation_steps is " +
+        std::to_string(accumulation_steps_) +
+        " (--gradient_accumulation_steps, or AcceleratorOptions()), but a pipeline step does not "
+        "accumulate across calls; give the pipeline more micro-batches instead "
+        "(PipelineOptions().microbatches, over a larger batch) and leave "
+        "gradient_accumulation_steps at 1");
   auto pp = (*mesh_)["pp"];
   auto stage = parallel::split_sequential(model, pp->size(), pp->rank());
   stage->to(device_);

@@ -47,11 +47,20 @@ void check(bool ok, const std::string& what) {
 struct Task {
   std::shared_ptr<torch::nn::Module> module;
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss;
+  // Each tensor once, as PyTorch's parameters() yields them (the GPT's tied head is listed
+  // twice by LibTorch's; the Accelerator's prepare keeps it once too).
+  std::vector<torch::Tensor> unique_parameters() const {
+    std::vector<torch::Tensor> out;
+    std::set<const void*> seen;
+    for (const auto& p : module->parameters())
+      if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back(p);
+    return out;
+  }
   std::shared_ptr<torch::optim::Optimizer> make_optimizer() const {
     if (dynamic_cast<examples::GPTImpl*>(module.get()))
-      return std::make_shared<torch::optim::AdamW>(module->parameters(),
+      return std::make_shared<torch::optim::AdamW>(unique_parameters(),
                                                    torch::optim::AdamWOptions(1e-3));
-    return std::make_shared<torch::optim::SGD>(module->parameters(),
+    return std::make_shared<torch::optim::SGD>(unique_parameters(),
                                                torch::optim::SGDOptions(0.05).momentum(0.9));
   }
 };

@@ -154,4 +154,9 @@ TEST(Examples, LayoutFlagsAProgramNeverActsOnAreRefused) {
   EXPECT_NE(pp.exit_code, 0) << pp.output;
   EXPECT_GE(count_of(pp.output, "backward: this run has pp_size 2"), 1) << pp.output;
   EXPECT_GE(count_of(pp.output, "acc.prepare_pipeline"), 1) << pp.output;
+  // A pipeline does not accumulate across steps: its micro-batches are the accumulation.
+  auto accumulated = launch(2, {"--pp_size", "2", "--gradient_accumulation_steps", "2"}, kTrainGpt);
+  EXPECT_NE(accumulated.exit_code, 0) << accumulated.output;
+  EXPECT_GE(count_of(accumulated.output, "prepare_pipeline: gradient_accumulation_steps is 2"), 1)
+      << accumulated.output;
 }
