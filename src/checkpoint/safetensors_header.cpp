@@ -37,7 +37,7 @@ const DtypeEntry& entry_of(Dtype dtype) {
   for (const auto& e : kDtypes) {
     if (e.dtype == dtype) return e;
   }
-  throw std::invalid_argument("tandem: unknown Dtype value " +
+  throw std::invalid_argument("safetensors: unknown Dtype value " +
                               std::to_string(static_cast<int>(dtype)));
 }
 
