@@ -224,20 +224,21 @@ void Accelerator::check_model_split(const char* where) {
     for (const auto& m : models_)
       if (!parallel::tensor_parallel_splits(*m).empty()) tp_applied_ = true;
   }
+  auto refuse = [&](const std::string& dim, int size, const std::string& missing,
+                    const std::string& call) {
+    throw std::invalid_argument(state_.prefix() + " " + where + ": this run has " + dim + " " +
+                                std::to_string(size) + " (tandem launch --" + dim +
+                                ", parallelism_config " + dim +
+                                ", or AcceleratorOptions().parallelism), but " + missing +
+                                ": every rank would train the whole model. Call " + call +
+                                ", or run without --" + dim);
+  };
   if (tp_size_ > 1 && !tp_applied_)
-    throw std::invalid_argument(
-        state_.prefix() + " " + where + ": this run has tp_size " + std::to_string(tp_size_) +
-        " (tandem launch --tp_size, parallelism_config tp_size, or "
-        "AcceleratorOptions().parallelism), but the model was never split: every rank would "
-        "train the whole model. Call acc.parallelize(model, plan) before prepare(model) (or "
-        "prepare_pipeline with a plan), or run without --tp_size");
+    refuse("tp_size", tp_size_, "the model was never split",
+           "acc.parallelize(model, plan) before prepare(model) (or prepare_pipeline with a plan)");
   if (pp_size_ > 1 && !pipeline_prepared_)
-    throw std::invalid_argument(
-        state_.prefix() + " " + where + ": this run has pp_size " + std::to_string(pp_size_) +
-        " (tandem launch --pp_size, parallelism_config pp_size, or "
-        "AcceleratorOptions().parallelism), but no pipeline was prepared: every rank would train "
-        "the whole model. Build the model as a torch::nn::Sequential and call "
-        "acc.prepare_pipeline(model, loss, options), or run without --pp_size");
+    refuse("pp_size", pp_size_, "no pipeline was prepared",
+           "acc.prepare_pipeline(model, loss, options) on the model as a torch::nn::Sequential");
   split_checked_ = true;
 }
 
