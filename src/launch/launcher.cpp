@@ -21,6 +21,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include <c10/core/thread_pool.h>
+
 #include "tandem/comm/process_group.h"
 
 namespace tandem::launch {
@@ -406,26 +408,27 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
   }
   // Note [Threads per rank]: N ranks each running an OpenMP pool as large as the machine
   // oversubscribe the cores N times; torchrun and Intel's launcher give each rank its share.
+  // The user's OMP_NUM_THREADS (--env, else the launcher's environment) is kept as it is.
   const std::vector<int> cpus = usable_cpus();
   int threads = o.num_cpu_threads_per_process();
   bool user_threads = false;
   if (threads <= 0) {
-    auto omp = environment.find("OMP_NUM_THREADS");
+    std::string omp;
+    for (const EnvMap* m : {&o.extra_env(), &environment})
+      if (auto it = m->find("OMP_NUM_THREADS"); omp.empty() && it != m->end()) omp = it->second;
     int n = 0;
-    if (omp != environment.end()) {
-      try {
-        size_t pos = 0;
-        n = std::stoi(omp->second, &pos);
-        if (pos != omp->second.size()) n = 0;
-      } catch (const std::exception&) {
-        n = 0;
-      }
+    try {
+      size_t pos = 0;
+      n = std::stoi(omp, &pos);
+      if (pos != omp.size()) n = 0;
+    } catch (const std::exception&) {
+      n = 0;
     }
     if (n >= 1) {
       threads = n;
       user_threads = true;
     } else {
-      threads = std::max(1, static_cast<int>(cpus.size()) / o.num_processes());
+      threads = default_threads_per_process(static_cast<int>(cpus.size()), o.num_processes());
     }
   }
   if (o.cpu_affinity() && static_cast<int>(cpus.size()) < threads * o.num_processes())
@@ -487,6 +490,27 @@ std::vector<int> usable_cpus() {
     for (unsigned c = 0; c < n; ++c) out.push_back(static_cast<int>(c));
   }
   return out;
+}
+
+// Note [Threads per rank]: a rank gets the cores of the launcher's affinity mask divided among
+// the local ranks, and never more threads than LibTorch gives the same program started by hand
+// (c10::TaskThreadPoolBase::defaultNumThreads(): hardware_concurrency() / 2 on x86-64 in
+// LibTorch 1.13, which counts on two hardware threads per core; the physical cores in 2.x).
+// On a 2-core machine without SMT a LibTorch 1.13 program started by hand runs 1 thread; the
+// launcher used to give it 2 (cores / 1) and, with any other process running, it trained 10-50x
+// slower than by hand: every parallel region (each op above the grain size, each OpenBLAS call
+// of its OpenMP build) ends in a barrier that waits for the thread sharing its core with the
+// other process, while libgomp's waiting threads spin (OMP_WAIT_POLICY unset: GOMP_SPINCOUNT
+// 300000, a few ms) on the cores that thread and the rank's main thread need.
+// OMP_WAIT_POLICY=PASSIVE removes most of the collapse but costs a third of the speed on an idle
+// machine (every region wakes sleeping threads), and 2 threads stay slower than 1 beside another
+// process either way, so the wait policy stays OpenMP's (or the user's) and the thread count is
+// the one a program started by hand uses. Figures: bench/RESULTS.md, "One process on a busy
+// machine" (bench/sections/60-busy-machine.sh).
+int default_threads_per_process(int usable_cores, int local_processes) {
+  const int share = std::max(1, usable_cores / std::max(1, local_processes));
+  const int by_hand = static_cast<int>(c10::TaskThreadPoolBase::defaultNumThreads());
+  return by_hand >= 1 ? std::min(share, by_hand) : share;
 }
 
 std::string describe_plan(const std::vector<RankPlan>& plan) {

@@ -247,3 +247,52 @@ TEST(Launch, MessagesCarryTheirPrefixOnce) {
   r = run_command({kCli, "launch", "--cpu", "--max_restarts", "-1", "/bin/true"}, {}, 60);
   EXPECT_NE(r.output.find("--max_restarts=-1 must be at least 0"), std::string::npos) << r.output;
 }
+
+// Note [Threads per rank]: one process under the launcher runs the intra-op threads LibTorch
+// takes in a program started by hand (`tandem env` is one: "LibTorch threads: intra-op N"),
+// within the launcher's cores, shown by --dry_run and received by the program; the wait policy
+// is left to OpenMP. The user's OMP_NUM_THREADS and OMP_WAIT_POLICY, and the flag, win.
+TEST(Launch, OneProcessGetsTheThreadsOfAProgramStartedByHand) {
+  const std::vector<std::string> clean{"/usr/bin/env",    "-u", "OMP_NUM_THREADS", "-u",
+                                       "OMP_WAIT_POLICY", "-u", "GOMP_SPINCOUNT"};
+  auto with = [&](std::vector<std::string> tail) {
+    std::vector<std::string> argv = clean;
+    argv.insert(argv.end(), tail.begin(), tail.end());
+    return argv;
+  };
+  auto env = run_command(with({kCli, "env"}), {}, 60);
+  ASSERT_EQ(env.exit_code, 0) << env.output;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(env.output, m, std::regex(R"(LibTorch threads: intra-op (\d+))")))
+      << env.output;
+  const int by_hand = std::stoi(m[1]);
+  ASSERT_TRUE(std::regex_search(env.output, m, std::regex(R"(CPU cores: (\d+) usable)")))
+      << env.output;
+  const std::string want = std::to_string(std::max(1, std::min(by_hand, std::stoi(m[1]))));
+  const std::vector<std::string> echo{"/bin/sh", "-c",
+                                      "echo omp=$OMP_NUM_THREADS wait=$OMP_WAIT_POLICY."};
+  std::vector<std::string> launch1{kCli, "launch", "--num_processes", "1", "--cpu"};
+  auto dry = launch1;
+  dry.push_back("--dry_run");
+  dry.insert(dry.end(), echo.begin(), echo.end());
+  auto r = run_command(with(dry), {}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "OMP_NUM_THREADS=" + want + "\n"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "TANDEM_NUM_CPU_THREADS=" + want + "\n"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "OMP_WAIT_POLICY="), 0) << r.output;
+  auto run = launch1;
+  run.insert(run.end(), echo.begin(), echo.end());
+  r = run_command(with(run), {}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "omp=" + want + " wait=."), 1) << r.output;
+  // The user's settings reach the program as they are.
+  r = run_command(run, {{"OMP_NUM_THREADS", "3"}, {"OMP_WAIT_POLICY", "PASSIVE"}}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "omp=3 wait=PASSIVE."), 1) << r.output;
+  auto flag = launch1;
+  flag.insert(flag.end(), {"--num_cpu_threads_per_process", "2"});
+  flag.insert(flag.end(), echo.begin(), echo.end());
+  r = run_command(flag, {{"OMP_NUM_THREADS", "3"}}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "omp=2 wait="), 1) << r.output;
+}

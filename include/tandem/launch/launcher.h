@@ -25,9 +25,10 @@ struct LaunchOptions {
   TORCH_ARG(std::string, main_process_ip) = "127.0.0.1";
   TORCH_ARG(int, main_process_port) = 0;  ///< 0: pick a free port (single machine only)
   TORCH_ARG(bool, cpu) = false;
-  /// OMP_NUM_THREADS and LibTorch's intra-op threads per rank. 0: OMP_NUM_THREADS when the
-  /// launcher's environment sets it (the user's choice is kept), else the cores this launcher may
-  /// use (its affinity mask) divided by the local processes, at least 1 (as torchrun does).
+  /// OMP_NUM_THREADS and LibTorch's intra-op threads per rank. 0: OMP_NUM_THREADS when --env or
+  /// the launcher's environment sets it (the user's choice is kept), else
+  /// default_threads_per_process(): the cores this launcher may use (its affinity mask) divided
+  /// by the local processes, at most what LibTorch takes by itself (Note [Threads per rank]).
   TORCH_ARG(int, num_cpu_threads_per_process) = 0;
   /// Bind each local rank to its own cores (sched_setaffinity before exec): local rank k gets
   /// the k-th run of threads-per-process cores of the launcher's affinity mask, so that the
@@ -57,6 +58,11 @@ struct RankPlan {
 
 /// The cores this process may run on (its affinity mask), ascending.
 std::vector<int> usable_cpus();
+
+/// Intra-op threads per local process when neither --num_cpu_threads_per_process nor
+/// OMP_NUM_THREADS chose them: usable_cores / local_processes (at least 1), and never more than
+/// LibTorch's own default for a process started by hand (Note [Threads per rank]).
+int default_threads_per_process(int usable_cores, int local_processes);
 
 /// The plan for this machine's ranks. Pure: no process is started. Throws std::invalid_argument
 /// on inconsistent options (machine_rank >= num_machines, no program, ...).
