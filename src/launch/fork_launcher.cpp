@@ -1,6 +1,7 @@
 // tandem::launch::launch: fork workers from the running program, run a function in each, and
 // bring the first failure back to the parent through a pipe per worker.
 #include "tandem/launch/fork_launcher.h"
+#include "tandem/launch/launcher.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -191,9 +192,8 @@ void launch(const std::function<void()>& fn, int num_processes, const ForkLaunch
   check_fork_safety(probe_fork_safety());
   const int port = o.master_port() > 0 ? o.master_port() : find_free_port(o.master_addr());
   int threads = o.num_threads();
-  if (threads <= 0)
-    threads = std::max(
-        1, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) / num_processes);
+  if (threads <= 0)  // Note [Threads per rank]
+    threads = default_threads_per_process(static_cast<int>(usable_cpus().size()), num_processes);
   char tmpl[] = "/tmp/tandem-fork-XXXXXX";
   const char* made = ::mkdtemp(tmpl);
   const ErrorDir error_dir{made ? made : "", num_processes};

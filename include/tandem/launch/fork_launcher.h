@@ -27,7 +27,8 @@ struct ForkLaunchOptions {
   /// TANDEM_MIXED_PRECISION in the workers (no | fp16 | bf16 | fp8 | bf16-true | fp16-true).
   TORCH_ARG(std::string, mixed_precision) = "no";
   TORCH_ARG(bool, cpu) = false;  ///< TANDEM_USE_CPU=1 in the workers
-  /// LibTorch intra-op threads per worker (and OMP_NUM_THREADS); 0: cores / workers.
+  /// LibTorch intra-op threads per worker (and OMP_NUM_THREADS); 0: cores / workers, at most
+  /// what LibTorch takes by itself (launch::default_threads_per_process).
   TORCH_ARG(int, num_threads) = 0;
   /// Extra environment for every worker.
   TORCH_ARG(EnvMap, env) = {};
