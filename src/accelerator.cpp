@@ -20,7 +20,6 @@ namespace tandem {
 namespace {
 
 using detail::env;
-using detail::env_true;
 
 int env_positive_int(const char* key, const std::string& v) {
   try {
@@ -87,8 +86,15 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
     auto msg = parallel::unsupported_sharding_message(*options_.sharding());
     if (!msg.empty()) throw std::invalid_argument(state_.prefix() + " " + msg);
   }
-  bool cpu = options_.cpu().value_or(env("TANDEM_USE_CPU") ? env_true(*env("TANDEM_USE_CPU"))
-                                                           : false);
+  bool cpu;
+  try {
+    cpu = options_.cpu().value_or(::tandem::detail::env_bool("TANDEM_USE_CPU").value_or(false));
+    if (!options_.gradient_as_bucket_view())
+      options_.gradient_as_bucket_view(
+          ::tandem::detail::env_bool("TANDEM_GRADIENT_AS_BUCKET_VIEW").value_or(false));
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(state_.prefix() + " " + e.what());
+  }
   device_ = select_device(state_, cpu);
   if (auto steps = options_.gradient_accumulation_steps()) {
     if (*steps < 1)
@@ -120,10 +126,6 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(state_.prefix() + " comm_hook: " + e.what());
   }
-  if (!options_.gradient_as_bucket_view())
-    options_.gradient_as_bucket_view(env("TANDEM_GRADIENT_AS_BUCKET_VIEW")
-                                         ? env_true(*env("TANDEM_GRADIENT_AS_BUCKET_VIEW"))
-                                         : false);
   if (options_.bucket_cap_mb() <= 0 || options_.first_bucket_cap_mb() <= 0)
     throw std::invalid_argument(state_.prefix() + " bucket_cap_mb and first_bucket_cap_mb must be "
                                 "positive");

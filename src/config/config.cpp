@@ -1,6 +1,7 @@
 // Accelerate-compatible configuration files: which keys exist, which tandem acts on, which it
 // accepts and ignores, and the validation of every value.
 #include "tandem/config/config.h"
+#include "../detail/env.h"
 
 #include "tandem/comm/mesh.h"
 
@@ -21,15 +22,9 @@
 namespace tandem::config {
 namespace {
 
-std::string lower(std::string s) {
-  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
-
-std::string upper(std::string s) {
-  for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return s;
-}
+using ::tandem::detail::lower;
+using ::tandem::detail::parse_bool;
+using ::tandem::detail::upper;
 
 std::string trim(const std::string& s) {
   size_t a = s.find_first_not_of(" \t\r\n");
@@ -47,13 +42,6 @@ std::string join(const std::vector<std::string>& items, const std::string& sep) 
 [[noreturn]] void bad(const std::string& origin, const std::string& value,
                       const std::string& expected) {
   throw std::invalid_argument(origin + ": got '" + value + "', expected " + expected);
-}
-
-bool parse_bool(const std::string& origin, const std::string& value) {
-  const std::string v = lower(trim(value));
-  if (v == "true" || v == "yes" || v == "on" || v == "1" || v == "y") return true;
-  if (v == "false" || v == "no" || v == "off" || v == "0" || v == "n") return false;
-  bad(origin, value, "true or false (yes/no also work)");
 }
 
 bool is_integer(const std::string& v) {

@@ -2,6 +2,7 @@
 // validation as a config file value (config::set_value), so an answer that is accepted here is
 // also accepted when the file is read back.
 #include "tandem/config/questionnaire.h"
+#include "../detail/env.h"
 
 #include <cctype>
 #include <functional>
@@ -20,10 +21,7 @@ std::string trim(const std::string& s) {
   return s.substr(a, b - a + 1);
 }
 
-std::string lower(std::string s) {
-  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
+using ::tandem::detail::lower;
 
 class Asker {
  public:

@@ -1,6 +1,7 @@
 // Merging flags over the config file, resolving the distributed type and process count, the
 // device-count check, and the TANDEM_* environment of the ranks.
 #include "tandem/launch/resolve.h"
+#include "../detail/env.h"
 #include "tandem/comm/mesh.h"
 #include "tandem/parallel/strategy.h"
 
@@ -24,10 +25,7 @@ namespace {
 
 using config::Source;
 
-std::string upper(std::string s) {
-  for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return s;
-}
+using ::tandem::detail::upper;
 
 std::vector<int> gpu_id_list(const std::string& gpu_ids) {
   std::vector<int> ids;

@@ -1,6 +1,7 @@
 // Activation checkpointing: the checkpoint autograd function, the Checkpointed module holder and
 // the in-place wrapping of Sequential entries (see activation_checkpoint.h).
 #include "tandem/parallel/activation_checkpoint.h"
+#include "../detail/env.h"
 
 #include <torch/torch.h>
 #include <torch/csrc/autograd/engine.h>
@@ -227,11 +228,6 @@ struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
   }
 };
 
-std::string lower(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return s;
-}
 
 }  // namespace
 
@@ -391,13 +387,10 @@ bool activation_checkpointing_from_environment(const EnvMap& env) {
   for (const char* var : {"TANDEM_ACTIVATION_CHECKPOINTING", "TANDEM_FSDP_ACTIVATION_CHECKPOINTING"}) {
     auto it = env.find(var);
     if (it == env.end()) continue;
-    const auto v = lower(it->second);
-    if (v == "true" || v == "1" || v == "yes") return true;
-    if (v == "false" || v == "0" || v == "no" || v.empty()) return false;
-    throw std::invalid_argument(std::string(var) + "='" + it->second +
-                                "': expected true or false (fsdp_config."
-                                "fsdp_activation_checkpointing, or tandem launch "
-                                "--activation_checkpointing)");
+    if (it->second.empty()) return false;
+    return ::tandem::detail::parse_bool(std::string(var) + " (fsdp_config.fsdp_activation_checkpointing, or "
+                              "tandem launch --activation_checkpointing)",
+                              it->second);
   }
   return false;
 }

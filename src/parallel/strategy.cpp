@@ -1,6 +1,7 @@
 // Strategy selection, the data parallel strategy, and the sharding options a launcher's
 // environment asks for (see strategy.h).
 #include "tandem/parallel/strategy.h"
+#include "../detail/env.h"
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -24,22 +25,9 @@ const std::vector<std::pair<DistributedType, std::string>>& type_names() {
   return v;
 }
 
-std::string lower(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-  return s;
-}
-
-std::string upper(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::toupper(c); });
-  return s;
-}
-
-bool parse_bool(const std::string& var, const std::string& v) {
-  const auto l = lower(v);
-  if (l == "1" || l == "true" || l == "yes" || l == "on") return true;
-  if (l == "0" || l == "false" || l == "no" || l == "off" || l.empty()) return false;
-  throw std::invalid_argument(var + "='" + v + "': expected true or false");
-}
+using ::tandem::detail::lower;
+using ::tandem::detail::parse_bool;
+using ::tandem::detail::upper;
 
 // Data parallel: one gradient reducer per prepared model (none in a one-process run).
 class DdpStrategy : public Strategy {
@@ -88,7 +76,7 @@ DistributedType distributed_type_from_name(const std::string& name) {
 std::optional<ShardingOptions> sharding_from_environment(const EnvMap& env) {
   auto get = [&](const std::string& k) -> std::optional<std::string> {
     auto it = env.find(k);
-    if (it == env.end()) return std::nullopt;
+    if (it == env.end() || it->second.empty()) return std::nullopt;  // as detail::env
     return it->second;
   };
   const auto type = distributed_type_from_name(get("TANDEM_DISTRIBUTED_TYPE").value_or("NO"));

@@ -21,7 +21,6 @@ namespace tandem::precision {
 namespace {
 
 using tandem::detail::env;
-using tandem::detail::env_true;
 
 }  // namespace
 
@@ -30,7 +29,7 @@ MixedPrecision::MixedPrecision(MixedPrecisionOptions options, c10::DeviceType de
     : prefix_(std::move(prefix)), device_(device) {
   const std::string mode = options.mode().value_or(env("TANDEM_MIXED_PRECISION").value_or("no"));
   const bool downcast = options.downcast_bf16().value_or(
-      env("TANDEM_DOWNCAST_BF16") ? env_true(*env("TANDEM_DOWNCAST_BF16")) : false);
+      ::tandem::detail::env_bool("TANDEM_DOWNCAST_BF16").value_or(false));
   policy_ = PrecisionPolicy::create(PolicyOptions()
                                         .mode(mode)
                                         .master_weights(options.master_weights())

@@ -269,3 +269,40 @@ TEST(AcceleratorStrategies, GradientClippingFromTheConfigClipsEveryStep) {
   EXPECT_THROW(tandem::Accelerator acc(cpu_options()), std::invalid_argument);
   ::unsetenv("TANDEM_GRADIENT_CLIPPING");
 }
+
+// Note [One vocabulary of booleans]: every boolean TANDEM_* variable takes the config file's
+// words (on/off, yes/no, y/n, 1/0, true/false, any case) and refuses anything else naming the
+// variable. Before, TANDEM_USE_CPU=on and TANDEM_GRADIENT_AS_BUCKET_VIEW=ON read as false
+// without a word, and TANDEM_ACTIVATION_CHECKPOINTING refused "on".
+TEST(AcceleratorEnvironment, BooleansShareOneVocabulary) {
+  SingleProcessEnv clean;
+  auto with = [](const char* var, const char* value) {
+    ::setenv(var, value, 1);
+    std::string error;
+    try {
+      tandem::Accelerator acc(tandem::AcceleratorOptions().seed(0));
+    } catch (const std::invalid_argument& e) {
+      error = e.what();
+    }
+    ::unsetenv(var);
+    return error;
+  };
+  for (const char* v : {"on", "ON", "Yes", "y", "1", "true", " off ", "No", "0", "n", "False"}) {
+    EXPECT_EQ(with("TANDEM_USE_CPU", v), "") << v;
+    EXPECT_EQ(with("TANDEM_GRADIENT_AS_BUCKET_VIEW", v), "") << v;
+    EXPECT_EQ(with("TANDEM_ACTIVATION_CHECKPOINTING", v), "") << v;
+  }
+  // downcast_bf16 on a run that is not bf16 is refused for another reason: only the words here.
+  for (const char* v : {"off", "No", "0", "n", "False"})
+    EXPECT_EQ(with("TANDEM_DOWNCAST_BF16", v), "") << v;
+  for (const char* var : {"TANDEM_USE_CPU", "TANDEM_GRADIENT_AS_BUCKET_VIEW",
+                          "TANDEM_ACTIVATION_CHECKPOINTING", "TANDEM_DOWNCAST_BF16"}) {
+    const auto e = with(var, "maybe");
+    EXPECT_NE(e.find(var), std::string::npos) << e;
+    EXPECT_NE(e.find("got 'maybe', expected true or false"), std::string::npos) << e;
+  }
+  EXPECT_TRUE(tandem::parallel::activation_checkpointing_from_environment(
+      {{"TANDEM_ACTIVATION_CHECKPOINTING", "On"}}));
+  EXPECT_FALSE(tandem::parallel::activation_checkpointing_from_environment(
+      {{"TANDEM_ACTIVATION_CHECKPOINTING", "off"}}));
+}
