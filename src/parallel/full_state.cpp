@@ -2,6 +2,7 @@
 #include "tandem/parallel/full_state.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <nlohmann/json.hpp>
 
