@@ -15,6 +15,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <stdexcept>
@@ -190,27 +192,50 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
   so.isServer = st.rank == 0;
   so.waitWorkers = false;
   so.timeout = options.timeout();
-  try {
-    // Note [Loopback rendezvous]: a job on one machine never needs the store off loopback.
-    impl->store = compat::make_tcp_store(st.master_addr, so, is_loopback(st.master_addr));
-  } catch (const std::exception& e) {
-    if (st.rank == 0)
-      throw std::runtime_error(
-          st.prefix() + " cannot host the rendezvous store at " + where + ": " +
-          first_line(e.what()) + ". The port is probably in use by another program or job: "
-          "pick a free one with --main_process_port (or MASTER_PORT), or leave it unset so that "
-          "tandem launch picks a free port.");
-    throw std::runtime_error(st.prefix() + " cannot reach rank 0's rendezvous store at " + where +
-                             " within " + std::to_string(secs) + " s: " + first_line(e.what()) +
-                             ". Check MASTER_ADDR/MASTER_PORT and that rank 0 is running.");
+  // Note [Rendezvous generations]: a process may build its world group more than once (an
+  // Accelerator, destroyed, then another). If rank 0 hosted a new store each time on the same
+  // port, a rank faster than rank 0 could reach the previous store while it still served, find
+  // the previous rendezvous complete and the previous Gloo addresses there, and fail
+  // ("connect ...: Connection refused") once rank 0 closed them. So rank 0 hosts one store per
+  // address for the life of the process (the one process-wide table in tandem), every creation
+  // has a generation (every rank builds its world groups in the same order), and a generation's
+  // keys, Gloo's and NCCL's included, live under its own prefix.
+  static std::atomic<int> generations{0};
+  const std::string generation = std::to_string(generations++);
+  const std::string key = "tandem/rendezvous/" + generation + "/arrived";
+  c10::intrusive_ptr<c10d::Store> tcp;
+  {
+    static std::mutex hosted_mutex;
+    static auto* hosted = new std::map<std::string, c10::intrusive_ptr<c10d::Store>>();
+    std::lock_guard<std::mutex> lock(hosted_mutex);
+    auto it = st.rank == 0 ? hosted->find(where) : hosted->end();
+    if (it != hosted->end()) {
+      tcp = it->second;
+    } else {
+      try {
+        // Note [Loopback rendezvous]: a job on one machine never needs the store off loopback.
+        tcp = compat::make_tcp_store(st.master_addr, so, is_loopback(st.master_addr));
+      } catch (const std::exception& e) {
+        if (st.rank == 0)
+          throw std::runtime_error(
+              st.prefix() + " cannot host the rendezvous store at " + where + ": " +
+              first_line(e.what()) + ". The port is probably in use by another program or job: "
+              "pick a free one with --main_process_port (or MASTER_PORT), or leave it unset so "
+              "that tandem launch picks a free port.");
+        throw std::runtime_error(st.prefix() + " cannot reach rank 0's rendezvous store at " +
+                                 where + " within " + std::to_string(secs) + " s: " +
+                                 first_line(e.what()) +
+                                 ". Check MASTER_ADDR/MASTER_PORT and that rank 0 is running.");
+      }
+      if (st.rank == 0) (*hosted)[where] = tcp;
+    }
   }
 
   // Count arrivals ourselves so that a timeout can say how many ranks came.
-  const std::string key = "tandem/rendezvous/arrived";
-  impl->store->add(key, 1);
+  tcp->add(key, 1);
   auto deadline = std::chrono::steady_clock::now() + options.timeout();
   int64_t arrived = 0;
-  while ((arrived = impl->store->add(key, 0)) < st.world_size) {
+  while ((arrived = tcp->add(key, 0)) < st.world_size) {
     if (std::chrono::steady_clock::now() > deadline)
       throw std::runtime_error(st.prefix() + " rendezvous timed out: waited " +
                                std::to_string(secs) + " s for " +
@@ -220,6 +245,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
                                "the timeout.");
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  impl->store = c10::make_intrusive<c10d::PrefixStore>("tandem/" + generation, tcp);
 
   try {
     impl->gloo_device = make_gloo_device(st);

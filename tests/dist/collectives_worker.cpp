@@ -46,6 +46,23 @@ int main(int argc, char** argv) {
   const int r = pg->rank(), w = pg->size();
   namespace comm = tandem::comm;
 
+  if (mode == "recreate") {
+    // Note [Rendezvous generations]: world groups built one after another in one process, with
+    // rank 0 lagging each time, so that the other ranks reach the next rendezvous while rank 0's
+    // previous store still serves.
+    const auto options = tandem::ProcessGroupOptions().timeout(std::chrono::seconds(20));
+    for (int i = 0; i < 5; ++i) {
+      auto t = torch::full({4}, static_cast<float>(r + i));
+      pg->allreduce(t, tandem::ReduceOp::kSum);
+      check(same(t, torch::full({4}, static_cast<float>(w * i + w * (w - 1) / 2))),
+            "allreduce of group " + std::to_string(i));
+      if (r == 0) usleep(300 * 1000);
+      pg.reset();
+      pg = tandem::ProcessGroup::create(state, options);
+    }
+    std::cout << "recreate " << (failures ? "FAILED" : "OK") << " on rank " << r << std::endl;
+    return failures ? 1 : 0;
+  }
   if (mode == "listen") {
     // Where rank 0's rendezvous store listens: the local addresses of the listening TCP sockets
     // on MASTER_PORT, from /proc/net/tcp and tcp6 (hex address:port; state 0A is LISTEN).

@@ -32,6 +32,17 @@ std::vector<std::string> launch(int n, std::vector<std::string> args) {
 
 }  // namespace
 
+// Note [Rendezvous generations]: world groups built one after another (two Accelerators in a
+// row), rank 0 lagging so that the others meet its previous store: every group connects and
+// reduces right. Before, a fast rank found the previous rendezvous complete and Gloo's
+// previous addresses ("Connection refused").
+TEST(Launch, WorldGroupsBuiltOneAfterAnotherConnect) {
+  auto r = run_command(launch(3, {"recreate"}), {}, 120);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "recreate OK on rank"), 3) << r.output;
+}
+
 class Collectives : public ::testing::TestWithParam<int> {};
 
 TEST_P(Collectives, EveryCollectiveOnEveryRank) {
