@@ -427,13 +427,7 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
   if (!sync_gradients_) return 0.0;
   unscale_gradients();
   auto no_autocast = autocast(false);
-  // Note [Tied parameters in optimizers]: model->parameters() lists a tied tensor once per
-  // holder; counted (and scaled) once, as PyTorch's clip_grad_norm_(model.parameters()) does.
-  std::vector<at::Tensor> unique;
-  std::set<const c10::TensorImpl*> seen;
-  for (const auto& p : parameters)
-    if (seen.insert(p.unsafeGetTensorImpl()).second) unique.push_back(p);
-  return clip_model_parallel(unique, max_norm, norm_type);
+  return clip_model_parallel(parameters, max_norm, norm_type);
 }
 
 // Note [Clipping under model parallel]: the total norm is that of the dense, unsharded model's

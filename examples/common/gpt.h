@@ -11,7 +11,6 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -219,13 +218,6 @@ struct GPTImpl : torch::nn::Module {
         logits.view({-1, logits.size(-1)}), targets.view({-1}),
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
     return l.view({idx.size(0), idx.size(1)}).mean(1);
-  }
-  int64_t num_parameters() {  // distinct tensors: the tied head is counted once
-    std::set<const void*> seen;
-    int64_t n = 0;
-    for (auto& p : parameters())
-      if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
-    return n;
   }
   GPTConfig config;
   torch::nn::Embedding wte{nullptr}, wpe{nullptr};
