@@ -150,23 +150,19 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   // Model parallel: a device mesh when tp or pp is above 1; data parallel then runs over its
   // "dp" dimension.
   dp_ = pg_;
+  comm::MeshShape shape;
   try {
-    auto shape = options_.parallelism().value_or(comm::mesh_shape_from_environment());
-    if (!shape.empty()) {
-      shape = shape.resolve(state_.world_size, state_.local_world_size);
-      tp_size_ = shape.tp;
-      pp_size_ = shape.pp;
-      if (shape.tp > 1 || shape.pp > 1) {
-        mesh_ = std::make_unique<comm::DeviceMesh>(
-            comm::make_device_mesh(pg_, shape, state_.local_world_size));
-        dp_ = (*mesh_)["dp"];
-      }
-    }
+    shape = options_.parallelism().value_or(comm::mesh_shape_from_environment());
+    if (!shape.empty()) shape = shape.resolve(state_.world_size, state_.local_world_size);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(state_.prefix() + " parallelism: " + e.what());
   }
+  tp_size_ = shape.empty() ? 1 : shape.tp;
+  pp_size_ = shape.empty() ? 1 : shape.pp;
   // Note [Pipelines and ZeRO]: refused here, before any training, so that a program that
-  // never reaches prepare_pipeline cannot run a pipeline layout under ZeRO either.
+  // never reaches prepare_pipeline cannot run a pipeline layout under ZeRO either; and before
+  // the mesh is built, since the refusal needs no peer: a rank that refused after building it
+  // could end rank 0's store while a slower rank still connected its subgroups.
   if (pp_size_ > 1 && options_.sharding() && options_.sharding()->stage() > 0)
     throw std::invalid_argument(
         state_.prefix() + " ZeRO stage " + std::to_string(options_.sharding()->stage()) +
@@ -174,6 +170,15 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
         " (tandem launch --pp_size, or AcceleratorOptions().parallelism) with ZeRO (--use_deepspeed "
         "--zero_stage, --use_fsdp, or AcceleratorOptions().sharding); the pipeline averages each "
         "stage's gradients itself. Drop one of the two (ZeRO combines with --tp_size)");
+  if (tp_size_ > 1 || pp_size_ > 1) {
+    try {
+      mesh_ = std::make_unique<comm::DeviceMesh>(
+          comm::make_device_mesh(pg_, shape, state_.local_world_size));
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(state_.prefix() + " parallelism: " + e.what());
+    }
+    dp_ = (*mesh_)["dp"];
+  }
   activation_checkpointing_ = options_.activation_checkpointing().value_or(
       parallel::activation_checkpointing_from_environment());
   parallel::StrategyContext ctx;
