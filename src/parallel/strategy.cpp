@@ -7,6 +7,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <sstream>
 #include <stdexcept>
 
 #include "detail/strategies.h"
@@ -154,6 +155,17 @@ std::optional<ShardingOptions> sharding_from_environment(const EnvMap& env) {
         throw bad("TANDEM_FSDP_AUTO_WRAP_POLICY (fsdp_config.fsdp_auto_wrap_policy)", *v,
                   "expected TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP");
       o.auto_wrap_policy(t);
+    }
+    if (auto v = get("TANDEM_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP")) {
+      // Comma-separated class names, as Accelerate writes them ("Block,Embeddings").
+      std::vector<std::string> classes;
+      std::string item;
+      std::stringstream ss(*v);
+      while (std::getline(ss, item, ',')) {
+        const auto b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+        if (b != std::string::npos) classes.push_back(item.substr(b, e - b + 1));
+      }
+      o.transformer_layer_cls_to_wrap(classes);
     }
     if (auto v = get("TANDEM_FSDP_MIN_NUM_PARAMS")) {
       try {

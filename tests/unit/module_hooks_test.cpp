@@ -4,7 +4,9 @@
 #include <torch/torch.h>
 
 #include "tandem/nn/module.h"
+#include "tandem/comm/process_group.h"
 #include "tandem/parallel/activation_checkpoint.h"
+#include "tandem/parallel/tensor_parallel.h"
 
 namespace {
 
@@ -136,7 +138,8 @@ TEST(ModuleHooks, OtherArgumentsAreHeldAndTuplesComeBack) {
   EXPECT_EQ(counts, (std::vector<size_t>{2, 2}));
   EXPECT_TRUE(torch::allclose(h, m->fc->forward(x) * 0.5));
   EXPECT_TRUE(torch::allclose(s, h + y + 1));
-  EXPECT_TRUE(m->tensor_forward() == false);  // a double argument: not only tensors
+  EXPECT_TRUE(m->tensor_forward());  // the double is held, the tuple seen
+  EXPECT_FALSE(Count()->tensor_forward());
 }
 
 TEST(ModuleHooks, AHookedCallOfAForwardReturningNoTensorsIsRefused) {
@@ -202,6 +205,66 @@ TEST(ModuleHooks, AWrapperMayRunTheRestAgainInTheBackward) {
   for (size_t i = 0; i < plain->parameters().size(); ++i)
     EXPECT_TRUE(torch::allclose(plain->parameters()[i].grad(), wrapped->parameters()[i].grad()));
   EXPECT_TRUE(torch::allclose(x.grad(), x2.grad()));
+}
+
+struct DropMlpImpl : torch::nn::Module {
+  DropMlpImpl()
+      : up(register_module("up", tandem::nn::Linear(4, 8))),
+        drop(register_module("drop", tandem::nn::Dropout(0.5))),
+        down(register_module("down", tandem::nn::Linear(8, 4))) {}
+  torch::Tensor forward(torch::Tensor x) { return down(drop->forward(up(x))); }
+  tandem::nn::Linear up;
+  tandem::nn::Dropout drop;
+  tandem::nn::Linear down;
+};
+TANDEM_MODULE(DropMlp);
+
+// Tensor parallel redirects the typed members' calls to the planned layers, and a rank_random
+// entry makes the dropout draw from the tp rank's stream while the default stream is untouched.
+TEST(ModuleHooks, APlanRedirectsTypedMembersAndGivesDropoutTheRankStream) {
+  torch::manual_seed(3);
+  DropMlp m;
+  auto old_up = m->up;
+  tandem::parallel::TensorParallelPlan plan;
+  plan.colwise("up").rowwise("down").rank_random("drop", 7);
+  tandem::parallel::parallelize_module(*m, tandem::ProcessGroup::single(), plan);
+  auto planned = std::dynamic_pointer_cast<tandem::parallel::ColumnParallelLinearImpl>(
+      m->named_children()["up"]);
+  ASSERT_NE(planned, nullptr);
+  EXPECT_EQ(old_up->hooks().redirected_to(), planned);
+  auto names = tandem::nn::describe_hooks(*m);
+  ASSERT_EQ(names.size(), 1u);  // drop: the planned layers replaced up and down among the children
+  EXPECT_EQ(names[0].first, "drop");
+  EXPECT_EQ(names[0].second, (std::vector<std::string>{"tensor-parallel rank stream"}));
+  auto x = torch::randn({3, 4});
+  auto h = planned->forward(x);
+  EXPECT_TRUE(torch::allclose(m->up(x), h));  // the typed member computes the planned layer
+  // The dropout mask: the rank stream's, not the default one's.
+  const auto before = torch::randn({1});
+  torch::manual_seed(9);
+  tandem::parallel::TensorParallelRng expected_stream(7, 0);
+  torch::Tensor expected;
+  {
+    auto scope = expected_stream.scope();
+    expected = torch::dropout(h, 0.5, true);
+  }
+  torch::manual_seed(9);
+  auto got = m->drop(h);
+  EXPECT_TRUE(torch::equal(got, expected));
+  auto next_default = torch::randn({4});
+  torch::manual_seed(9);
+  EXPECT_TRUE(torch::equal(next_default, torch::randn({4})));  // the default stream did not move
+  (void)before;
+  // A torch::nn::Dropout cannot take the stream: refused, naming the hookable holder.
+  torch::nn::Sequential plain(torch::nn::Linear(4, 4), torch::nn::Dropout(0.5));
+  tandem::parallel::TensorParallelPlan bad;
+  bad.rank_random("1", 7);
+  try {
+    tandem::parallel::parallelize_module(*plain, tandem::ProcessGroup::single(), bad);
+    FAIL() << "expected a refusal";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tandem::nn::Dropout"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

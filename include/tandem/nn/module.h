@@ -108,7 +108,8 @@ class Hookable {
   bool has_hooks() const { return hooks_ && !hooks_->empty(); }
   /// The declared type: "Block" for TANDEM_MODULE(Block), "Linear" for tandem::nn::Linear.
   virtual std::string type_name() const = 0;
-  /// Whether hooks can see the forward's tensors (Note [Forward hooks]).
+  /// Whether hooks can see the forward's result: a Tensor, a std::tuple of Tensors or a
+  /// std::vector<Tensor> (Note [Forward hooks]; arguments other than tensors are held).
   virtual bool tensor_forward() const = 0;
   /// Whether this is one of tandem's hookable standard layers (Linear, Embedding, ...), not a
   /// module a user declared with TANDEM_MODULE.
@@ -291,9 +292,7 @@ class Hooked<Impl, R(A...)> : public Impl, public Hookable {
     return detail::hooked_call<Impl, R>(*this, *hooks_, std::forward<A>(a)...);
   }
   std::string type_name() const override { return detail::declared_name<Impl>(); }
-  bool tensor_forward() const override {
-    return detail::Result<R>::ok && (detail::is_tensor_v<A> && ...);
-  }
+  bool tensor_forward() const override { return detail::Result<R>::ok; }
   bool standard_layer() const override { return detail::standard_layer_v<Impl>; }
   void pretty_print(std::ostream& stream) const override {
     if constexpr (std::is_same_v<decltype(&Impl::pretty_print),
