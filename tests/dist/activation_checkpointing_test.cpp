@@ -18,7 +18,7 @@ using tandem::testing::read_floats;
 
 namespace {
 
-const std::string kWorker = CHECKPOINTING_WORKER;
+const std::string kWorker = ACTIVATION_CHECKPOINTING_WORKER;
 
 // Trains on 2 ranks; returns rank 0's final parameters.
 std::vector<float> train(bool zero3, bool checkpointing, const std::string& wrap = "before") {
