@@ -1,8 +1,9 @@
-// The example GPT in the model-parallel tests: its configuration (small enough for 4 processes
-// on 2 cores, every split even at tp 2: 4 heads, width 32, 4 * width 128, vocabulary 64), and
-// the part of each dense tensor a tp rank holds under the GPT's plans.
+// The example GPT of the tests: its configuration (2 blocks of width 32 over a context of 16,
+// small enough for 4 processes on 2 cores), and the part of each dense tensor a tp rank holds
+// under the GPT's plans.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -10,12 +11,36 @@
 
 namespace tandem::testing {
 
-inline examples::GPTConfig small_gpt() {
+/// What differs between the tests' GPTs. The defaults are the model-parallel tests' (every split
+/// even at tp 2: 4 heads, 4 * width 128, vocabulary 64); a GPT trained on bytes of text
+/// (examples::ByteWindows) needs the vocabulary of 256.
+///
+/// Example:
+///   auto bytes = small_gpt(SmallGptOptions().vocab(256).heads(2));
+class SmallGptOptions {
+ public:
+  SmallGptOptions& vocab(int64_t v) {
+    vocab_ = v;
+    return *this;
+  }
+  int64_t vocab() const { return vocab_; }
+  SmallGptOptions& heads(int64_t v) {
+    heads_ = v;
+    return *this;
+  }
+  int64_t heads() const { return heads_; }
+
+ private:
+  int64_t vocab_ = 64;
+  int64_t heads_ = 4;
+};
+
+inline examples::GPTConfig small_gpt(const SmallGptOptions& options = {}) {
   examples::GPTConfig c;
-  c.vocab = 64;
+  c.vocab = options.vocab();
   c.context = 16;
   c.layers = 2;
-  c.heads = 4;
+  c.heads = options.heads();
   c.width = 32;
   return c;
 }

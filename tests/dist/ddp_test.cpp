@@ -9,27 +9,22 @@
 #include <fstream>
 #include <vector>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 using tandem::testing::count_of;
+using tandem::testing::launch;
 using tandem::testing::read_floats;
-using tandem::testing::run_command;
 
 namespace {
 
-const std::string kCli = TANDEM_CLI;
 const std::string kWorker = DDP_WORKER;
 
 std::string temp_path(const std::string& name) {
   return tandem::testing::temp_path("ddp", name);
 }
 
-tandem::testing::RunResult launch(int n, std::vector<std::string> args, double timeout = 240) {
-  std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
-                                "--num_cpu_threads_per_process", "1", kWorker};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_command(argv, {}, timeout);
-}
+// One thread per rank, 240 s per job.
+const auto kLaunch = tandem::testing::LaunchOptions().timeout_s(240);
 
 }  // namespace
 
@@ -56,7 +51,7 @@ TEST_P(Equivalence, NRanksEqualOneProcessOnTheGlobalBatch) {
   auto args = common;
   args.insert(args.begin(), "train");
   args.insert(args.end(), {"--out", dist_out});
-  auto r = launch(c.ranks, args);
+  auto r = launch(c.ranks, kWorker, args, kLaunch);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "trained " + steps + " steps on " + std::to_string(c.ranks)), c.ranks)
       << r.output;
@@ -65,7 +60,7 @@ TEST_P(Equivalence, NRanksEqualOneProcessOnTheGlobalBatch) {
   args.insert(args.end(), {"--ranks", std::to_string(c.ranks), "--out", ref_out});
   // The reference goes through the launcher too, so that it runs the same BLAS kernels as the
   // ranks (the launcher may pick OpenBLAS's kernels: Note [OpenBLAS kernels]).
-  auto ref = launch(1, args);
+  auto ref = launch(1, kWorker, args, kLaunch);
   ASSERT_EQ(ref.exit_code, 0) << ref.output;
   auto a = read_floats(dist_out), b = read_floats(ref_out);
   ASSERT_EQ(a.size(), b.size());
@@ -91,47 +86,47 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(DataParallel, UnusedParametersAreNamedOrHandled) {
   for (const char* mode : {"unused", "unused-find"}) {
-    auto r = launch(2, {mode});
+    auto r = launch(2, kWorker, {mode}, kLaunch);
     EXPECT_EQ(r.exit_code, 0) << mode << "\n" << r.output;
     EXPECT_EQ(count_of(r.output, "unused OK"), 2) << mode << "\n" << r.output;
   }
 }
 
 TEST(DataParallel, TiedWeightsStayTiedAndEqual) {
-  auto r = launch(3, {"tied"});
+  auto r = launch(3, kWorker, {"tied"}, kLaunch);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "tied OK"), 3) << r.output;
 }
 
 TEST(DataParallel, BuffersAreBroadcast) {
-  auto r = launch(2, {"buffers"});
+  auto r = launch(2, kWorker, {"buffers"}, kLaunch);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "buffers OK"), 2) << r.output;
 }
 
 TEST(DataParallel, FirstBucketAllreduceStartsBeforeBackwardEnds) {
-  auto r = launch(2, {"overlap"});
+  auto r = launch(2, kWorker, {"overlap"}, kLaunch);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "overlap OK"), 2) << r.output;
 }
 
 TEST(DataParallel, GatherForMetricsCountsEachSampleOnce) {
   for (int n : {2, 3, 4}) {
-    auto r = launch(n, {"metrics"});
+    auto r = launch(n, kWorker, {"metrics"}, kLaunch);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_EQ(count_of(r.output, "metrics OK"), n) << r.output;
   }
 }
 
 TEST(DataParallel, CompressionHooksEqualTheAllreduceOfRoundedGradients) {
-  auto r = launch(2, {"compress"});
+  auto r = launch(2, kWorker, {"compress"}, kLaunch);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "compress OK"), 2) << r.output;
 }
 
 TEST(DataParallel, GradientsAsBucketViewsTrainTheSame) {
   for (int n : {2, 3}) {
-    auto r = launch(n, {"bucketview"});
+    auto r = launch(n, kWorker, {"bucketview"}, kLaunch);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_EQ(count_of(r.output, "bucketview OK"), n) << r.output;
   }
@@ -139,7 +134,7 @@ TEST(DataParallel, GradientsAsBucketViewsTrainTheSame) {
 
 TEST(DataParallel, TimelineAndTrackers) {
   const std::string dir = temp_path("tracking");
-  auto r = launch(2, {"tracking", "--out", dir});
+  auto r = launch(2, kWorker, {"tracking", "--out", dir}, kLaunch);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "tracking OK"), 2) << r.output;
   std::system(("rm -rf " + dir).c_str());

@@ -25,6 +25,7 @@
 
 #include "../../examples/common/gpt.h"
 #include "../../examples/common/mlp.h"
+#include "../common/small_gpt.h"
 #include "tandem/tandem.h"
 
 namespace {
@@ -65,20 +66,17 @@ struct Task {
   }
 };
 
-examples::GPTConfig small_gpt() {
-  examples::GPTConfig c;
-  c.context = 16;
-  c.layers = 2;
-  c.heads = 2;
-  c.width = 32;
-  return c;
-}
+using tandem::testing::small_gpt;
+
+// The tests' small GPT over bytes, with 2 heads (of width 16): the model these runs were measured
+// with.
+const auto kByteGpt = tandem::testing::SmallGptOptions().vocab(256).heads(2);
 
 Task make_task(const std::string& name) {
   torch::manual_seed(42);
   Task t;
   if (name == "gpt") {
-    auto gpt = examples::GPT(small_gpt());
+    auto gpt = examples::GPT(small_gpt(kByteGpt));
     t.module = gpt.ptr();
     t.loss = [gpt](const torch::Tensor& x, const torch::Tensor& y) mutable {
       return gpt->loss_per_sample(x, y).mean();
@@ -105,8 +103,8 @@ AnyData make_data(const Args& a) {
   AnyData d;
   if (a.model == "gpt") {
     static std::string text = examples::project_text(TANDEM_SOURCE_DIR);
-    const size_t bytes = static_cast<size_t>(a.samples * small_gpt().context + 1);
-    d.text = std::make_shared<examples::ByteWindows>(text, small_gpt().context, 0,
+    const size_t bytes = static_cast<size_t>(a.samples * small_gpt(kByteGpt).context + 1);
+    d.text = std::make_shared<examples::ByteWindows>(text, small_gpt(kByteGpt).context, 0,
                                                      std::min(text.size(), bytes));
   } else {
     d.cls = std::make_shared<examples::TeacherClassification>(a.samples, 32, 5, 3, 4);

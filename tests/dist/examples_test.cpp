@@ -10,14 +10,14 @@
 #include <string>
 #include <vector>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 using tandem::testing::count_of;
-using tandem::testing::run_command;
+using tandem::testing::launch;
+using tandem::testing::LaunchOptions;
 
 namespace {
 
-const std::string kCli = TANDEM_CLI;
 const std::string kTrainGpt = TRAIN_GPT;
 const std::string kTrainMlp = TRAIN_MLP;
 
@@ -47,16 +47,15 @@ const std::string& fixed_text() {
   return path;
 }
 
-tandem::testing::RunResult launch(int n, std::vector<std::string> flags,
-                                  const std::string& program,
-                                  std::vector<std::string> args = kSmallGpt) {
-  if (program == kTrainGpt) args.insert(args.end(), {"--text", fixed_text()});
-  std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
-                                "--num_cpu_threads_per_process", "1"};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.push_back(program);
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_command(argv, {}, 240);
+// train_gpt's arguments: `args` (the small GPT by default) on the fixed text.
+std::vector<std::string> gpt_args(std::vector<std::string> args = kSmallGpt) {
+  args.insert(args.end(), {"--text", fixed_text()});
+  return args;
+}
+
+// One thread per rank, 240 s per job; `flags` go to the launcher.
+LaunchOptions with_flags(std::vector<std::string> flags = {}) {
+  return LaunchOptions().flags(std::move(flags)).timeout_s(240);
 }
 
 // The last loss of "loss fell from <a> to <b>", or NaN.
@@ -73,28 +72,29 @@ double final_loss(const std::string& output) {
 // one process (the same global batch: dp 1), and pp 2 x tp 2 equals pp 2 (the pipeline's GPT has
 // an untied head, so it is its own reference). The main process names the layout once.
 TEST(Examples, TrainGptUnderEveryLayout) {
-  auto one = launch(1, {}, kTrainGpt);
+  auto one = launch(1, kTrainGpt, gpt_args(), with_flags());
   ASSERT_EQ(one.exit_code, 0) << one.output;
   EXPECT_EQ(count_of(one.output, "strategy ddp; mesh pp 1 x dp 1 x tp 1; precision no; "
                                  "gradient accumulation 1"), 1) << one.output;
-  auto tp = launch(2, {"--tp_size", "2"}, kTrainGpt);
+  auto tp = launch(2, kTrainGpt, gpt_args(), with_flags({"--tp_size", "2"}));
   ASSERT_EQ(tp.exit_code, 0) << tp.output;
   EXPECT_EQ(count_of(tp.output, "mesh pp 1 x dp 1 x tp 2"), 1) << tp.output;
   EXPECT_NEAR(final_loss(tp.output), final_loss(one.output), 1e-4) << tp.output << one.output;
 
-  auto pp = launch(2, {"--pp_size", "2"}, kTrainGpt);
+  auto pp = launch(2, kTrainGpt, gpt_args(), with_flags({"--pp_size", "2"}));
   ASSERT_EQ(pp.exit_code, 0) << pp.output;
   EXPECT_EQ(count_of(pp.output, "mesh pp 2 x dp 1 x tp 1"), 1) << pp.output;
-  auto pptp = launch(4, {"--pp_size", "2", "--tp_size", "2"}, kTrainGpt);
+  auto pptp = launch(4, kTrainGpt, gpt_args(), with_flags({"--pp_size", "2", "--tp_size", "2"}));
   ASSERT_EQ(pptp.exit_code, 0) << pptp.output;
   EXPECT_EQ(count_of(pptp.output, "mesh pp 2 x dp 1 x tp 2"), 1) << pptp.output;
   EXPECT_NEAR(final_loss(pptp.output), final_loss(pp.output), 1e-4) << pptp.output << pp.output;
   EXPECT_LT(final_loss(pp.output), 5.0) << pp.output;
 
   // dp 2 x tp 2 under ZeRO-3 equals plain data parallel on 2 processes (the same global batch).
-  auto dp = launch(2, {}, kTrainGpt);
+  auto dp = launch(2, kTrainGpt, gpt_args(), with_flags());
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
-  auto zero_tp = launch(4, {"--tp_size", "2", "--use_deepspeed", "--zero_stage", "3"}, kTrainGpt);
+  auto zero_tp = launch(4, kTrainGpt, gpt_args(),
+                        with_flags({"--tp_size", "2", "--use_deepspeed", "--zero_stage", "3"}));
   ASSERT_EQ(zero_tp.exit_code, 0) << zero_tp.output;
   EXPECT_EQ(count_of(zero_tp.output, "strategy zero-3 (ZeRO stage 3); mesh pp 1 x dp 2 x tp 2"), 1)
       << zero_tp.output;
@@ -106,7 +106,7 @@ TEST(Examples, TrainGptUnderEveryLayout) {
 // stage, as in PyTorch (before, data parallel stepped it twice: 5.260 against 5.133 after one
 // step).
 TEST(Examples, TiedHeadIsSteppedOnceUnderEveryStrategy) {
-  auto ddp = launch(2, {}, kTrainGpt);
+  auto ddp = launch(2, kTrainGpt, gpt_args(), with_flags());
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
   EXPECT_EQ(count_of(ddp.output, "prepare: the optimizer listed 1 tensor more than once"), 1)
       << ddp.output;
@@ -114,7 +114,7 @@ TEST(Examples, TiedHeadIsSteppedOnceUnderEveryStrategy) {
        {std::vector<std::string>{"--use_deepspeed", "--zero_stage", "1"},
         std::vector<std::string>{"--use_deepspeed", "--zero_stage", "2"},
         std::vector<std::string>{"--use_fsdp"}}) {
-    auto zero = launch(2, flags, kTrainGpt);
+    auto zero = launch(2, kTrainGpt, gpt_args(), with_flags(flags));
     ASSERT_EQ(zero.exit_code, 0) << zero.output;
     EXPECT_NEAR(final_loss(zero.output), final_loss(ddp.output), 2e-5)
         << flags[0] << "\n" << zero.output << ddp.output;
@@ -124,19 +124,21 @@ TEST(Examples, TiedHeadIsSteppedOnceUnderEveryStrategy) {
 // The launcher's --gradient_accumulation_steps reaches the examples, and their own --accumulate
 // overrides it.
 TEST(Examples, LauncherSettingsHoldUnlessTheExampleIsToldOtherwise) {
-  auto launcher = launch(1, {"--gradient_accumulation_steps", "2"}, kTrainGpt);
+  auto launcher =
+      launch(1, kTrainGpt, gpt_args(), with_flags({"--gradient_accumulation_steps", "2"}));
   ASSERT_EQ(launcher.exit_code, 0) << launcher.output;
   EXPECT_EQ(count_of(launcher.output, "gradient accumulation 2;"), 1) << launcher.output;
-  auto plain = launch(1, {}, kTrainGpt);
+  auto plain = launch(1, kTrainGpt, gpt_args(), with_flags());
   EXPECT_GT(std::abs(final_loss(launcher.output) - final_loss(plain.output)), 1e-4)
       << "accumulation changed nothing\n" << launcher.output << plain.output;
   std::vector<std::string> args = kSmallGpt;
   args.insert(args.end(), {"--accumulate", "3"});
-  auto own = launch(1, {"--gradient_accumulation_steps", "2"}, kTrainGpt, args);
+  auto own =
+      launch(1, kTrainGpt, gpt_args(args), with_flags({"--gradient_accumulation_steps", "2"}));
   ASSERT_EQ(own.exit_code, 0) << own.output;
   EXPECT_EQ(count_of(own.output, "gradient accumulation 3;"), 1) << own.output;
-  auto mlp = launch(1, {"--gradient_accumulation_steps", "4"}, kTrainMlp,
-                    {"--samples", "512", "--epochs", "1"});
+  auto mlp = launch(1, kTrainMlp, {"--samples", "512", "--epochs", "1"},
+                    with_flags({"--gradient_accumulation_steps", "4"}));
   ASSERT_EQ(mlp.exit_code, 0) << mlp.output;
   EXPECT_EQ(count_of(mlp.output, "gradient accumulation 4;"), 1) << mlp.output;
 }
@@ -146,16 +148,17 @@ TEST(Examples, LauncherSettingsHoldUnlessTheExampleIsToldOtherwise) {
 // whole model and nothing was said.
 TEST(Examples, LayoutFlagsAProgramNeverActsOnAreRefused) {
   const std::vector<std::string> mlp{"--samples", "512", "--epochs", "1"};
-  auto tp = launch(2, {"--tp_size", "2"}, kTrainMlp, mlp);
+  auto tp = launch(2, kTrainMlp, mlp, with_flags({"--tp_size", "2"}));
   EXPECT_NE(tp.exit_code, 0) << tp.output;
   EXPECT_GE(count_of(tp.output, "backward: this run has tp_size 2"), 1) << tp.output;
   EXPECT_GE(count_of(tp.output, "acc.parallelize(model, plan)"), 1) << tp.output;
-  auto pp = launch(2, {"--pp_size", "2"}, kTrainMlp, mlp);
+  auto pp = launch(2, kTrainMlp, mlp, with_flags({"--pp_size", "2"}));
   EXPECT_NE(pp.exit_code, 0) << pp.output;
   EXPECT_GE(count_of(pp.output, "backward: this run has pp_size 2"), 1) << pp.output;
   EXPECT_GE(count_of(pp.output, "acc.prepare_pipeline"), 1) << pp.output;
   // A pipeline does not accumulate across steps: its micro-batches are the accumulation.
-  auto accumulated = launch(2, {"--pp_size", "2", "--gradient_accumulation_steps", "2"}, kTrainGpt);
+  auto accumulated = launch(2, kTrainGpt, gpt_args(),
+                            with_flags({"--pp_size", "2", "--gradient_accumulation_steps", "2"}));
   EXPECT_NE(accumulated.exit_code, 0) << accumulated.output;
   EXPECT_GE(count_of(accumulated.output, "prepare_pipeline: gradient_accumulation_steps is 2"), 1)
       << accumulated.output;

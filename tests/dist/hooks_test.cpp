@@ -9,14 +9,13 @@
 #include <string>
 #include <vector>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 using tandem::testing::count_of;
 using tandem::testing::run_command;
 
 namespace {
 
-const std::string kCli = TANDEM_CLI;
 const std::string kWorker = HOOKS_WORKER;
 
 std::string config_file(const std::string& name, const std::string& body) {
@@ -27,12 +26,11 @@ std::string config_file(const std::string& name, const std::string& body) {
   return path;
 }
 
-tandem::testing::RunResult launch(std::vector<std::string> flags, const std::string& mode) {
-  std::vector<std::string> argv{kCli, "launch", "--num_cpu_threads_per_process", "1"};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.push_back(kWorker);
-  argv.push_back(mode);
-  return run_command(argv, {}, 240);
+// `n` ranks of the worker in `mode`, with the launcher's `flags` (a config file names 2 ranks on
+// the CPU, as launch's own flags do).
+tandem::testing::RunResult run(int n, std::vector<std::string> flags, const std::string& mode) {
+  return tandem::testing::launch(
+      n, kWorker, {mode}, tandem::testing::LaunchOptions().flags(std::move(flags)).timeout_s(240));
 }
 
 double figure(const std::string& out, const std::string& key) {
@@ -59,7 +57,7 @@ void expect_dense(const tandem::testing::RunResult& r, const std::string& what) 
 }
 
 TEST(ModuleHooksDist, TypedMembersUnderTensorParallelEqualOneProcess) {
-  auto r = launch({"--num_processes", "2", "--cpu", "--tp_size", "2"}, "tp");
+  auto r = run(2, {"--tp_size", "2"}, "tp");
   expect_dense(r, "tp 2");
   // The typed members' calls went to the planned layers, which named_modules() shows.
   EXPECT_EQ(count_of(r.output, "module h1.up ColumnParallelLinear"), 1) << r.output;
@@ -71,13 +69,13 @@ TEST(ModuleHooksDist, TypedBlocksAreZero3UnitsByTheirClass) {
                                         "  fsdp_sharding_strategy: FULL_SHARD\n"
                                         "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
                                         "  fsdp_transformer_layer_cls_to_wrap: Block\n");
-  auto r = launch({"--config_file", fsdp}, "train");
+  auto r = run(2, {"--config_file", fsdp}, "train");
   expect_dense(r, "fsdp");
   for (const char* b : {"h0", "h1", "h2"})
     EXPECT_EQ(count_of(r.output, std::string("hooks ") + b + ": zero-3 unit\n"), 1) << r.output;
   EXPECT_EQ(count_of(r.output, "hooks h"), 3) << r.output;
   // Without a class list (DeepSpeed's stage 3): the outermost modules a user declared.
-  r = launch({"--num_processes", "2", "--cpu", "--use_deepspeed", "--zero_stage", "3"}, "train");
+  r = run(2, {"--use_deepspeed", "--zero_stage", "3"}, "train");
   expect_dense(r, "zero-3");
   EXPECT_EQ(count_of(r.output, ": zero-3 unit\n"), 3) << r.output;
   EXPECT_EQ(count_of(r.output, "hooks h1: zero-3 unit\n"), 1) << r.output;
@@ -86,7 +84,7 @@ TEST(ModuleHooksDist, TypedBlocksAreZero3UnitsByTheirClass) {
 TEST(ModuleHooksDist, ActivationCheckpointingFromTheConfigFileReachesTypedBlocks) {
   const auto ddp = config_file("ac", "distributed_type: MULTI_CPU\nfsdp_config:\n"
                                      "  fsdp_activation_checkpointing: true\n");
-  auto r = launch({"--config_file", ddp}, "train");
+  auto r = run(2, {"--config_file", ddp}, "train");
   expect_dense(r, "ddp + activation checkpointing");
   EXPECT_EQ(count_of(r.output, ": activation checkpoint\n"), 3) << r.output;
   // With ZeRO-3 units on the same blocks: the recompute gathers the unit again.
@@ -94,7 +92,7 @@ TEST(ModuleHooksDist, ActivationCheckpointingFromTheConfigFileReachesTypedBlocks
                                         "  fsdp_sharding_strategy: FULL_SHARD\n"
                                         "  fsdp_transformer_layer_cls_to_wrap: Block\n"
                                         "  fsdp_activation_checkpointing: true\n");
-  r = launch({"--config_file", both}, "train");
+  r = run(2, {"--config_file", both}, "train");
   expect_dense(r, "fsdp + activation checkpointing");
   EXPECT_EQ(count_of(r.output, ": activation checkpoint, zero-3 unit\n"), 3) << r.output;
 }
@@ -104,23 +102,23 @@ TEST(ModuleHooksDist, TorchNnHoldersAreRefusedNamingTheFix) {
   const auto fsdp = config_file("fsdp-plain", "distributed_type: FSDP\nfsdp_config:\n"
                                               "  fsdp_sharding_strategy: FULL_SHARD\n"
                                               "  fsdp_transformer_layer_cls_to_wrap: PlainBlock\n");
-  auto r = launch({"--config_file", fsdp}, "plain");
+  auto r = run(2, {"--config_file", fsdp}, "plain");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "declare it with TANDEM_MODULE(PlainBlock)"), 1) << r.output;
   EXPECT_EQ(count_of(r.output, "hooks trained rank"), 0) << r.output;
   const auto ac = config_file("ac-plain", "distributed_type: MULTI_CPU\nfsdp_config:\n"
                                           "  fsdp_activation_checkpointing: true\n");
-  r = launch({"--config_file", ac}, "plain");
+  r = run(2, {"--config_file", ac}, "plain");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "has no block it can reach"), 1) << r.output;
-  r = launch({"--num_processes", "2", "--cpu", "--tp_size", "2"}, "plain-tp");
+  r = run(2, {"--tp_size", "2"}, "plain-tp");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "tandem::nn::Linear up;"), 1) << r.output;
   // A class that names no module is refused with the classes the model has.
   const auto wrong = config_file("fsdp-wrong", "distributed_type: FSDP\nfsdp_config:\n"
                                                "  fsdp_sharding_strategy: FULL_SHARD\n"
                                                "  fsdp_transformer_layer_cls_to_wrap: Layer\n");
-  r = launch({"--config_file", wrong}, "train");
+  r = run(2, {"--config_file", wrong}, "train");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "names Layer, which is no module of the model"), 1) << r.output;
   EXPECT_GE(count_of(r.output, "Block"), 1) << r.output;
@@ -129,9 +127,9 @@ TEST(ModuleHooksDist, TorchNnHoldersAreRefusedNamingTheFix) {
 // Note [Collectives on a mesh]: the metrics code of a loop gives the same numbers on dp 2 and on
 // dp 2 x tp 2 (before, reduce ran over every process: kSum counted each tp replica twice).
 TEST(MeshCollectives, MetricsOnDp2EqualDp2TimesTp2) {
-  auto dp = launch({"--num_processes", "2", "--cpu"}, "metrics");
+  auto dp = run(2, {}, "metrics");
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
-  auto both = launch({"--num_processes", "4", "--cpu", "--tp_size", "2"}, "metrics");
+  auto both = run(4, {"--tp_size", "2"}, "metrics");
   ASSERT_EQ(both.exit_code, 0) << both.output;
   auto lines = [](const std::string& out) {
     std::vector<std::string> v;

@@ -12,10 +12,13 @@
 #include <sstream>
 #include <thread>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 using tandem::testing::count_of;
 using tandem::testing::free_port;
+using tandem::testing::launch;
+using tandem::testing::launch_command;
+using tandem::testing::LaunchOptions;
 using tandem::testing::run_command;
 
 namespace {
@@ -23,12 +26,8 @@ namespace {
 const std::string kCli = TANDEM_CLI;
 const std::string kWorker = COLLECTIVES_WORKER;
 
-std::vector<std::string> launch(int n, std::vector<std::string> args) {
-  std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
-                                "--grace_period", "2", kWorker};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return argv;
-}
+// The launcher's own thread count, two seconds' grace for the others when one rank fails.
+const auto kLaunch = LaunchOptions().threads_per_process(0).flags({"--grace_period", "2"});
 
 }  // namespace
 
@@ -37,7 +36,7 @@ std::vector<std::string> launch(int n, std::vector<std::string> args) {
 // reduces right. Before, a fast rank found the previous rendezvous complete and Gloo's
 // previous addresses ("Connection refused").
 TEST(Launch, WorldGroupsBuiltOneAfterAnotherConnect) {
-  auto r = run_command(launch(3, {"recreate"}), {}, 120);
+  auto r = launch(3, kWorker, {"recreate"}, kLaunch);
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "recreate OK on rank"), 3) << r.output;
@@ -47,7 +46,7 @@ class Collectives : public ::testing::TestWithParam<int> {};
 
 TEST_P(Collectives, EveryCollectiveOnEveryRank) {
   const int n = GetParam();
-  auto r = run_command(launch(n, {"all"}), {}, 120);
+  auto r = launch(n, kWorker, {"all"}, kLaunch);
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "collectives OK"), n) << r.output;
@@ -62,7 +61,7 @@ TEST_P(Collectives, EveryCollectiveOnEveryRank) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4));
 
 TEST(Launch, LinesOfTwoRanksNeverInterleave) {
-  auto r = run_command(launch(3, {"spam"}), {}, 120);
+  auto r = launch(3, kWorker, {"spam"}, kLaunch);
   ASSERT_EQ(r.exit_code, 0) << r.output.substr(0, 2000);
   std::regex line_re(R"(\[rank (\d)\] spam (\d) (\d+) ([a-c]+) end)");
   std::istringstream is(r.output);
@@ -80,7 +79,8 @@ TEST(Launch, LinesOfTwoRanksNeverInterleave) {
 }
 
 TEST(Launch, KilledRankStopsTheJobAndIsNamed) {
-  auto r = run_command(launch(3, {"die"}), {{"TANDEM_TEST_TIMEOUT_S", "60"}}, 90);
+  auto r = launch(3, kWorker, {"die"},
+                  LaunchOptions(kLaunch).env({{"TANDEM_TEST_TIMEOUT_S", "60"}}).timeout_s(90));
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
   EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
@@ -90,7 +90,7 @@ TEST(Launch, KilledRankStopsTheJobAndIsNamed) {
 }
 
 TEST(Launch, ExitCodeOfTheFailingRankIsReturned) {
-  auto r = run_command(launch(3, {"exit3"}), {}, 90);
+  auto r = launch(3, kWorker, {"exit3"}, LaunchOptions(kLaunch).timeout_s(90));
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_NE(r.output.find("rank 2 (pid"), std::string::npos) << r.output;
@@ -108,7 +108,7 @@ TEST(Launch, PortInUseGivesAClearError) {
   socklen_t len = sizeof(addr);
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   const int port = ntohs(addr.sin_port);
-  auto argv = launch(2, {"all"});
+  auto argv = launch_command(2, kWorker, {"all"}, kLaunch);
   argv.insert(argv.begin() + 2, {"--main_process_port", std::to_string(port)});
   auto r = run_command(argv, {{"TANDEM_TEST_TIMEOUT_S", "10"}}, 90);
   close(fd);
@@ -124,7 +124,7 @@ TEST(Launch, PortInUseGivesAClearError) {
 // 127.0.0.1 only where LibTorch allows it; LibTorch 1.13 cannot, and its store listens on every
 // interface (documented in docs/launching.md, "Security").
 TEST(Launch, RendezvousStoreListensOnLoopbackWhereLibTorchCan) {
-  auto r = run_command(launch(2, {"listen"}), {}, 90);
+  auto r = launch(2, kWorker, {"listen"}, LaunchOptions(kLaunch).timeout_s(90));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const bool capable = r.output.find("loopback capable 1") != std::string::npos;
   ASSERT_TRUE(capable || r.output.find("loopback capable 0") != std::string::npos) << r.output;
@@ -180,7 +180,7 @@ TEST(Launch, SigtermReachesEveryRank) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     system(("pkill -TERM -f 'tandem launch .*sleep " + dir + "'").c_str());
   });
-  auto r = run_command(launch(2, {"sleep", dir}), {}, 60);
+  auto r = launch(2, kWorker, {"sleep", dir}, LaunchOptions(kLaunch).timeout_s(60));
   killer.join();
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;

@@ -13,24 +13,17 @@
 #include <string>
 #include <vector>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 using tandem::testing::count_of;
+using tandem::testing::launch;
+using tandem::testing::LaunchOptions;
 using tandem::testing::read_floats;
 using tandem::testing::run_command;
 
 namespace {
 
-const std::string kCli = TANDEM_CLI;
 const std::string kWorker = PIPELINE_WORKER;
-
-tandem::testing::RunResult launch(int n, std::vector<std::string> args,
-                                  std::map<std::string, std::string> env = {}) {
-  std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
-                                "--num_cpu_threads_per_process", "1", kWorker};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_command(argv, env, 120);
-}
 
 std::string out_dir() {
   static const std::string dir = [] {
@@ -44,7 +37,7 @@ std::string out_dir() {
 // Parameters and losses of one process training the whole model on the global batch.
 const std::pair<std::vector<float>, std::vector<float>>& reference() {
   static const auto ref = [] {
-    auto r = launch(1, {"reference", "--out", out_dir()});
+    auto r = launch(1, kWorker, {"reference", "--out", out_dir()});
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return std::make_pair(read_floats(out_dir() + "/reference.bin"),
                           read_floats(out_dir() + "/reference-loss.bin"));
@@ -78,8 +71,9 @@ void check_against_reference(int stages, int dp) {
   ASSERT_EQ(ref_params.size(), 8u * (16 * 16 + 16));
   ASSERT_EQ(ref_losses.size(), 3u);
   const int n = stages * dp;
-  auto r = launch(n, {"train", "--stages", std::to_string(stages), "--dp", std::to_string(dp),
-                      "--out", out_dir()});
+  auto r = launch(n, kWorker,
+                  {"train", "--stages", std::to_string(stages), "--dp", std::to_string(dp), "--out",
+                   out_dir()});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   double worst_params = 0, worst_loss = 0;
   for (const std::string kind : {"GPipe", "1F1B"}) {
@@ -135,10 +129,8 @@ TEST(PipelineParallel, TwoStagesTimesTwoReplicasEqualOneProcess) { check_against
 // Checkpointed, and averages gradients over mesh["dp"]. Equal to one process within rtol 1e-5.
 TEST(PipelineParallel, AcceleratorPipelineTimesDataParallelWithCheckpointingEqualsOneProcess) {
   const auto& [ref_params, ref_losses] = reference();
-  auto r = run_command({kCli, "launch", "--num_processes", "4", "--cpu", "--num_cpu_threads_per_process",
-                       "1", "--pp_size", "2", "--activation_checkpointing", kWorker, "accelerate",
-                       "--out", out_dir()},
-                      {}, 120);
+  auto r = launch(4, kWorker, {"accelerate", "--out", out_dir()},
+                  LaunchOptions().flags({"--pp_size", "2", "--activation_checkpointing"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* line : {"acc rank 0 stage 0 of 2 replica 0 of 2 checkpointed 8",
                            "acc rank 1 stage 0 of 2 replica 1 of 2 checkpointed 8",
@@ -168,9 +160,8 @@ TEST(PipelineParallel, AcceleratorPipelineTimesDataParallelWithCheckpointingEqua
 // falls. A plan entry that matches no stage's module is refused on every rank. save_state then
 // merge_weights give back the dense model's weights.
 TEST(PipelineParallel, PipelineTimesTensorParallelGptEqualsOneProcess) {
-  auto r = run_command({kCli, "launch", "--num_processes", "4", "--cpu", "--num_cpu_threads_per_process",
-                       "1", "--pp_size", "2", "--tp_size", "2", kWorker, "gpt", "--out", out_dir()},
-                      {}, 120);
+  auto r = launch(4, kWorker, {"gpt", "--out", out_dir()},
+                  LaunchOptions().flags({"--pp_size", "2", "--tp_size", "2"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // Stage 0: the vocab-parallel token embedding and block 0's four layers; stage 1: block 1's
   // four layers and the head.
@@ -213,10 +204,9 @@ TEST(PipelineParallel, PipelineTimesTensorParallelGptEqualsOneProcess) {
 // A ZeRO stage with a pipeline is refused on every rank with the fix (the pipeline reduces
 // each stage's gradients itself).
 TEST(PipelineParallel, ZeroWithAPipelineIsRefused) {
-  auto r = run_command({kCli, "launch", "--num_processes", "2", "--cpu", "--num_cpu_threads_per_process",
-                       "1", "--pp_size", "2", "--use_deepspeed", "--zero_stage", "1", kWorker,
-                       "accelerate", "--out", out_dir()},
-                      {}, 120);
+  auto r =
+      launch(2, kWorker, {"accelerate", "--out", out_dir()},
+             LaunchOptions().flags({"--pp_size", "2", "--use_deepspeed", "--zero_stage", "1"}));
   EXPECT_NE(r.exit_code, 0) << r.output;
   // By the launcher, before any rank starts, naming both flags.
   EXPECT_EQ(count_of(r.output, "--pp_size 2 does not combine with --use_deepspeed --zero_stage 1"), 1)
@@ -247,7 +237,8 @@ TEST(PipelineParallel, ZeroWithAPipelineIsRefused) {
 }
 
 TEST(PipelineParallel, AStageThatDiesEndsTheJob) {
-  auto r = launch(4, {"die"}, {{"PIPELINE_DIE_RANK", "1"}, {"PIPELINE_TIMEOUT_S", "300"}});
+  auto r = launch(4, kWorker, {"die"},
+                  LaunchOptions().env({{"PIPELINE_DIE_RANK", "1"}, {"PIPELINE_TIMEOUT_S", "300"}}));
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 3) << r.output;
   EXPECT_NE(r.output.find("rank 1 exits in its forward"), std::string::npos) << r.output;
@@ -260,7 +251,7 @@ TEST(PipelineParallel, AStageThatDiesEndsTheJob) {
 // The activation shapes travel once: a later batch of another size is refused by the stage that
 // would send it, saying what it found and what it expected, and the job ends.
 TEST(PipelineParallel, ABatchOfAnotherShapeIsRefused) {
-  auto r = launch(2, {"reshape"}, {{"PIPELINE_TIMEOUT_S", "300"}});
+  auto r = launch(2, kWorker, {"reshape"}, LaunchOptions().env({{"PIPELINE_TIMEOUT_S", "300"}}));
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "finished a step of 16 rows"), 2) << r.output;
@@ -273,7 +264,7 @@ TEST(PipelineParallel, ABatchOfAnotherShapeIsRefused) {
 }
 
 TEST(PointToPoint, SendAndRecvWithTagsListsAndStridedReceivers) {
-  auto r = launch(2, {"p2p"});
+  auto r = launch(2, kWorker, {"p2p"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "p2p ok"), 2) << r.output;
 }
@@ -290,7 +281,8 @@ struct SilentPeer {
 class PointToPointFailure : public ::testing::TestWithParam<SilentPeer> {};
 
 TEST_P(PointToPointFailure, ARecvFromAPeerThatDoesNotSendFailsNamingIt) {
-  auto r = launch(2, {GetParam().mode}, {{"PIPELINE_TIMEOUT_S", GetParam().timeout_s}});
+  auto r = launch(2, kWorker, {GetParam().mode},
+                  LaunchOptions().env({{"PIPELINE_TIMEOUT_S", GetParam().timeout_s}}));
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("rank 0 error: [rank 0/2] recv of the test tensor from rank 1 (tag 3) "

@@ -4,14 +4,14 @@
 
 #include <regex>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 using tandem::testing::count_of;
-using tandem::testing::run_command;
+using tandem::testing::launch;
+using tandem::testing::LaunchOptions;
 
 namespace {
 
-const std::string kCli = TANDEM_CLI;
 const std::string kWorker = RESTART_WORKER;
 
 std::string temp_dir() {
@@ -30,12 +30,11 @@ std::vector<std::string> finals(const std::string& out, int n) {
   return lines;
 }
 
-std::vector<std::string> launch(const std::string& dir, std::vector<std::string> extra) {
-  std::vector<std::string> argv{kCli, "launch", "--num_processes", "2", "--cpu", "--grace_period",
-                                "2"};
-  argv.insert(argv.end(), extra.begin(), extra.end());
-  for (const auto& a : {kWorker, dir, std::string("40")}) argv.push_back(a);
-  return argv;
+// The launcher's own thread count, two seconds' grace for the other rank when one fails, then
+// `flags`; 90 s per job.
+LaunchOptions with_flags(std::vector<std::string> flags = {}) {
+  flags.insert(flags.begin(), {"--grace_period", "2"});
+  return LaunchOptions().threads_per_process(0).flags(std::move(flags)).timeout_s(90);
 }
 
 }  // namespace
@@ -43,12 +42,13 @@ std::vector<std::string> launch(const std::string& dir, std::vector<std::string>
 TEST(Restart, CrashedRankResumesAndEndsLikeAnUninterruptedRun) {
   const std::map<std::string, std::string> env{{"TANDEM_CONFIG_HOME", temp_dir()}};
   const std::string clean_dir = temp_dir(), crash_dir = temp_dir();
-  auto clean = run_command(launch(clean_dir, {}), env, 90);
+  // 40 steps in `clean_dir`.
+  auto clean = launch(2, kWorker, {clean_dir, "40"}, with_flags().env(env));
   ASSERT_EQ(clean.exit_code, 0) << clean.output;
 
-  auto argv = launch(crash_dir, {"--max_restarts", "1"});
-  argv.push_back("17");  // rank 1 crashes at step 17 of 40 on the first attempt
-  auto crashed = run_command(argv, env, 90);
+  // Rank 1 crashes at step 17 of 40 on the first attempt.
+  auto crashed =
+      launch(2, kWorker, {crash_dir, "40", "17"}, with_flags({"--max_restarts", "1"}).env(env));
   ASSERT_FALSE(crashed.timed_out) << crashed.output;
   ASSERT_EQ(crashed.exit_code, 0) << crashed.output;
   EXPECT_EQ(count_of(crashed.output, "rank 1 crashes at step 17"), 1) << crashed.output;
@@ -72,9 +72,7 @@ TEST(Restart, CrashedRankResumesAndEndsLikeAnUninterruptedRun) {
 
 TEST(Restart, WithoutRestartsTheCrashFailsTheJob) {
   const std::string dir = temp_dir();
-  auto argv = launch(dir, {});
-  argv.push_back("5");
-  auto r = run_command(argv, {{"TANDEM_CONFIG_HOME", dir}}, 90);
+  auto r = launch(2, kWorker, {dir, "40", "5"}, with_flags().env({{"TANDEM_CONFIG_HOME", dir}}));
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;

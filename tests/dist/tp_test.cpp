@@ -10,9 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 using tandem::testing::count_of;
+using tandem::testing::launch;
+using tandem::testing::LaunchOptions;
 using tandem::testing::run_command;
 
 namespace {
@@ -20,17 +22,9 @@ namespace {
 const std::string kCli = TANDEM_CLI;
 const std::string kWorker = TP_WORKER;
 
-// `flags` go to the launcher, `worker_flags` after the worker's mode.
-tandem::testing::RunResult launch(int n, const std::string& mode,
-                                  std::vector<std::string> flags = {},
-                                  std::vector<std::string> worker_flags = {}) {
-  std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
-                                "--num_cpu_threads_per_process", "1"};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.push_back(kWorker);
-  argv.push_back(mode);
-  argv.insert(argv.end(), worker_flags.begin(), worker_flags.end());
-  return run_command(argv, {}, 180);
+// One thread per rank, 180 s per job; `flags` go to the launcher.
+LaunchOptions with_flags(std::vector<std::string> flags = {}) {
+  return LaunchOptions().flags(std::move(flags)).timeout_s(180);
 }
 
 // "check <name> <value>" lines: the largest value of each name, and how many ranks printed it.
@@ -100,7 +94,7 @@ void expect_state_dict_is_dense(const std::string& output, int ranks) {
 // give this rank's half of the 8 positions; a row-parallel bias added to them still gets the
 // whole dense gradient.
 TEST(TensorParallel, EveryLayerEqualsTheDenseLayerOnTwoRanks) {
-  auto r = launch(2, "layers");
+  auto r = launch(2, kWorker, {"layers"}, with_flags());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto c = parse_checks(r.output);
   for (const char* name :
@@ -128,7 +122,7 @@ TEST(TensorParallel, EveryLayerEqualsTheDenseLayerOnTwoRanks) {
 // plan on 2 ranks: the loss and every parameter's gradient (or its shard) equal the dense
 // GPT's within 1e-5; the head stays tied to the (now vocab-parallel) token embedding.
 TEST(TensorParallel, ExampleGptEqualsTheDenseGpt) {
-  auto r = launch(2, "gpt");
+  auto r = launch(2, kWorker, {"gpt"}, with_flags());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto c = parse_checks(r.output);
   EXPECT_EQ(c.count["gpt_loss"], 2);
@@ -144,7 +138,7 @@ TEST(TensorParallel, ExampleGptEqualsTheDenseGpt) {
 // loss and gradients as the dense GPT within 1e-5. ln_f's own gradient on a rank is a partial
 // sum that differs from the dense one; the plan's hook sums it over tp to the dense gradient.
 TEST(TensorParallel, SequenceParallelGptEqualsTheDenseGpt) {
-  auto r = launch(2, "gpt", {}, {"--sequence_parallel"});
+  auto r = launch(2, kWorker, {"gpt", "--sequence_parallel"}, with_flags());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto c = parse_checks(r.output);
   EXPECT_EQ(c.count["gpt_loss"], 2);
@@ -167,7 +161,7 @@ TEST(TensorParallel, SequenceParallelGptEqualsTheDenseGpt) {
 // the same seeds give bitwise the same loss and gradients, another tp seed another loss.
 // Plain tensor parallel: the masks are the dense GPT's, from the shared stream.
 TEST(TensorParallel, DropoutDrawsPerRankMasksOnSequenceShards) {
-  auto r = launch(2, "dropout");
+  auto r = launch(2, kWorker, {"dropout"}, with_flags());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto c = parse_checks(r.output);
   EXPECT_EQ(c.count["dropout_shared_stream_untouched"], 6) << r.output;  // 3 runs x 2 ranks
@@ -208,7 +202,7 @@ TEST(TensorParallel, DropoutDrawsPerRankMasksOnSequenceShards) {
 // equal one dense process training on the global batch: losses within 1e-5, parameters within
 // 1e-5 relative.
 TEST(TensorParallel, TensorTimesDataParallelTrainingEqualsOneProcess) {
-  auto r = launch(4, "train", {"--tp_size", "2"});
+  auto r = launch(4, kWorker, {"train"}, with_flags({"--tp_size", "2"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_mesh_lines(r.output, {"mesh tp 2 dp 2 rank 0 tp_peers 0,1 dp_peers 0,2",
                                "mesh tp 2 dp 2 rank 1 tp_peers 0,1 dp_peers 1,3",
@@ -224,7 +218,7 @@ TEST(TensorParallel, TensorTimesDataParallelTrainingEqualsOneProcess) {
 // Accelerator builds the mesh, splits the GPT by the plan, and averages gradients over
 // mesh["dp"] with its bucketed data parallel; equal to one dense process within 1e-5.
 TEST(TensorParallel, AcceleratorTensorTimesDataParallelEqualsOneProcess) {
-  auto r = launch(4, "accelerate", {"--tp_size", "2"});
+  auto r = launch(4, kWorker, {"accelerate"}, with_flags({"--tp_size", "2"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_mesh_lines(r.output, kAcceleratorMeshLines);
   auto c = parse_checks(r.output);
@@ -240,7 +234,7 @@ TEST(TensorParallel, AcceleratorTensorTimesDataParallelEqualsOneProcess) {
 // plan: its first backward is refused on every rank, naming the tensor and the fix, instead of
 // each tp rank training its own half-model.
 TEST(TensorParallel, TypedMembersCalledDirectlyAreRefused) {
-  auto r = launch(2, "typed", {"--tp_size", "2"}, {"direct"});
+  auto r = launch(2, kWorker, {"typed", "direct"}, with_flags({"--tp_size", "2"}));
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "tensor parallel: a gradient reached the original tensor of "), 1)
       << r.output;
@@ -252,7 +246,7 @@ TEST(TensorParallel, TypedMembersCalledDirectlyAreRefused) {
 // the plan replaces: AdamW steps equal the dense model, and get_state_dict gives it back.
 TEST(TensorParallel, TypedMembersThroughPlannedChildAndSequentialsEqualTheDenseModel) {
   for (const char* variant : {"planned", "sequential"}) {
-    auto r = launch(2, "typed", {"--tp_size", "2"}, {variant});
+    auto r = launch(2, kWorker, {"typed", variant}, with_flags({"--tp_size", "2"}));
     ASSERT_EQ(r.exit_code, 0) << variant << "\n" << r.output;
     auto c = parse_checks(r.output);
     EXPECT_EQ(c.count["typed_loss_step2"], 2) << variant;
@@ -265,7 +259,8 @@ TEST(TensorParallel, TypedMembersThroughPlannedChildAndSequentialsEqualTheDenseM
 // averaged over dp by the Accelerator; the clipped norm (LayerNorms and row-parallel biases
 // counted once) is the dense model's, and four steps equal one dense process within 1e-5.
 TEST(TensorParallel, AcceleratorSequenceParallelEqualsOneProcess) {
-  auto r = launch(4, "accelerate", {"--tp_size", "2"}, {"--sequence_parallel"});
+  auto r =
+      launch(4, kWorker, {"accelerate", "--sequence_parallel"}, with_flags({"--tp_size", "2"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_mesh_lines(r.output, kAcceleratorMeshLines);
   auto c = parse_checks(r.output);
@@ -281,7 +276,8 @@ TEST(TensorParallel, AcceleratorSequenceParallelEqualsOneProcess) {
 // model's; all within 1e-5.
 TEST(TensorParallel, AcceleratorZeroTimesTensorParallelEqualsOneProcess) {
   for (const char* stage : {"1", "2", "3"}) {
-    auto r = launch(4, "accelerate", {"--tp_size", "2", "--use_deepspeed", "--zero_stage", stage});
+    auto r = launch(4, kWorker, {"accelerate"},
+                    with_flags({"--tp_size", "2", "--use_deepspeed", "--zero_stage", stage}));
     ASSERT_EQ(r.exit_code, 0) << "stage " << stage << "\n" << r.output;
     expect_mesh_lines(r.output, kAcceleratorMeshLines);
     auto c = parse_checks(r.output);
@@ -306,17 +302,17 @@ std::string expect_resume_bitwise(const std::vector<std::string>& flags) {
     }
     return d;
   };
-  auto whole = launch(4, "accelerate", flags);
+  auto whole = launch(4, kWorker, {"accelerate"}, with_flags(flags));
   EXPECT_EQ(whole.exit_code, 0) << whole.output;
   const auto dir = tandem::testing::temp_path("tp", "ckpt");
-  auto saved = launch(4, "accelerate", flags, {"--save_dir", dir});
+  auto saved = launch(4, kWorker, {"accelerate", "--save_dir", dir}, with_flags(flags));
   EXPECT_EQ(saved.exit_code, 0) << saved.output;
   EXPECT_EQ(count_of(saved.output, "saved at step 2"), 4) << saved.output;
   // Ranks 0 and 1 are data-parallel rank 0 of tp ranks 0 and 1; 2 and 3 hold the same model.
   for (int r = 0; r < 4; ++r)
     EXPECT_EQ(std::ifstream(dir + "/model.mp" + std::to_string(r) + ".safetensors").good(), r < 2)
         << r;
-  auto resumed = launch(4, "accelerate", flags, {"--load_dir", dir});
+  auto resumed = launch(4, kWorker, {"accelerate", "--load_dir", dir}, with_flags(flags));
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   auto a = digests(whole.output), b = digests(resumed.output);
   EXPECT_EQ(a.size(), 4u) << whole.output;
@@ -349,7 +345,7 @@ TEST(TensorParallel, AcceleratorCheckpointResumesBitwise) {
   for (int r = 0; r < 4; ++r)
     EXPECT_TRUE(std::ifstream(dir + "/optimizer.mp" + std::to_string(r) + ".json").good()) << r;
   // The shards resume only on the mesh that saved them: without --tp_size every rank refuses.
-  auto refused = launch(4, "accelerate", {}, {"--load_dir", dir});
+  auto refused = launch(4, kWorker, {"accelerate", "--load_dir", dir}, with_flags());
   EXPECT_NE(refused.exit_code, 0) << refused.output;
   EXPECT_GE(count_of(refused.output, "every rank's shards resume only on the same mesh"), 1)
       << refused.output;
@@ -370,7 +366,7 @@ TEST(TensorParallel, AcceleratorZeroCheckpointResumesBitwise) {
 
 // A mesh that does not fit is refused before any rank starts, naming the flag and the fix.
 TEST(TensorParallel, LauncherRefusesAMeshThatDoesNotFit) {
-  auto r = launch(4, "train", {"--tp_size", "3"});
+  auto r = launch(4, kWorker, {"train"}, with_flags({"--tp_size", "3"}));
   EXPECT_NE(r.exit_code, 0);
   EXPECT_EQ(count_of(r.output, "tp_worker train rank"), 0) << r.output;
   EXPECT_NE(r.output.find("--tp_size"), std::string::npos) << r.output;

@@ -11,9 +11,11 @@
 #include <sstream>
 #include <vector>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 using tandem::testing::count_of;
+using tandem::testing::launch;
+using tandem::testing::LaunchOptions;
 using tandem::testing::read_floats;
 using tandem::testing::run_command;
 
@@ -26,17 +28,17 @@ std::string temp_path(const std::string& name) {
   return tandem::testing::temp_path("zero", name);
 }
 
-// stage < 0: data parallel.
-tandem::testing::RunResult launch(int n, int stage, std::vector<std::string> args,
-                                  const std::string& reduce_scatter = "alltoall",
-                                  const std::string& precision = "no") {
-  std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
-                                "--num_cpu_threads_per_process", "1", "--mixed_precision",
-                                precision};
-  if (stage >= 0) argv.insert(argv.end(), {"--use_deepspeed", "--zero_stage", std::to_string(stage)});
-  argv.push_back(kWorker);
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_command(argv, {{"TANDEM_REDUCE_SCATTER", reduce_scatter}}, 240);
+// The launcher's flags for ZeRO `stage` (< 0: data parallel) in `precision`, the reduce-scatter
+// in TANDEM_REDUCE_SCATTER; one thread per rank, 240 s per job.
+LaunchOptions zero_flags(int stage, const std::string& reduce_scatter = "alltoall",
+                         const std::string& precision = "no") {
+  std::vector<std::string> flags{"--mixed_precision", precision};
+  if (stage >= 0)
+    flags.insert(flags.end(), {"--use_deepspeed", "--zero_stage", std::to_string(stage)});
+  return LaunchOptions()
+      .flags(flags)
+      .env({{"TANDEM_REDUCE_SCATTER", reduce_scatter}})
+      .timeout_s(240);
 }
 
 std::vector<float> train(int n, int stage, const std::string& reduce_scatter = "alltoall",
@@ -45,7 +47,7 @@ std::vector<float> train(int n, int stage, const std::string& reduce_scatter = "
                              reduce_scatter + ".bin");
   std::vector<std::string> args{"train", "--out", out};
   args.insert(args.end(), extra.begin(), extra.end());
-  auto r = launch(n, stage, args, reduce_scatter, precision);
+  auto r = launch(n, kWorker, args, zero_flags(stage, reduce_scatter, precision));
   std::string what = "stage " + std::to_string(stage) + ", " + precision + ", " + reduce_scatter;
   for (const auto& a : args) what += " " + a;
   EXPECT_EQ(r.exit_code, 0) << what << "\n" << r.output;
@@ -86,7 +88,9 @@ TEST_P(ZeroEqualsDataParallel, AfterTenStepsWithAccumulationAndClipping) {
   EXPECT_EQ(max_rel_diff(train(n, 2, "allreduce", exact), ddp_exact), 0.0) << "stage 2 on " << n;
   // Stage 3's units are modules, not data parallel's buckets: the same sums on 2 ranks only.
   const auto z3 = train(n, 3, "allreduce", exact);
-  if (n == 2) EXPECT_EQ(max_rel_diff(z3, ddp_exact), 0.0) << "stage 3 on 2";
+  if (n == 2) {
+    EXPECT_EQ(max_rel_diff(z3, ddp_exact), 0.0) << "stage 3 on 2";
+  }
   EXPECT_LE(max_rel_diff(z3, ddp_exact), 1e-6) << "stage 3 on " << n;
   const auto ddp = train(n, -1);
   const auto ddp_unclipped = train(n, -1, "alltoall", {"--clip", "0"});
@@ -128,7 +132,7 @@ TEST(Zero, HalfWeightsAndMasterWeightsEqualDataParallel) {
 }
 
 TEST(Zero, MismatchedModelsFailFastNamingBothLayouts) {
-  auto r = launch(2, 2, {"mismatch"});
+  auto r = launch(2, kWorker, {"mismatch"}, zero_flags(2));
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("built different models"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("Rank 0 has unit"), std::string::npos) << r.output;
@@ -164,7 +168,9 @@ TEST(Zero, MergedWeightsLoadIntoTheDenseModel) {
   ASSERT_EQ(m.exit_code, 0) << m.output;
   EXPECT_NE(m.output.find("merged "), std::string::npos) << m.output;
   const auto loaded_path = temp_path("loaded.bin");
-  auto r = launch(1, -1, {"load", "--resume", out + "/model.safetensors", "--out", loaded_path});
+  auto r =
+      launch(1, kWorker, {"load", "--resume", out + "/model.safetensors", "--out", loaded_path},
+             zero_flags(-1));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto loaded = read_floats(loaded_path);
   EXPECT_EQ(max_rel_diff(loaded, zero), 0.0);
@@ -205,7 +211,7 @@ std::vector<MemoryLine> memory_lines(const std::string& out) {
 TEST(Zero, PeakMemoryPerRankFollowsTheFormulas) {
   std::map<int, int64_t> worst;
   for (int stage : {-1, 1, 2, 3}) {
-    auto r = launch(4, stage, {"memory"});
+    auto r = launch(4, kWorker, {"memory"}, zero_flags(stage));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     auto lines = memory_lines(r.output);
     ASSERT_EQ(lines.size(), 4u) << r.output;

@@ -162,7 +162,7 @@ int train(const Args& a) {
 // buckets (4N) and Adam's state of its shard (8S, S = its elements of every unit); ZeRO-2 keeps
 // its shard's gradient and Adam state (12S) and one bucket in flight while the next fills;
 // ZeRO-3 keeps its shard of everything (16S) and a few units at a time.
-int memory(const Args& a) {
+int memory(const Args&) {
   tandem::track::install_counting_cpu_allocator();
   const double bucket_mb = 8;
   tandem::Accelerator acc(tandem::AcceleratorOptions().bucket_cap_mb(bucket_mb).first_bucket_cap_mb(bucket_mb));

@@ -9,20 +9,15 @@
 #include <cmath>
 #include <regex>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 using tandem::testing::count_of;
+using tandem::testing::launch;
 using tandem::testing::run_command;
 
 namespace {
 
-tandem::testing::RunResult launch(int n, std::vector<std::string> args,
-                                  std::map<std::string, std::string> env = {}) {
-  std::vector<std::string> argv{TANDEM_CLI, "launch", "--num_processes", std::to_string(n), "--cpu",
-                                "--num_cpu_threads_per_process", "1", PRECISION_WORKER};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_command(argv, env, 120);
-}
+const std::string kWorker = PRECISION_WORKER;
 
 double value_of(const std::string& output, const std::string& key) {
   std::smatch m;
@@ -38,7 +33,7 @@ Losses train(int ranks, const std::string& model, const std::string& mode, const
              std::vector<std::string> extra = {}) {
   std::vector<std::string> args{"train", "--model", model, "--mixed_precision", mode, "--steps", steps};
   args.insert(args.end(), extra.begin(), extra.end());
-  auto r = launch(ranks, args);
+  auto r = launch(ranks, kWorker, args);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "train OK " + mode), ranks) << r.output;
   return {value_of(r.output, "first loss"), value_of(r.output, "final loss")};
@@ -48,7 +43,9 @@ Losses train(int ranks, const std::string& model, const std::string& mode, const
 
 TEST(MixedPrecision, AnOverflowOnOneRankSkipsTheStepOnEveryRank) {
   for (const char* accumulate : {"1", "2"}) {
-    auto r = launch(2, {"skip", "--inject_rank", "1", "--inject_step", "2", "--accumulate", accumulate});
+    auto r =
+        launch(2, kWorker,
+               {"skip", "--inject_rank", "1", "--inject_step", "2", "--accumulate", accumulate});
     EXPECT_EQ(r.exit_code, 0) << "accumulate " << accumulate << "\n" << r.output;
     // 1024, halved once at step 2.
     EXPECT_EQ(count_of(r.output, "skip OK scale 512"), 2) << r.output;
@@ -87,14 +84,14 @@ TEST(MixedPrecision, Bf16TrueWithMasterWeightsTrainsTheGptLikeFp32) {
 TEST(MixedPrecision, RefusedModesFailAtConstructionWithTheFix) {
   // fp16 autocast on the CPU: LibTorch 1.13 has no fp16 CPU kernels (refused, with the fix);
   // LibTorch 2.x has them (the mode trains).
-  auto r = launch(1, {"train", "--mixed_precision", "fp16"});
+  auto r = launch(1, kWorker, {"train", "--mixed_precision", "fp16"});
   if (tandem::precision::Capabilities::detect(c10::kCPU).cpu_autocast_fp16) {
     EXPECT_EQ(r.exit_code, 0) << r.output;
   } else {
     EXPECT_NE(r.exit_code, 0);
     EXPECT_TRUE(r.output.find("use bf16") != std::string::npos) << r.output;
   }
-  r = launch(1, {"train", "--mixed_precision", "fp8"});
+  r = launch(1, kWorker, {"train", "--mixed_precision", "fp8"});
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(r.output.find("use bf16") != std::string::npos) << r.output;
 }

@@ -12,6 +12,7 @@
 
 #include "../../examples/common/gpt.h"
 #include "../../examples/common/mlp.h"
+#include "../common/small_gpt.h"
 #include "tandem/tandem.h"
 
 namespace {
@@ -94,14 +95,11 @@ int skip(const Args& a) {
   return failures ? 1 : 0;
 }
 
-examples::GPTConfig small_gpt() {
-  examples::GPTConfig c;
-  c.context = 16;
-  c.layers = 2;
-  c.heads = 2;
-  c.width = 32;
-  return c;
-}
+using tandem::testing::small_gpt;
+
+// The tests' small GPT over bytes, with 2 heads (of width 16): the model these runs were measured
+// with.
+const auto kByteGpt = tandem::testing::SmallGptOptions().vocab(256).heads(2);
 
 int train(const Args& a) {
   auto options = tandem::AcceleratorOptions().mixed_precision(a.precision);
@@ -113,13 +111,14 @@ int train(const Args& a) {
   torch::Tensor x_all, y_all, x_eval, y_eval;
   std::shared_ptr<torch::optim::Optimizer> opt_raw;
   if (a.model == "gpt") {
-    auto gpt = examples::GPT(small_gpt());
+    auto gpt = examples::GPT(small_gpt(kByteGpt));
     module = gpt.ptr();
     loss_fn = [gpt](const torch::Tensor& x, const torch::Tensor& y) mutable {
       return gpt->loss_per_sample(x, y).mean();
     };
     static std::string text = examples::project_text(TANDEM_SOURCE_DIR);
-    examples::ByteWindows windows(text, small_gpt().context, 0, std::min<size_t>(text.size(), 200000));
+    examples::ByteWindows windows(text, small_gpt(kByteGpt).context, 0,
+                                  std::min<size_t>(text.size(), 200000));
     std::vector<torch::Tensor> xs, ys;
     for (size_t i = 0; i < 160; ++i) {
       auto e = windows.get(i * 37);

@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "tandem/track/trackers.h"
-#include "test_dir.h"
+#include "../common/temp_dir.h"
 
 namespace fs = std::filesystem;
 using tandem::testing::TempDir;

@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "tandem/track/timeline.h"
-#include "test_dir.h"
+#include "../common/temp_dir.h"
 
 using tandem::testing::TempDir;
 using tandem::track::Timeline;

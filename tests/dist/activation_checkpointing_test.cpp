@@ -9,27 +9,25 @@
 #include <string>
 #include <vector>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 using tandem::testing::count_of;
+using tandem::testing::launch;
+using tandem::testing::LaunchOptions;
 using tandem::testing::read_floats;
-using tandem::testing::run_command;
 
 namespace {
 
-const std::string kCli = TANDEM_CLI;
-const std::string kWorker = CHECKPOINTING_WORKER;
+const std::string kWorker = ACTIVATION_CHECKPOINTING_WORKER;
 
 // Trains on 2 ranks; returns rank 0's final parameters.
 std::vector<float> train(bool zero3, bool checkpointing, const std::string& wrap = "before") {
   const std::string what = std::string(zero3 ? "zero3" : "ddp") + (checkpointing ? "-ckpt-" + wrap : "");
   const auto out = tandem::testing::temp_path("checkpointing", what + ".bin");
-  std::vector<std::string> argv{kCli, "launch", "--num_processes", "2", "--cpu",
-                                "--num_cpu_threads_per_process", "1"};
-  if (zero3) argv.insert(argv.end(), {"--use_deepspeed", "--zero_stage", "3"});
-  if (checkpointing) argv.push_back("--activation_checkpointing");
-  argv.insert(argv.end(), {kWorker, "--out", out, "--wrap", wrap});
-  auto r = run_command(argv, {}, 120);
+  std::vector<std::string> flags;
+  if (zero3) flags.insert(flags.end(), {"--use_deepspeed", "--zero_stage", "3"});
+  if (checkpointing) flags.push_back("--activation_checkpointing");
+  auto r = launch(2, kWorker, {"--out", out, "--wrap", wrap}, LaunchOptions().flags(flags));
   EXPECT_EQ(r.exit_code, 0) << what << "\n" << r.output;
   const std::string strategy = zero3 ? "zero-3" : "ddp";
   // 4 steps of 2 micro-steps: 4 synchronised backward passes, each finished once, on each rank.

@@ -11,15 +11,15 @@
 #include <random>
 #include <thread>
 
-#include "../common/subprocess.h"
+#include "../common/launch.h"
 
 namespace fs = std::filesystem;
 using tandem::testing::count_of;
-using tandem::testing::run_command;
+using tandem::testing::launch;
+using tandem::testing::LaunchOptions;
 
 namespace {
 
-const std::string kCli = TANDEM_CLI;
 const std::string kWorker = RESUME_WORKER;
 
 std::string fresh_dir(const std::string& name) {
@@ -34,13 +34,8 @@ std::string bytes_of(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-tandem::testing::RunResult launch(int n, std::vector<std::string> args,
-                                  std::map<std::string, std::string> env = {}) {
-  std::vector<std::string> argv{kCli, "launch", "--num_processes", std::to_string(n), "--cpu",
-                                "--num_cpu_threads_per_process", "1", "--grace_period", "1", kWorker};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return run_command(argv, env, 180);
-}
+// One thread per rank, a second's grace for the others when one rank fails, 180 s per job.
+const auto kLaunch = LaunchOptions().flags({"--grace_period", "1"}).timeout_s(180);
 
 }  // namespace
 
@@ -63,15 +58,21 @@ TEST_P(Resume, ResumedEqualsUninterrupted) {
     return a;
   };
   auto straight = dir + "/straight.safetensors", resumed = dir + "/resumed.safetensors";
-  auto a = launch(n, with({"run", "--steps", "14", "--project", dir + "/a", "--out", straight}));
+  auto a =
+      launch(n, kWorker, with({"run", "--steps", "14", "--project", dir + "/a", "--out", straight}),
+             kLaunch);
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  auto b1 = launch(n, with({"run", "--steps", "14", "--stop-at", "7", "--project", dir + "/b"}));
+  auto b1 =
+      launch(n, kWorker, with({"run", "--steps", "14", "--stop-at", "7", "--project", dir + "/b"}),
+             kLaunch);
   ASSERT_EQ(b1.exit_code, 0) << b1.output;
   ASSERT_NE(b1.output.find("saved at step 7"), std::string::npos) << b1.output;
   ASSERT_TRUE(fs::exists(dir + "/b/checkpoints/checkpoint_0/manifest.json"));
   EXPECT_EQ(fs::exists(dir + "/b/checkpoints/checkpoint_0/master_weights.safetensors"), masters);
-  auto b2 = launch(n, with({"run", "--steps", "14", "--resume", "--project", dir + "/b", "--out",
-                            resumed}));
+  auto b2 =
+      launch(n, kWorker,
+             with({"run", "--steps", "14", "--resume", "--project", dir + "/b", "--out", resumed}),
+             kLaunch);
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
   EXPECT_NE(b2.output.find("resumed at step 7"), std::string::npos) << b2.output;
   auto x = bytes_of(straight), y = bytes_of(resumed);
@@ -85,11 +86,15 @@ TEST_P(Resume, ResumedEqualsUninterrupted) {
 // which the optimizer would step and copy over the loaded weights.
 TEST(ResumeMasters, RebuiltFromLoadedWeightsWhenTheCheckpointHasNone) {
   auto dir = fresh_dir("resume-rebuild");
-  auto b1 = launch(1, {"run", "--steps", "14", "--stop-at", "7", "--project", dir,
-                       "--mixed-precision", "bf16-true"});
+  auto b1 = launch(1, kWorker,
+                   {"run", "--steps", "14", "--stop-at", "7", "--project", dir, "--mixed-precision",
+                    "bf16-true"},
+                   kLaunch);
   ASSERT_EQ(b1.exit_code, 0) << b1.output;
-  auto b2 = launch(1, {"run", "--steps", "8", "--resume", "--project", dir, "--mixed-precision",
-                       "bf16-true", "--master-weights"});
+  auto b2 = launch(1, kWorker,
+                   {"run", "--steps", "8", "--resume", "--project", dir, "--mixed-precision",
+                    "bf16-true", "--master-weights"},
+                   kLaunch);
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
   EXPECT_NE(b2.output.find("they are rebuilt from the loaded bf16-true weights"), std::string::npos)
       << b2.output;
@@ -124,9 +129,10 @@ TEST_P(KillDuringSave, PreviousCheckpointStaysLoadable) {
   const std::string point = GetParam();
   auto dir = fresh_dir("kill-" + point);
   auto first = dir + "/first.safetensors", loaded = dir + "/loaded.safetensors";
-  auto r = launch(1, {"crash", "--project", dir, "--point", point, "--out", first});
+  auto r =
+      launch(1, kWorker, {"crash", "--project", dir, "--point", point, "--out", first}, kLaunch);
   EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
-  auto v = launch(1, {"verify", "--project", dir, "--out", loaded});
+  auto v = launch(1, kWorker, {"verify", "--project", dir, "--out", loaded}, kLaunch);
   ASSERT_EQ(v.exit_code, 0) << v.output;
   if (point == "after_rename") {
     EXPECT_NE(v.output.find("checkpoint_1 at step 5"), std::string::npos) << v.output;
@@ -144,11 +150,12 @@ INSTANTIATE_TEST_SUITE_P(Points, KillDuringSave,
 TEST(Checkpoint, SaveCompletesOnAllRanksOrNone) {
   // Rank 1 dies after writing its part of the second save: no checkpoint_1 appears.
   auto dir = fresh_dir("allornone");
-  auto r = launch(2, {"crash", "--project", dir, "--point", "after_files", "--out", dir + "/f"},
-                  {{"TANDEM_CHECKPOINT_CRASH_RANK", "1"}});
+  auto r =
+      launch(2, kWorker, {"crash", "--project", dir, "--point", "after_files", "--out", dir + "/f"},
+             LaunchOptions(kLaunch).env({{"TANDEM_CHECKPOINT_CRASH_RANK", "1"}}));
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_FALSE(fs::exists(dir + "/checkpoints/checkpoint_1")) << r.output;
-  auto v = launch(2, {"verify", "--project", dir, "--out", dir + "/loaded"});
+  auto v = launch(2, kWorker, {"verify", "--project", dir, "--out", dir + "/loaded"}, kLaunch);
   EXPECT_EQ(v.exit_code, 0) << v.output;
   EXPECT_EQ(count_of(v.output, "checkpoint_0 at step 3"), 2) << v.output;
   fs::remove_all(dir);
@@ -185,7 +192,7 @@ TEST(Checkpoint, KilledAtRandomMomentsAlwaysLeavesALoadableLatest) {
     kill(-pid, SIGKILL);
     int st = 0;
     waitpid(pid, &st, 0);
-    auto v = launch(1, {"verify", "--project", dir, "--out", dir + "/v"});
+    auto v = launch(1, kWorker, {"verify", "--project", dir, "--out", dir + "/v"}, kLaunch);
     ASSERT_EQ(v.exit_code, 0) << "round " << round << "\n" << v.output;
   }
   fs::remove_all(dir);
@@ -193,13 +200,13 @@ TEST(Checkpoint, KilledAtRandomMomentsAlwaysLeavesALoadableLatest) {
 
 TEST(Checkpoint, DamagedFilesAreRefusedByName) {
   auto dir = fresh_dir("damaged");
-  auto r = launch(1, {"run", "--steps", "4", "--stop-at", "2", "--project", dir});
+  auto r = launch(1, kWorker, {"run", "--steps", "4", "--stop-at", "2", "--project", dir}, kLaunch);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string ck = dir + "/checkpoints/checkpoint_0";
   // Truncated model file.
   fs::copy(ck, dir + "/backup", fs::copy_options::recursive);
   fs::resize_file(ck + "/model.safetensors", fs::file_size(ck + "/model.safetensors") - 10);
-  auto v = launch(1, {"verify", "--project", dir, "--out", dir + "/v"});
+  auto v = launch(1, kWorker, {"verify", "--project", dir, "--out", dir + "/v"}, kLaunch);
   EXPECT_NE(v.exit_code, 0);
   EXPECT_NE(v.output.find("model.safetensors has"), std::string::npos) << v.output;
   EXPECT_NE(v.output.find("truncated or altered"), std::string::npos) << v.output;
@@ -211,13 +218,13 @@ TEST(Checkpoint, DamagedFilesAreRefusedByName) {
     f.seekp(-5, std::ios::end);
     f.put('\x7f');
   }
-  v = launch(1, {"verify", "--project", dir, "--out", dir + "/v"});
+  v = launch(1, kWorker, {"verify", "--project", dir, "--out", dir + "/v"}, kLaunch);
   EXPECT_NE(v.exit_code, 0);
   EXPECT_NE(v.output.find("optimizer.safetensors does not match its checksum"), std::string::npos)
       << v.output;
   // No manifest: an interrupted save is never loaded.
   fs::remove(ck + "/manifest.json");
-  v = launch(1, {"verify", "--project", dir, "--out", dir + "/v"});
+  v = launch(1, kWorker, {"verify", "--project", dir, "--out", dir + "/v"}, kLaunch);
   EXPECT_NE(v.exit_code, 0);
   EXPECT_NE(v.output.find("no complete checkpoint"), std::string::npos) << v.output;
   fs::remove_all(dir);
@@ -229,7 +236,7 @@ TEST(Checkpoint, RotationKeepsTotalLimit) {
     std::vector<std::string> args{"run", "--steps", "20", "--stop-at", std::to_string(k),
                                   "--project", dir, "--total-limit", "2"};
     if (k > 1) args.push_back("--resume");
-    auto r = launch(1, args);
+    auto r = launch(1, kWorker, args, kLaunch);
     ASSERT_EQ(r.exit_code, 0) << r.output;
   }
   std::vector<std::string> names;

@@ -7,7 +7,7 @@
 #include <fstream>
 
 #include "tandem/track/memory_estimate.h"
-#include "test_dir.h"
+#include "../common/temp_dir.h"
 
 namespace fs = std::filesystem;
 using namespace tandem::track;
