@@ -1,7 +1,7 @@
 // Activation checkpointing: the checkpoint autograd function, the Checkpointed module holder and
 // the in-place wrapping of Sequential entries (see activation_checkpoint.h).
 #include "tandem/parallel/activation_checkpoint.h"
-#include "../detail/env.h"
+#include "tandem/config/run_config.h"
 
 #include <torch/torch.h>
 #include <torch/csrc/autograd/engine.h>
@@ -384,15 +384,7 @@ std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
 }
 
 bool activation_checkpointing_from_environment(const EnvMap& env) {
-  for (const char* var : {"TANDEM_ACTIVATION_CHECKPOINTING", "TANDEM_FSDP_ACTIVATION_CHECKPOINTING"}) {
-    auto it = env.find(var);
-    if (it == env.end()) continue;
-    if (it->second.empty()) return false;
-    return ::tandem::detail::parse_bool(std::string(var) + " (fsdp_config.fsdp_activation_checkpointing, or "
-                              "tandem launch --activation_checkpointing)",
-                              it->second);
-  }
-  return false;
+  return config::activation_checkpointing_from_env(env);  // Note [The environment is read in one place]
 }
 
 bool activation_checkpointing_from_environment() {
