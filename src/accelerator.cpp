@@ -202,13 +202,12 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
                 " prepare: this model was already prepared; prepare each model once");
   model->to(device_);
   precision_->cast_model(*model);
-  if (activation_checkpointing_) {
-    if (auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model))
-      parallel::checkpoint_sequential_entries(*seq);
-    else
-      parallel::apply_activation_checkpointing(
-          *model, [](const std::string&, torch::nn::Module&) { return true; });
-  }
+  // The model's blocks (Sequential entries, TANDEM_MODULE types, or the classes of
+  // fsdp_transformer_layer_cls_to_wrap) are checkpointed; under ZeRO-3 the same blocks are units.
+  if (activation_checkpointing_)
+    parallel::checkpoint_model_blocks(
+        *model, options_.sharding() ? options_.sharding()->transformer_layer_cls_to_wrap()
+                                    : std::vector<std::string>{});
   parallel::broadcast_module_state(*model, *dp_, true, true);
   strategy_->prepare_model(model);
   models_.push_back(model);
@@ -439,7 +438,7 @@ at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
 }
 
 at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) {
-  return precision_->metric_result(comm::reduce(*pg_, precision_->metric_input(tensor), op));
+  return precision_->metric_result(comm::reduce(*dp_, precision_->metric_input(tensor), op));
 }
 
 void Accelerator::unscale_gradients() {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "tandem/comm/process_group.h"
+#include "tandem/nn/module.h"
 #include "tandem/parallel/tensor_parallel.h"
 
 namespace examples {
@@ -32,7 +33,9 @@ struct GPTConfig {
 };
 
 /// Calls the child `name` of `self`: through the tensor-parallel layer a plan put in its place
-/// (tandem::parallel::parallelize_module), else through `built`, the member that built it.
+/// (tandem::parallel::parallelize_module), else through `built`, the member that built it. For
+/// members held by torch::nn holders; the GPT below declares tandem's hookable ones
+/// (tandem/nn/module.h), whose own calls reach the planned layer.
 template <typename Holder>
 torch::Tensor call_child(torch::nn::Module& self, const char* name, Holder& built,
                          const torch::Tensor& x) {
@@ -94,13 +97,13 @@ inline torch::Tensor residual_dropout(const torch::Tensor& x, double p, bool tra
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const GPTConfig& c)
       : heads(c.heads),
-        qkv(register_module("qkv", torch::nn::Linear(c.width, 3 * c.width))),
-        proj(register_module("proj", torch::nn::Linear(c.width, c.width))) {
+        qkv(register_module("qkv", tandem::nn::Linear(c.width, 3 * c.width))),
+        proj(register_module("proj", tandem::nn::Linear(c.width, c.width))) {
     TORCH_CHECK(c.width % c.heads == 0, "width ", c.width, " must be a multiple of heads ", c.heads);
   }
   torch::Tensor forward(const torch::Tensor& x) {
     const auto hd = x.size(2) / heads;
-    auto y = call_child(*this, "qkv", qkv, x);
+    auto y = qkv(x);
     // qkv's output has the whole sequence (a sequence-parallel qkv gathers it).
     const auto B = y.size(0), T = y.size(1);
     // This rank's heads: all of them, or its share when a tensor-parallel plan split qkv.
@@ -113,20 +116,20 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device()))
                     .triu(1);
     att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
-    return call_child(*this, "proj", proj, att.matmul(v).transpose(1, 2).contiguous().view({B, T, C}));
+    return proj(att.matmul(v).transpose(1, 2).contiguous().view({B, T, C}));
   }
   int64_t heads;
-  torch::nn::Linear qkv, proj;
+  tandem::nn::Linear qkv, proj;
 };
-TORCH_MODULE(CausalSelfAttention);
+TANDEM_MODULE(CausalSelfAttention);
 
 struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(const GPTConfig& c)
       : ln1(register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
         attn(register_module("attn", CausalSelfAttention(c))),
         ln2(register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
-        fc(register_module("fc", torch::nn::Linear(c.width, 4 * c.width))),
-        fc_proj(register_module("fc_proj", torch::nn::Linear(4 * c.width, c.width))),
+        fc(register_module("fc", tandem::nn::Linear(c.width, 4 * c.width))),
+        fc_proj(register_module("fc_proj", tandem::nn::Linear(4 * c.width, c.width))),
         dropout(c.dropout) {}
   torch::Tensor forward(torch::Tensor x) {
     // Sequence parallel: x is this rank's part of the sequence, and so are both branches'
@@ -138,18 +141,19 @@ struct BlockImpl : torch::nn::Module {
       return residual_dropout(y, dropout, is_training(), sp, tp_rng.get());
     };
     x = x + drop(attn(ln1(x)));
-    return x + drop(call_child(*this, "fc_proj", fc_proj,
-                               torch::gelu(call_child(*this, "fc", fc, ln2(x)))));
+    return x + drop(fc_proj(torch::gelu(fc(ln2(x)))));
   }
   torch::nn::LayerNorm ln1;
   CausalSelfAttention attn;
   torch::nn::LayerNorm ln2;
-  torch::nn::Linear fc, fc_proj;
+  tandem::nn::Linear fc, fc_proj;
   double dropout;
   /// The per-tp-rank stream of sequence-parallel dropout (GPTImpl::seed_tensor_parallel_rng).
   std::shared_ptr<tandem::parallel::TensorParallelRng> tp_rng;
 };
-TORCH_MODULE(Block);
+// Hookable (tandem/nn/module.h): each block is a ZeRO-3 unit and an activation-checkpointing
+// region of its own, though GPTImpl calls it through a typed member.
+TANDEM_MODULE(Block);
 
 /// The output projection, sharing its weight tensor with the token embedding: the model lists it
 /// under two names (wte.weight and head.weight) that are one tensor.
@@ -158,11 +162,11 @@ struct TiedHeadImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) { return x.matmul(weight.t()); }
   torch::Tensor weight;
 };
-TORCH_MODULE(TiedHead);
+TANDEM_MODULE(TiedHead);
 
 struct GPTImpl : torch::nn::Module {
   explicit GPTImpl(const GPTConfig& c) : config(c) {
-    wte = register_module("wte", torch::nn::Embedding(c.vocab, c.width));
+    wte = register_module("wte", tandem::nn::Embedding(c.vocab, c.width));
     wpe = register_module("wpe", torch::nn::Embedding(c.context, c.width));
     for (int64_t i = 0; i < c.layers; ++i)
       blocks.push_back(register_module("h" + std::to_string(i), Block(c)));
@@ -178,12 +182,12 @@ struct GPTImpl : torch::nn::Module {
   /// the vocabulary, [B, T, vocab / tp]).
   torch::Tensor forward(const torch::Tensor& idx) {
     auto pos = torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-    auto x = call_child(*this, "wte", wte, idx) + wpe(pos);
+    auto x = wte(idx) + wpe(pos);
     auto sp = sequence_parallel_head();
     if (sp) x = tandem::parallel::scatter_to_sequence_region(x, sp->group());
     x = residual_dropout(x, config.dropout, is_training(), sp != nullptr, tp_rng.get());
     for (auto& b : blocks) x = b(x);
-    return call_child(*this, "head", head, ln_f(x));
+    return head(ln_f(x));
   }
   /// The planned head when the plan is sequence parallel (gpt_tensor_parallel_plan(true)), else
   /// nullptr.
@@ -220,7 +224,8 @@ struct GPTImpl : torch::nn::Module {
     return l.view({idx.size(0), idx.size(1)}).mean(1);
   }
   GPTConfig config;
-  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  tandem::nn::Embedding wte{nullptr};
+  torch::nn::Embedding wpe{nullptr};
   std::vector<Block> blocks;
   torch::nn::LayerNorm ln_f{nullptr};
   TiedHead head{nullptr};
@@ -236,14 +241,15 @@ TORCH_MODULE(GPT);
 /// Token and position embeddings: ids [B, T] -> activations [B, T, width].
 struct GPTEmbeddingsImpl : torch::nn::Module {
   explicit GPTEmbeddingsImpl(const GPTConfig& c)
-      : wte(register_module("wte", torch::nn::Embedding(c.vocab, c.width))),
+      : wte(register_module("wte", tandem::nn::Embedding(c.vocab, c.width))),
         wpe(register_module("wpe", torch::nn::Embedding(c.context, c.width))) {}
   torch::Tensor forward(const torch::Tensor& idx) {
     auto pos =
         torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-    return call_child(*this, "wte", wte, idx) + wpe(pos);
+    return wte(idx) + wpe(pos);
   }
-  torch::nn::Embedding wte, wpe;
+  tandem::nn::Embedding wte;
+  torch::nn::Embedding wpe;
 };
 TORCH_MODULE(GPTEmbeddings);
 
@@ -253,10 +259,10 @@ struct GPTHeadImpl : torch::nn::Module {
   explicit GPTHeadImpl(const GPTConfig& c)
       : ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})))),
         out(register_module(
-            "out", torch::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return call_child(*this, "out", out, ln_f(x)); }
+            "out", tandem::nn::Linear(torch::nn::LinearOptions(c.width, c.vocab).bias(false)))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return out(ln_f(x)); }
   torch::nn::LayerNorm ln_f;
-  torch::nn::Linear out;
+  tandem::nn::Linear out;
 };
 TORCH_MODULE(GPTHead);
 

@@ -337,17 +337,27 @@ class Accelerator {
   at::Tensor master_parameter(const at::Tensor& p) const { return precision_->master_parameter(p); }
 
   // ---- collectives ----------------------------------------------------------------------------
-  at::Tensor gather(const at::Tensor& tensor) { return comm::gather(*pg_, tensor); }
+  // Note [Collectives on a mesh]: the metric collectives (gather, gather_for_metrics, reduce,
+  // pad_across_processes) run over the data-parallel group: the ranks of one tensor-parallel
+  // group hold the same (replicated) values, and the data-parallel ranks hold different samples,
+  // so each sample counts once and `reduce(x, kSum)` on dp 2 x tp 2 equals dp 2's. Without a
+  // model-parallel layout that group is every process, as in Accelerate. Under a pipeline, each
+  // stage's group is its data-parallel peers (a loss exists on the last stage). wait_for_everyone
+  // waits for every process.
+  /// Every data-parallel rank's `tensor`, concatenated along dim 0 in rank order.
+  at::Tensor gather(const at::Tensor& tensor) { return comm::gather(*dp_, tensor); }
   /// gather(), dropping the rows that even-batches padding duplicated in the last batch, so
   /// that each sample of the data set is counted exactly once.
   at::Tensor gather_for_metrics(const at::Tensor& tensor);
-  /// Reduces across ranks. Under mixed precision a bf16/fp16 tensor is reduced in fp32 and
-  /// returned in fp32 (bf16 with downcast_bf16).
+  /// Reduces across the data-parallel ranks. Under mixed precision a bf16/fp16 tensor is reduced
+  /// in fp32 and returned in fp32 (bf16 with downcast_bf16).
   at::Tensor reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kMean);
+  /// Pads `tensor` along `dim` to the largest size among the data-parallel ranks.
   at::Tensor pad_across_processes(const at::Tensor& tensor, int64_t dim = 0, double pad_value = 0,
                                   bool pad_first = false) {
-    return comm::pad_across_processes(*pg_, tensor, dim, pad_value, pad_first);
+    return comm::pad_across_processes(*dp_, tensor, dim, pad_value, pad_first);
   }
+  /// Waits for every process.
   void wait_for_everyone() { comm::wait_for_everyone(*pg_); }
 
   // ---- helpers --------------------------------------------------------------------------------

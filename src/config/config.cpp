@@ -718,9 +718,8 @@ std::vector<std::string> not_acted_on(const LaunchConfig& c) {
       const std::string v = value(c.fsdp_config, k);
       if (!v.empty() && v != does) out.push_back("fsdp_config." + k + ": " + v);
     }
-    // Units are the entries of the model's Sequentials, whatever their class.
-    if (auto v = value(c.fsdp_config, "fsdp_transformer_layer_cls_to_wrap"); !v.empty())
-      out.push_back("fsdp_config.fsdp_transformer_layer_cls_to_wrap: " + v);
+    // fsdp_transformer_layer_cls_to_wrap takes effect (ShardingOptions, Note [ZeRO-3 units on
+    // hooks]).
   } else {
     // Only fsdp_activation_checkpointing acts outside FSDP (parallel/activation_checkpoint.h).
     for (const auto& [k, v] : c.fsdp_config)

@@ -160,6 +160,17 @@ std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
                   "expected TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP");
       o.auto_wrap_policy(t);
     }
+    if (auto v = env.get("TANDEM_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP")) {
+      // Comma-separated class names, as Accelerate writes them ("Block,Embeddings").
+      std::vector<std::string> classes;
+      std::string item;
+      std::stringstream ss(*v);
+      while (std::getline(ss, item, ',')) {
+        const auto b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
+        if (b != std::string::npos) classes.push_back(item.substr(b, e - b + 1));
+      }
+      o.transformer_layer_cls_to_wrap(classes);
+    }
     if (auto v = env.get("TANDEM_FSDP_MIN_NUM_PARAMS")) {
       try {
         size_t pos = 0;

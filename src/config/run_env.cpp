@@ -67,7 +67,7 @@ const std::vector<EnvVar>& run_environment_table() {
       {"TANDEM_FSDP_ACTIVATION_CHECKPOINTING", "fsdp_config.fsdp_activation_checkpointing", "--fsdp_activation_checkpointing", K::kBool, R::kRunConfig, true, "true",
        "activation checkpointing (TANDEM_ACTIVATION_CHECKPOINTING, when set, wins)"},
       {"TANDEM_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP", "fsdp_config.fsdp_transformer_layer_cls_to_wrap", "--fsdp_transformer_layer_cls_to_wrap", K::kText, R::kRunConfig, true, "Block",
-       "accepted, not acted on (LibTorch modules have no class names to match)"},
+       "ZeRO-3 units and checkpointed blocks: the TANDEM_MODULE types of these names"},
       {"TANDEM_FSDP_VERSION", "fsdp_config.fsdp_version", "--fsdp_version", K::kText, R::kRunConfig, true, "2",
        "accepted, not acted on"},
       {"TANDEM_FSDP_RESHARD_AFTER_FORWARD", "fsdp_config.fsdp_reshard_after_forward", "--fsdp_reshard_after_forward", K::kText, R::kRunConfig, true, "true",

@@ -1,7 +1,9 @@
 // Activation checkpointing: the checkpoint autograd function, the Checkpointed module holder and
 // the in-place wrapping of Sequential entries (see activation_checkpoint.h).
 #include "tandem/parallel/activation_checkpoint.h"
+
 #include "tandem/config/run_config.h"
+#include "tandem/nn/module.h"
 
 #include <torch/torch.h>
 #include <torch/csrc/autograd/engine.h>
@@ -307,6 +309,9 @@ std::vector<std::string> entry_names(torch::nn::SequentialImpl& seq) {
   return names;
 }
 
+void hook_checkpoint(torch::nn::Module& m, const std::string& path, CheckpointOptions options);
+bool is_checkpointed(torch::nn::Module& m);
+
 void visit(torch::nn::Module& m, const std::string& prefix, const CheckpointPredicate& predicate,
            CheckpointOptions options, std::vector<std::shared_ptr<CheckpointedImpl>>& made,
            std::vector<std::string>& unreachable) {
@@ -326,10 +331,77 @@ void visit(torch::nn::Module& m, const std::string& prefix, const CheckpointPred
   }
   for (const auto& kv : m.named_children()) {
     const std::string name = prefix + kv.key();
-    if (predicate(name, *kv.value()))
-      unreachable.push_back(name);
-    else
+    if (predicate(name, *kv.value())) {
+      if (tandem::nn::hookable(*kv.value())) {
+        if (!is_checkpointed(*kv.value())) hook_checkpoint(*kv.value(), name, options);
+      } else {
+        unreachable.push_back(name);
+      }
+    } else {
       visit(*kv.value(), name + ".", predicate, options, made, unreachable);
+    }
+  }
+}
+
+// Note [Checkpointing on hooks]: a hookable module (a TANDEM_MODULE type) is checkpointed by a
+// forward hook at order::kCheckpoint, outside a ZeRO-3 unit's hook, so that the recompute
+// gathers the unit again; the wrapper keeps the rest of the chain and checkpoint() runs it again
+// in the backward with the same arguments (the tensor ones detached, the others as held).
+void hook_checkpoint(torch::nn::Module& m, const std::string& path, CheckpointOptions options) {
+  auto* h = tandem::nn::hookable(m);
+  if (!h->tensor_forward())
+    throw std::invalid_argument(
+        "activation checkpointing: " + path + " (" + h->type_name() +
+        ") returns something other than tensors, which a recompute cannot hand to the "
+        "backward; return a Tensor, a std::tuple of Tensors or a std::vector<Tensor>");
+  h->hooks().add("activation checkpoint", tandem::nn::order::kCheckpoint,
+                 [options](const std::vector<at::Tensor>& in, const tandem::nn::TensorFunction& next) {
+                   return checkpoint(next, in, options);
+                 });
+}
+
+bool is_checkpointed(torch::nn::Module& m) {
+  if (dynamic_cast<CheckpointedImpl*>(&m)) return true;
+  auto* h = tandem::nn::hookable(m);
+  return h && h->hooks_if_any() && h->hooks_if_any()->contains("activation checkpoint");
+}
+
+// The blocks of a model (checkpoint_model_blocks): Sequential entries and hookable modules.
+void visit_blocks(torch::nn::Module& m, const std::string& prefix,
+                  const std::function<bool(torch::nn::Module&, bool entry)>& wanted,
+                  CheckpointOptions options, int& count, std::set<std::string>& found,
+                  std::vector<std::string>& unreachable) {
+  if (is_checkpointed(m)) return;
+  if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&m)) {
+    const auto names = entry_names(*seq);
+    for (size_t i = 0; i < names.size(); ++i) {
+      auto ptr = (seq->begin() + static_cast<std::ptrdiff_t>(i))->ptr();
+      if (is_checkpointed(*ptr)) continue;
+      const std::string name = prefix + names[i];
+      if (wanted(*ptr, true)) {
+        found.insert(tandem::nn::module_type_name(*ptr));
+        wrap_entry(*seq, i, names[i], options);
+        ++count;
+      } else {
+        visit_blocks(*ptr, name + ".", wanted, options, count, found, unreachable);
+      }
+    }
+    return;
+  }
+  for (const auto& kv : m.named_children()) {
+    const std::string name = prefix + kv.key();
+    if (is_checkpointed(*kv.value())) continue;
+    if (wanted(*kv.value(), false)) {
+      found.insert(tandem::nn::module_type_name(*kv.value()));
+      if (tandem::nn::hookable(*kv.value())) {
+        hook_checkpoint(*kv.value(), name, options);
+        ++count;
+      } else {
+        unreachable.push_back(name + " (" + tandem::nn::module_type_name(*kv.value()) + ")");
+      }
+    } else {
+      visit_blocks(*kv.value(), name + ".", wanted, options, count, found, unreachable);
+    }
   }
 }
 
@@ -369,18 +441,61 @@ std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
   std::vector<std::shared_ptr<CheckpointedImpl>> made;
   std::vector<std::string> unreachable;
   visit(model, "", predicate, options, made, unreachable);
-  if (made.empty() && !unreachable.empty()) {
+  if (!unreachable.empty()) {
     std::string names;
     for (size_t k = 0; k < unreachable.size() && k < 8; ++k) names += (k ? ", " : "") + unreachable[k];
     if (unreachable.size() > 8) names += ", ... (" + std::to_string(unreachable.size()) + " in all)";
     throw std::invalid_argument(
         "apply_activation_checkpointing: the predicate matches " + names +
-        ", but none of them is an entry of a Sequential, so nothing was wrapped (a module that "
-        "its parent calls through its own member cannot be redirected from outside). Wrap them "
-        "where they are built, e.g. register_module(\"h0\", "
-        "tandem::parallel::Checkpointed(Block(...))), or hold them in a torch::nn::Sequential");
+        ", which " + (unreachable.size() == 1 ? "is" : "are") +
+        " neither an entry of a Sequential nor hookable, so it cannot be checkpointed from "
+        "outside (its parent calls it through its own member). Declare its type with "
+        "TANDEM_MODULE(Name) instead of TORCH_MODULE(Name) (tandem/nn/module.h), wrap it where "
+        "it is built (register_module(\"h0\", tandem::parallel::Checkpointed(Block(...)))), or "
+        "hold it in a torch::nn::Sequential");
   }
   return made;
+}
+
+int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::string>& classes,
+                            CheckpointOptions options) {
+  if (classes.empty())
+    if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&model))
+      return static_cast<int>(checkpoint_sequential_entries(*seq, options).size());
+  auto wanted = [&](torch::nn::Module& m, bool entry) {
+    if (!classes.empty())
+      return std::find(classes.begin(), classes.end(), tandem::nn::module_type_name(m)) !=
+             classes.end();
+    if (entry) return true;
+    auto* h = tandem::nn::hookable(m);
+    return h != nullptr && !h->standard_layer();
+  };
+  int count = 0;
+  std::set<std::string> found;
+  std::vector<std::string> unreachable;
+  visit_blocks(model, "", wanted, options, count, found, unreachable);
+  if (!unreachable.empty())
+    throw std::invalid_argument(
+        "activation checkpointing: " + unreachable.front() +
+        " is of a class fsdp_transformer_layer_cls_to_wrap names, but its parent calls it "
+        "directly, where no wrapper reaches it; declare its type with TANDEM_MODULE(Name) instead "
+        "of TORCH_MODULE(Name) (tandem/nn/module.h), or hold it in a torch::nn::Sequential");
+  std::string missing;
+  for (const auto& c : classes)
+    if (!found.count(c)) missing += (missing.empty() ? "" : ", ") + c;
+  if (!missing.empty())
+    throw std::invalid_argument("activation checkpointing: fsdp_transformer_layer_cls_to_wrap "
+                                "names " + missing + ", which is no module of the model; name "
+                                "the class of its blocks as declared (TANDEM_MODULE(Block) is "
+                                "\"Block\")");
+  if (count == 0)
+    throw std::invalid_argument(
+        "activation checkpointing was asked for (fsdp_config.fsdp_activation_checkpointing, tandem "
+        "launch --activation_checkpointing, or AcceleratorOptions().activation_checkpointing), but "
+        "the model has no block it can reach: no Sequential entry and no module declared with "
+        "TANDEM_MODULE (tandem/nn/module.h). Declare the blocks' type with TANDEM_MODULE(Block) "
+        "instead of TORCH_MODULE(Block), or hold them in a torch::nn::Sequential");
+  return count;
 }
 
 bool activation_checkpointing_from_environment(const EnvMap& env) {

@@ -39,32 +39,42 @@ int64_t parameter_count(const torch::nn::Module& m) {
   return n;
 }
 
-void visit(torch::nn::Module& m, int64_t min_num_params,
+void visit(torch::nn::Module& m, int64_t min_num_params, const UnitPredicate& predicate,
            std::vector<std::shared_ptr<ShardedImpl>>& made) {
   if (dynamic_cast<ShardedImpl*>(&m)) return;
   if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&m)) {
+    const auto children = seq->named_children();
+    const bool named = children.size() == seq->size();
+    size_t index = 0;
     for (auto& any : *seq) {
       auto ptr = any.ptr();
+      const size_t i = index++;
       if (dynamic_cast<ShardedImpl*>(ptr.get())) continue;
-      if (parameter_count(*ptr) >= std::max<int64_t>(1, min_num_params)) {
+      if (parameter_count(*ptr) >= std::max<int64_t>(1, min_num_params) &&
+          (!predicate || predicate(*ptr))) {
         Sharded wrapper(any);
         made.push_back(wrapper.ptr());
         any = torch::nn::AnyModule(wrapper);
+        // Registered in the entry's place too, so that named_modules() shows the unit (its
+        // children and parameters keep their names: the wrapper registers the entry's own).
+        if (named && children[i].value().get() == ptr.get())
+          seq->replace_module(children[i].key(), wrapper.ptr());
       } else {
-        visit(*ptr, min_num_params, made);
+        visit(*ptr, min_num_params, predicate, made);
       }
     }
     return;
   }
-  for (const auto& child : m.children()) visit(*child, min_num_params, made);
+  for (const auto& child : m.children()) visit(*child, min_num_params, predicate, made);
 }
 
 }  // namespace
 
 std::vector<std::shared_ptr<ShardedImpl>> wrap_sequential_entries(torch::nn::Module& model,
-                                                                  int64_t min_num_params) {
+                                                                  int64_t min_num_params,
+                                                                  const UnitPredicate& predicate) {
   std::vector<std::shared_ptr<ShardedImpl>> made;
-  visit(model, min_num_params, made);
+  visit(model, min_num_params, predicate, made);
   return made;
 }
 

@@ -13,6 +13,8 @@
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/tensor_parallel.h"
 
+#include "tandem/nn/module.h"
+
 namespace tandem::parallel {
 namespace {
 
@@ -79,6 +81,7 @@ std::string style_name(ParallelStyle s) {
     case ParallelStyle::kRowwise: return "rowwise";
     case ParallelStyle::kVocab: return "vocab";
     case ParallelStyle::kSequenceParallel: return "sequence_parallel";
+    case ParallelStyle::kRankRandom: return "rank_random";
   }
   return "?";
 }
@@ -139,10 +142,11 @@ struct ShardBook {
           ", which the plan replaced by a " + what +
           ": the model still computes with the module the plan replaced, usually through a "
           "typed member (`up(x)` on a `torch::nn::Linear up`), which gives only this rank's "
-          "shard without the collective. Call the planned layer instead: `if (auto tp = "
-          "tandem::parallel::planned_child(*this, \"name\")) return tp->forward(x);` (see "
-          "docs/model_parallel.md, \"Modules with typed members\"); a module tied to a split "
-          "parameter must be planned too";
+          "shard without the collective. Declare the member with tandem's hookable holder "
+          "(`tandem::nn::Linear up;`, tandem/nn/module.h), whose calls go to the planned layer, "
+          "or call the planned layer: `if (auto tp = tandem::parallel::planned_child(*this, "
+          "\"name\")) return tp->forward(x);` (see docs/model_parallel.md, \"Modules with "
+          "typed members\"); a module tied to a split parameter must be planned too";
       dense.register_hook([message](const at::Tensor&) -> at::Tensor {
         throw std::runtime_error(message);
       });
@@ -259,6 +263,14 @@ TensorParallelPlan& TensorParallelPlan::rowwise_to_sequence(const std::string& p
   return *this;
 }
 
+TensorParallelPlan& TensorParallelPlan::rank_random(const std::string& pattern, uint64_t seed) {
+  PlanEntry e;
+  e.pattern = pattern;
+  e.style = ParallelStyle::kRankRandom;
+  e.seed = seed;
+  return add(e);
+}
+
 TensorParallelPlan& TensorParallelPlan::sequence_parallel(const std::string& pattern) {
   PlanEntry e;
   e.pattern = pattern;
@@ -316,6 +328,7 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
   for (const auto& item : named) paths.push_back(item.key());
   const auto matches = match_plan(plan, paths);
   ShardBook book;
+  std::map<uint64_t, std::shared_ptr<TensorParallelRng>> streams;  // kRankRandom, by seed
   const int n = tp->size();
   for (size_t i = 0; i < plan.entries.size(); ++i) {
     const auto& e = plan.entries[i];
@@ -342,6 +355,25 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
           if (!book.summed.insert(p.value().unsafeGetTensorImpl()).second) continue;
           if (n > 1 && p.value().requires_grad()) sum_gradients_over(p.value(), tp);
         }
+        continue;
+      }
+      if (e.style == ParallelStyle::kRankRandom) {
+        // Note [Per-rank random streams on hooks]: the module's forward draws from this tp
+        // rank's stream (one TensorParallelRng per seed, shared by the entries with that seed);
+        // activation checkpointing recomputes it with the same draws (the stream is a
+        // RandomStream).
+        auto* h = tandem::nn::hookable(child);
+        if (!h)
+          refuse("a module whose random numbers differ per rank must be hookable: declare it "
+                 "with tandem's holder (tandem::nn::Dropout, or TANDEM_MODULE(Name) for your "
+                 "own module; tandem/nn/module.h)");
+        auto& rng = streams[e.seed];
+        if (!rng) rng = std::make_shared<TensorParallelRng>(e.seed, tp->rank());
+        h->hooks().add("tensor-parallel rank stream", tandem::nn::order::kRandom,
+                       [rng](const std::vector<at::Tensor>& in, const tandem::nn::TensorFunction& next) {
+                         auto scope = rng->scope();
+                         return next(in);
+                       });
         continue;
       }
       if (!w.defined() || w.dim() != 2)
@@ -389,6 +421,20 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
         any = torch::nn::AnyModule(layer);
       }
       replace_child(parent, name, replacement, any);
+      // Note [Planned typed members]: a hookable module (tandem::nn::Linear, Embedding) that
+      // the parent also holds as a typed member has its calls redirected to the planned layer,
+      // so `up(x)` and `up->forward(x)` compute the tensor-parallel layer.
+      if (auto* h = tandem::nn::hookable(child)) {
+        auto layer = std::dynamic_pointer_cast<TensorParallelModule>(replacement);
+        h->hooks().redirect(
+            replacement,
+            [layer, path](const std::vector<at::Tensor>& in) {
+              TORCH_CHECK(in.size() == 1, "tensor parallel: ", path, " was called with ",
+                          in.size(), " tensors; its planned layer takes one");
+              return std::vector<at::Tensor>{layer->forward(in[0])};
+            },
+            "tensor parallel " + replacement->name());
+      }
     }
   }
 }

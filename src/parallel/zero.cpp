@@ -20,6 +20,7 @@
 #include "detail/strategies.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/comm/collectives.h"
+#include "tandem/nn/module.h"
 #include "tandem/parallel/sharded.h"
 #include "tandem/precision/policy.h"
 
@@ -212,11 +213,37 @@ class ZeroStrategy : public Strategy {
   void prepare_model(const std::shared_ptr<torch::nn::Module>& model) override {
     models_.push_back(model);
     if (options_.stage() != 3) return;
-    // The units: modules the user wrapped, and (the auto-wrap policy) Sequential entries.
+    // Note [ZeRO-3 units on hooks]: the units are the modules the user wrapped in Sharded, the
+    // Sequential entries the auto-wrap policy picks (wrapped in Sharded in place), and hookable
+    // modules (TANDEM_MODULE types, tandem::nn layers) anywhere in the model, which get a
+    // "zero-3 unit" forward hook instead of a wrapper: a model that calls its blocks through
+    // typed members (`for (auto& b : blocks) x = b(x);`) has per-block units too.
     for (const auto& m : model->modules(/*include_self=*/true))
       if (auto w = std::dynamic_pointer_cast<ShardedImpl>(m)) add_wrapper(w);
-    if (options_.auto_wrap_policy() != "NO_WRAP")
-      for (auto& w : wrap_sequential_entries(*model, options_.min_num_params())) add_wrapper(w);
+    if (options_.auto_wrap_policy() == "NO_WRAP") return;
+    const auto& classes = options_.transformer_layer_cls_to_wrap();
+    if (!classes.empty() && options_.auto_wrap_policy() == "TRANSFORMER_BASED_WRAP") {
+      wrap_classes(*model, classes);
+      return;
+    }
+    for (auto& w : wrap_sequential_entries(*model, options_.min_num_params())) add_wrapper(w);
+    // Hookable modules outside every unit: the outermost ones with at least min_num_params
+    // parameters (under TRANSFORMER_BASED_WRAP, modules a user declared, not tandem::nn's
+    // standard layers).
+    const bool any_layer = options_.auto_wrap_policy() == "SIZE_BASED_WRAP";
+    std::function<void(torch::nn::Module&)> visit = [&](torch::nn::Module& m) {
+      for (const auto& child : m.children()) {
+        if (is_unit(*child)) continue;
+        auto* h = tandem::nn::hookable(*child);
+        if (h && (any_layer || !h->standard_layer()) &&
+            parameter_count(*child) >= std::max<int64_t>(1, options_.min_num_params())) {
+          add_hooked(child, "");
+          continue;
+        }
+        visit(*child);
+      }
+    };
+    visit(*model);
   }
 
   bool prepare_optimizer(torch::optim::Optimizer& optimizer) override;
@@ -287,14 +314,108 @@ class ZeroStrategy : public Strategy {
   }
   void check_same_layout(const ShardedOptimizer& s);
 
+  static int64_t parameter_count(const torch::nn::Module& m) {
+    int64_t n = 0;
+    for (const auto& p : m.parameters()) n += p.numel();
+    return n;
+  }
+  bool is_unit(const torch::nn::Module& m) const {
+    for (const auto& u : units_)
+      if (u.get() == &m) return true;
+    for (const auto& u : units_)
+      if (auto* w = dynamic_cast<const ShardedImpl*>(u.get()); w && w->inner().get() == &m)
+        return true;
+    return false;
+  }
   void add_wrapper(const std::shared_ptr<ShardedImpl>& w) {
-    for (const auto& known : wrappers_)
+    for (const auto& known : units_)
       if (known.get() == w.get()) return;
     auto hooks = std::make_shared<UnitHooks>();
     hooks->pg = ctx_.pg.get();
     w->set_hooks(hooks);
-    wrappers_.push_back(w);
+    units_.push_back(w);
     hooks_.push_back(hooks);
+  }
+  // A hookable module becomes a unit through a forward hook (what Sharded does around its
+  // forward, sharded.cpp).
+  void add_hooked(const std::shared_ptr<torch::nn::Module>& m, const std::string& path) {
+    for (const auto& known : units_)
+      if (known.get() == m.get()) return;
+    auto* h = tandem::nn::hookable(*m);
+    auto hooks = std::make_shared<UnitHooks>();
+    hooks->pg = ctx_.pg.get();
+    h->hooks().add("zero-3 unit", tandem::nn::order::kShard,
+                   [hooks](const std::vector<at::Tensor>& in, const tandem::nn::TensorFunction& next) {
+                     hooks->before_forward();
+                     std::vector<at::Tensor> out;
+                     try {
+                       out = next(in);
+                     } catch (...) {
+                       hooks->after_forward();
+                       throw;
+                     }
+                     for (auto& o : out)
+                       if (o.defined() && o.requires_grad())
+                         o.register_hook([hooks](at::Tensor grad) {
+                           hooks->before_backward();
+                           return grad;
+                         });
+                     hooks->after_forward();
+                     return out;
+                   });
+    (void)path;
+    units_.push_back(m);
+    hooks_.push_back(hooks);
+  }
+  // fsdp_transformer_layer_cls_to_wrap: every module of those classes is a unit, hookable ones
+  // by a hook, Sequential entries by a Sharded wrapper; a class that names no module, or a
+  // module that can be neither, is refused.
+  void wrap_classes(torch::nn::Module& model, const std::vector<std::string>& classes) {
+    auto wanted = [&](const torch::nn::Module& m) {
+      return std::find(classes.begin(), classes.end(), tandem::nn::module_type_name(m)) !=
+             classes.end();
+    };
+    std::set<std::string> found, present;
+    for (auto& w : wrap_sequential_entries(model, 1, [&](torch::nn::Module& m) { return wanted(m); })) {
+      found.insert(tandem::nn::module_type_name(*w->inner()));
+      add_wrapper(w);
+    }
+    std::function<void(torch::nn::Module&, const std::string&)> visit =
+        [&](torch::nn::Module& m, const std::string& prefix) {
+          for (const auto& item : m.named_children()) {
+            const auto& child = item.value();
+            const std::string path = prefix.empty() ? item.key() : prefix + "." + item.key();
+            if (is_unit(*child)) continue;
+            present.insert(tandem::nn::module_type_name(*child));
+            if (wanted(*child)) {
+              if (!tandem::nn::hookable(*child))
+                throw std::invalid_argument(
+                    ctx_.pg->prefix() + " " + options_.origin() + ": " + path + " is a " +
+                    tandem::nn::module_type_name(*child) +
+                    " (fsdp_transformer_layer_cls_to_wrap), but its parent calls it directly, "
+                    "where no wrapper reaches it; declare it with TANDEM_MODULE(" +
+                    tandem::nn::module_type_name(*child) +
+                    ") instead of TORCH_MODULE (tandem/nn/module.h), or put it in a Sequential");
+              found.insert(tandem::nn::module_type_name(*child));
+              add_hooked(child, path);
+              continue;
+            }
+            visit(*child, path);
+          }
+        };
+    visit(model, "");
+    std::string missing;
+    for (const auto& c : classes)
+      if (!found.count(c)) missing += (missing.empty() ? "" : ", ") + c;
+    if (!missing.empty()) {
+      std::string have;
+      for (const auto& t : present) have += (have.empty() ? "" : ", ") + t;
+      throw std::invalid_argument(ctx_.pg->prefix() + " " + options_.origin() +
+                                  ": fsdp_transformer_layer_cls_to_wrap names " + missing +
+                                  ", which is no module of the model (its module types: " + have +
+                                  "); name the class of the model's blocks, as declared "
+                                  "(TANDEM_MODULE(Block) is \"Block\")");
+    }
   }
   std::vector<std::pair<std::string, at::Tensor>> model_state(torch::nn::Module& model) override;
   void load_model_state(torch::nn::Module& model, const std::string& path) override;
@@ -302,8 +423,8 @@ class ZeroStrategy : public Strategy {
   ShardingOptions options_;
   StrategyContext ctx_;
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
-  std::vector<std::shared_ptr<ShardedImpl>> wrappers_;  // stage 3
-  std::vector<std::shared_ptr<UnitHooks>> hooks_;       // of wrappers_, in the same order
+  std::vector<std::shared_ptr<torch::nn::Module>> units_;  // stage 3: Sharded or hooked modules
+  std::vector<std::shared_ptr<UnitHooks>> hooks_;          // of units_, in the same order
   std::vector<std::unique_ptr<ShardedOptimizer>> sharded_;
   bool sync_ = true;
 };
@@ -358,7 +479,7 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
         groups.push_back(it->second);
       }
   }
-  // Stage 3: one unit per Sharded module, parameter group and dtype, the innermost module owning
+  // Stage 3: one unit per unit module (Sharded or hooked), parameter group and dtype, the innermost module owning
   // a parameter; tied parameters (used by several modules) and those of no Sharded module form
   // the root's units, which stay resident. Launched in reverse order of registration (the last
   // module's gradients are ready first), the root's last.
@@ -366,11 +487,11 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
   std::vector<int> owner_of_bucket;
   if (options_.stage() == 3) {
     std::map<const void*, int> owner;
-    std::vector<int64_t> size_of(wrappers_.size(), 0);
-    for (size_t k = 0; k < wrappers_.size(); ++k)
-      for (const auto& p : wrappers_[k]->parameters()) size_of[k] += p.numel();
-    for (size_t k = 0; k < wrappers_.size(); ++k)
-      for (const auto& p : wrappers_[k]->parameters()) {
+    std::vector<int64_t> size_of(units_.size(), 0);
+    for (size_t k = 0; k < units_.size(); ++k)
+      for (const auto& p : units_[k]->parameters()) size_of[k] += p.numel();
+    for (size_t k = 0; k < units_.size(); ++k)
+      for (const auto& p : units_[k]->parameters()) {
         const void* key = p.unsafeGetTensorImpl();
         if (registrations[key] > 1) continue;
         auto it = owner.find(key);

@@ -403,6 +403,8 @@ TEST(RunConfig, LaunchedEnvironmentResolvesToTheConfiguration) {
                 c.fsdp_config.at("fsdp_sharding_strategy") == "SHARD_GRAD_OP" ? 2 : 3);
       EXPECT_EQ(run.sharding->state_dict_type(), c.fsdp_config.at("fsdp_state_dict_type"));
       EXPECT_EQ(run.sharding->offload_optimizer(), c.fsdp_config.at("fsdp_offload_params") == "true");
+      EXPECT_EQ(run.sharding->transformer_layer_cls_to_wrap(),
+                std::vector<std::string>{c.fsdp_config.at("fsdp_transformer_layer_cls_to_wrap")});
     } else {
       EXPECT_FALSE(run.sharding);
     }

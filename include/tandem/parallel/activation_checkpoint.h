@@ -159,10 +159,11 @@ std::vector<std::shared_ptr<CheckpointedImpl>> checkpoint_sequential_entries(
 /// for which `predicate` is true in a Checkpointed module; entries that do not match are searched
 /// further. Parameter names are unchanged. Returns the wrappers made.
 ///
-/// Only Sequential entries can be wrapped from outside: a module that its parent calls through
-/// its own member (`blocks[i](x)` in a hand-written forward) is wrapped where it is built
-/// (`register_module("h0", Checkpointed(Block()))`). A predicate that matches such a module
-/// while nothing at all was wrapped is an error that says so.
+/// A matching module that its parent calls through its own member (`blocks[i](x)` in a
+/// hand-written forward) is checkpointed through a forward hook when it is hookable (declared
+/// with TANDEM_MODULE, tandem/nn/module.h; it is not among the wrappers returned: describe_hooks
+/// shows it); one that is not hookable cannot be reached from outside, and matching it is an
+/// error that says so (wrap it where it is built: `register_module("h0", Checkpointed(Block()))`).
 ///
 /// Example:
 ///   tandem::parallel::apply_activation_checkpointing(*model, [](const std::string&, torch::nn::Module& m) {
@@ -170,6 +171,17 @@ std::vector<std::shared_ptr<CheckpointedImpl>> checkpoint_sequential_entries(
 ///   });
 std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
     torch::nn::Module& model, const CheckpointPredicate& predicate, CheckpointOptions options = {});
+
+/// What activation checkpointing from the configuration checkpoints (fsdp_activation_checkpointing,
+/// --activation_checkpointing): with `classes` (fsdp_transformer_layer_cls_to_wrap), every module
+/// of those classes; without, every entry of a Sequential model, else the outermost Sequential
+/// entries and modules declared with TANDEM_MODULE (not tandem::nn's standard layers). Sequential
+/// entries are wrapped in Checkpointed, hookable modules get a forward hook. Throws
+/// std::invalid_argument when a class names no module, a module of a named class cannot be
+/// reached (a typed member not declared with TANDEM_MODULE), or nothing at all was reached.
+/// Returns how many modules are checkpointed.
+int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::string>& classes = {},
+                            CheckpointOptions options = {});
 
 /// Whether the launcher asked for activation checkpointing: TANDEM_ACTIVATION_CHECKPOINTING
 /// (what `tandem launch` exports for `fsdp_config: {fsdp_activation_checkpointing: true}` or

@@ -8,6 +8,7 @@
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <memory>
 
 namespace tandem::parallel {
@@ -62,11 +63,17 @@ class ShardedImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Sharded);
 
+/// Which entries wrap_sequential_entries wraps (besides their size); empty: every one.
+using UnitPredicate = std::function<bool(torch::nn::Module&)>;
+
 /// Wraps every entry of every Sequential inside `model` (the model itself included) that has at
-/// least `min_num_params` parameters in a Sharded module, in place (the Sequential's children
-/// and parameter names are unchanged). Entries already wrapped, and Sequentials inside a wrapped
-/// entry, are left alone. Returns the wrappers made.
+/// least `min_num_params` parameters (and for which `predicate` holds) in a Sharded module, in
+/// place: the wrapper takes the entry's place in the Sequential and among its registered
+/// children (named_modules() shows it), and parameter names are unchanged. Entries already
+/// wrapped, and Sequentials inside a wrapped entry, are left alone; entries not wrapped are
+/// searched further. Returns the wrappers made.
 std::vector<std::shared_ptr<ShardedImpl>> wrap_sequential_entries(torch::nn::Module& model,
-                                                                  int64_t min_num_params = 1);
+                                                                  int64_t min_num_params = 1,
+                                                                  const UnitPredicate& predicate = {});
 
 }  // namespace tandem::parallel

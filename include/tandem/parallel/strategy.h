@@ -63,6 +63,12 @@ struct ShardingOptions {
   /// modules the user wrapped in parallel::Sharded).
   TORCH_ARG(std::string, auto_wrap_policy) = "TRANSFORMER_BASED_WRAP";
   TORCH_ARG(int64_t, min_num_params) = 1;
+  /// Stage 3 with TRANSFORMER_BASED_WRAP (Accelerate's fsdp_transformer_layer_cls_to_wrap):
+  /// the class names of the model's blocks, as declared (TANDEM_MODULE(Block): "Block"); every
+  /// module of one of them is a unit (a hookable one through a forward hook, a Sequential entry
+  /// through a Sharded wrapper). Empty: every Sequential entry and every outermost hookable
+  /// module a user declared (Note [ZeRO-3 units on hooks]).
+  TORCH_ARG(std::vector<std::string>, transformer_layer_cls_to_wrap);
   /// Where the options came from, for messages ("deepspeed_config", "fsdp_config", ...).
   TORCH_ARG(std::string, origin) = "AcceleratorOptions::sharding";
 };

@@ -210,6 +210,11 @@ enum class ParallelStyle {
   /// (sums) the gradient over the tp group, since each rank's gradient is the sum over its own
   /// positions only.
   kSequenceParallel,
+  /// A module whose random numbers must differ per tp rank (dropout on sequence shards, or on
+  /// activations split by a tensor-parallel layer): its forward draws from this tp rank's
+  /// stream (TensorParallelRng(seed, tp rank)) through a forward hook, so the module must be
+  /// hookable (tandem::nn::Dropout, or a TANDEM_MODULE type). Its parameters stay as they are.
+  kRankRandom,
 };
 
 /// One entry of a plan: the module paths it matches and how they are split.
@@ -228,6 +233,9 @@ struct PlanEntry {
   /// kRowwise: the output is reduce-scattered along the sequence. See
   /// ColumnParallelLinearOptions::sequence_parallel and RowParallelLinearOptions's.
   bool sequence_parallel = false;
+  /// kRankRandom: the seed of the per-rank stream (the same on every rank; the stream of tp
+  /// rank r is seeded seed + 2718 + r, Megatron's offset).
+  uint64_t seed = 0;
 };
 
 /// Which layers of a model become tensor parallel, and how.
@@ -260,6 +268,9 @@ struct TensorParallelPlan {
   /// kSequenceParallel: a per-token module (a norm) on sequence shards, its replicated
   /// parameters' gradients summed over the tp group.
   TensorParallelPlan& sequence_parallel(const std::string& pattern);
+  /// kRankRandom: the modules matching `pattern` draw from this tp rank's stream, seeded
+  /// `seed` (the same on every rank).
+  TensorParallelPlan& rank_random(const std::string& pattern, uint64_t seed);
 };
 
 /// Whether `path` matches `pattern` (`*`: any characters except '.').

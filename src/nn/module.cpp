@@ -1,0 +1,103 @@
+// Module hooks (see module.h, Note [Forward hooks]).
+#include "tandem/nn/module.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace tandem::nn {
+
+void ForwardHooks::add(const std::string& name, int order, ForwardWrapper wrapper) {
+  remove(name);
+  Entry e{name, order, std::move(wrapper)};
+  auto at = std::upper_bound(entries_.begin(), entries_.end(), order,
+                             [](int o, const Entry& x) { return o < x.order; });
+  entries_.insert(at, std::move(e));
+}
+
+bool ForwardHooks::remove(const std::string& name) {
+  auto it = std::find_if(entries_.begin(), entries_.end(),
+                         [&](const Entry& e) { return e.name == name; });
+  if (it == entries_.end()) return false;
+  entries_.erase(it);
+  return true;
+}
+
+bool ForwardHooks::contains(const std::string& name) const {
+  return std::any_of(entries_.begin(), entries_.end(),
+                     [&](const Entry& e) { return e.name == name; });
+}
+
+void ForwardHooks::redirect(std::shared_ptr<torch::nn::Module> module, TensorFunction call,
+                            const std::string& what) {
+  redirect_ = std::move(module);
+  redirect_call_ = std::move(call);
+  redirect_what_ = what;
+}
+
+std::vector<std::string> ForwardHooks::names() const {
+  std::vector<std::string> out;
+  for (const auto& e : entries_) out.push_back(e.name);
+  if (redirect_call_) out.push_back("redirect: " + redirect_what_);
+  return out;
+}
+
+std::vector<at::Tensor> ForwardHooks::run(const std::vector<at::Tensor>& inputs,
+                                          const TensorFunction& forward) const {
+  // Each link owns its wrapper and the rest of the chain: a wrapper may keep `next` for later
+  // (activation checkpointing runs it again in the backward).
+  TensorFunction chain = redirect_call_ ? redirect_call_ : forward;
+  for (size_t i = entries_.size(); i-- > 0;) {
+    auto wrapper = entries_[i].wrapper;
+    chain = [wrapper, inner = std::move(chain)](const std::vector<at::Tensor>& in) {
+      return wrapper(in, inner);
+    };
+  }
+  return chain(inputs);
+}
+
+void Hookable::register_forward_pre_hook(const std::string& name,
+                                         std::function<void(const std::vector<at::Tensor>&)> pre) {
+  hooks().add(name, order::kUser,
+              [pre = std::move(pre)](const std::vector<at::Tensor>& in, const TensorFunction& next) {
+                pre(in);
+                return next(in);
+              });
+}
+
+void Hookable::register_forward_hook(
+    const std::string& name,
+    std::function<void(const std::vector<at::Tensor>&, std::vector<at::Tensor>&)> post) {
+  hooks().add(name, order::kUser,
+              [post = std::move(post)](const std::vector<at::Tensor>& in, const TensorFunction& next) {
+                auto out = next(in);
+                post(in, out);
+                return out;
+              });
+}
+
+std::string module_type_name(const torch::nn::Module& module) {
+  if (auto* h = dynamic_cast<const Hookable*>(&module)) return h->type_name();
+  auto n = module.name();
+  if (auto lt = n.find('<'); lt != std::string::npos) n = n.substr(0, lt);
+  if (auto colon = n.rfind("::"); colon != std::string::npos) n = n.substr(colon + 2);
+  if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n.resize(n.size() - 4);
+  return n;
+}
+
+std::vector<std::pair<std::string, std::vector<std::string>>> describe_hooks(
+    torch::nn::Module& model) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> out;
+  for (const auto& item : model.named_modules()) {
+    auto* h = dynamic_cast<Hookable*>(item.value().get());
+    if (h && h->has_hooks()) out.emplace_back(item.key(), h->hooks_if_any()->names());
+  }
+  return out;
+}
+
+namespace detail {
+void refuse_hooked_call(const std::string& type, const char* why) {
+  throw std::invalid_argument("tandem::nn hooks on " + type + ": " + why);
+}
+}  // namespace detail
+
+}  // namespace tandem::nn
