@@ -357,6 +357,16 @@ Accelerator::NoSyncScope::~NoSyncScope() {
 
 Accelerator::NoSyncScope Accelerator::no_sync() { return NoSyncScope(this); }
 
+Accelerator::FullParamsScope::FullParamsScope(Accelerator* acc) : acc_(acc) {
+  acc_->strategy_->gather_units();
+}
+
+Accelerator::FullParamsScope::~FullParamsScope() {
+  if (acc_) acc_->strategy_->release_units();
+}
+
+Accelerator::FullParamsScope Accelerator::summon_full_params() { return FullParamsScope(this); }
+
 double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
                                     double norm_type) {
   if (!sync_gradients_) return 0.0;

@@ -1,15 +1,16 @@
 // The CPU math libraries a process has loaded (see runtime.h).
 #include "tandem/runtime.h"
 
-#include "tandem/launch/launcher.h"
 
 #include <dlfcn.h>
 #include <link.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cctype>
 #include <climits>
 #include <cstdlib>
@@ -17,8 +18,25 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 
 namespace tandem {
+
+std::vector<int> usable_cpus() {
+  std::vector<int> out;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) out.push_back(c);
+  }
+  if (out.empty()) {
+    const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned c = 0; c < n; ++c) out.push_back(static_cast<int>(c));
+  }
+  return out;
+}
+
 namespace {
 
 std::string resolved(const char* path) {
@@ -170,7 +188,7 @@ CpuRuntime cpu_runtime() {
   r.inter_op_threads = at::get_num_interop_threads();
   if (env.count("OMP_NUM_THREADS")) r.omp_num_threads = variable("OMP_NUM_THREADS");
   r.onednn = at::hasMKLDNN();
-  r.usable_cores = static_cast<int>(launch::usable_cpus().size());
+  r.usable_cores = static_cast<int>(usable_cpus().size());
   r.online_cores = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
   return r;
 }

@@ -295,6 +295,25 @@ class Accelerator {
     return no_sync();
   }
 
+  /// RAII scope in which every parameter of the prepared models is whole on every rank (FSDP's
+  /// summon_full_params): under ZeRO-3 a unit's parameters have no storage between its uses, so
+  /// reading them (model->parameters(), a norm, an EMA copy) needs this scope; elsewhere it does
+  /// nothing. Every rank of the data-parallel group enters it together (stage 3 all-gathers).
+  /// Read-only: the optimizer's shards stay the truth, and changes made in the scope are lost.
+  ///
+  /// Example:
+  ///   { auto full = acc.summon_full_params(); std::cout << model->fc->weight.norm(); }
+  class FullParamsScope {
+   public:
+    explicit FullParamsScope(Accelerator* acc);
+    FullParamsScope(FullParamsScope&& o) noexcept : acc_(o.acc_) { o.acc_ = nullptr; }
+    ~FullParamsScope();
+
+   private:
+    Accelerator* acc_;
+  };
+  FullParamsScope summon_full_params();
+
   /// Clips the (reduced) gradients' total norm to max_norm; returns the total norm before
   /// clipping. Does nothing off a synchronisation boundary (returns 0). Under fp16 the
   /// gradients are unscaled first (unscale_gradients), so the norm is that of the true

@@ -8,6 +8,10 @@
 
 namespace tandem {
 
+/// The cores this process may run on (its affinity mask), ascending; hardware_concurrency()'s
+/// when the mask cannot be read. The launcher divides them among its ranks.
+std::vector<int> usable_cpus();
+
 /// The CPU math libraries of this process.
 struct CpuRuntime {
   /// The library LibTorch's BLAS calls bind to (the provider of sgemm_), resolved through

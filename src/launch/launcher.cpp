@@ -478,21 +478,6 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
   return plan;
 }
 
-std::vector<int> usable_cpus() {
-  std::vector<int> out;
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof(set), &set) == 0) {
-    for (int c = 0; c < CPU_SETSIZE; ++c)
-      if (CPU_ISSET(c, &set)) out.push_back(c);
-  }
-  if (out.empty()) {
-    const unsigned n = std::max(1u, std::thread::hardware_concurrency());
-    for (unsigned c = 0; c < n; ++c) out.push_back(static_cast<int>(c));
-  }
-  return out;
-}
-
 // Note [Threads per rank]: a rank gets the cores of the launcher's affinity mask divided among
 // the local ranks, and never more threads than LibTorch gives the same program started by hand
 // (c10::TaskThreadPoolBase::defaultNumThreads(): hardware_concurrency() / 2 on x86-64 in

@@ -448,8 +448,10 @@ std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
     throw std::invalid_argument(
         "apply_activation_checkpointing: the predicate matches " + names +
         ", which " + (unreachable.size() == 1 ? "is" : "are") +
-        " neither an entry of a Sequential nor hookable, so it cannot be checkpointed from "
-        "outside (its parent calls it through its own member). Declare its type with "
+        " neither an entry of a Sequential nor hookable, so " +
+        (unreachable.size() == 1 ? "it" : "they") +
+        " cannot be checkpointed from outside (a parent calls it through its own member). "
+        "Declare its type with "
         "TANDEM_MODULE(Name) instead of TORCH_MODULE(Name) (tandem/nn/module.h), wrap it where "
         "it is built (register_module(\"h0\", tandem::parallel::Checkpointed(Block(...)))), or "
         "hold it in a torch::nn::Sequential");

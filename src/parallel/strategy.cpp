@@ -111,7 +111,14 @@ std::string unsupported_sharding_message(const ShardingOptions& o) {
 std::unique_ptr<Strategy> make_strategy(DistributedType type,
                                         const std::optional<ShardingOptions>& sharding,
                                         StrategyContext context) {
-  (void)type;  // data parallel and ZeRO run the same on CPU and GPU
+  // The type decides the family: DEEPSPEED and FSDP shard as their options say (stage 0,
+  // NO_SHARD: data parallel); the others run data parallel unless the program itself asked for
+  // a sharding (AcceleratorOptions().sharding). CPU and GPU run the same strategies.
+  if ((type == DistributedType::kDeepSpeed || type == DistributedType::kFsdp) && !sharding)
+    throw std::invalid_argument(
+        context.pg->prefix() + " distributed_type " + to_string(type) +
+        " without sharding options: set them (tandem launch --zero_stage / --fsdp_sharding_strategy, "
+        "the config file's deepspeed_config / fsdp_config, or AcceleratorOptions().sharding)");
   if (!sharding || sharding->stage() == 0) return std::make_unique<DdpStrategy>(std::move(context));
   auto msg = unsupported_sharding_message(*sharding);
   if (!msg.empty()) throw std::invalid_argument(context.pg->prefix() + " " + msg);

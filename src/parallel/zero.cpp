@@ -300,6 +300,14 @@ class ZeroStrategy : public Strategy {
       torch::optim::Optimizer& optimizer, int saved_world,
       const std::function<std::string(int)>& json_of,
       const std::function<at::Tensor(int, const std::string&)>& tensor_of) override;
+  void gather_units() override {
+    for (auto& s : sharded_)
+      for (auto& u : s->units) gather_unit(u, *ctx_.pg);
+  }
+  void release_units() override {
+    for (auto& s : sharded_)
+      for (auto& u : s->units) release_unit(u);
+  }
   std::vector<const GradientReducer*> reducers() const override {
     std::vector<const GradientReducer*> out;
     for (const auto& s : sharded_) out.push_back(s->reducer.get());

@@ -2,6 +2,8 @@
 // prefixed by rank, fail-fast when one rank fails, signals forwarded, restarts.
 #pragma once
 
+#include "tandem/runtime.h"
+
 #include <torch/arg.h>
 
 #include <map>
@@ -56,8 +58,8 @@ struct RankPlan {
   std::vector<int> cpus;  ///< cores the rank is bound to; empty: not bound
 };
 
-/// The cores this process may run on (its affinity mask), ascending.
-std::vector<int> usable_cpus();
+/// The cores this process may run on (tandem/runtime.h, below the launcher).
+using ::tandem::usable_cpus;
 
 /// Intra-op threads per local process when neither --num_cpu_threads_per_process nor
 /// OMP_NUM_THREADS chose them: usable_cores / local_processes (at least 1), and never more than

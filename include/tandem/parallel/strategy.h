@@ -149,6 +149,10 @@ class Strategy {
   virtual void load_model_state(torch::nn::Module& model, const std::string& path);
   /// The gradient reducers (for timelines and tests).
   virtual std::vector<const GradientReducer*> reducers() const = 0;
+  /// Stage 3: gathers every unit's parameters (gather_units) until release_units; elsewhere
+  /// nothing (the parameters are always whole).
+  virtual void gather_units() {}
+  virtual void release_units() {}
 };
 
 /// Why `sharding` cannot run ("" when it can): a stage outside 0-3, parameter offload below stage 3.
