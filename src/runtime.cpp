@@ -1,6 +1,6 @@
 // The CPU math libraries a process has loaded (see runtime.h).
 #include "tandem/runtime.h"
-
+#include "tandem/state.h"
 
 #include <dlfcn.h>
 #include <link.h>
