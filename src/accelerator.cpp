@@ -10,7 +10,7 @@
 #include <set>
 #include <stdexcept>
 
-#include "detail/env.h"
+#include "tandem/config/run_config.h"
 #include "tandem/launch/resolve.h"
 #include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/tensor_parallel.h"
@@ -18,18 +18,6 @@
 
 namespace tandem {
 namespace {
-
-using detail::env;
-
-int env_positive_int(const char* key, const std::string& v) {
-  try {
-    size_t pos = 0;
-    int x = std::stoi(v, &pos);
-    if (pos == v.size() && x >= 1) return x;
-  } catch (const std::exception&) {
-  }
-  throw std::invalid_argument(std::string(key) + "='" + v + "' must be a positive integer");
-}
 
 // The entries of `plan` that match modules of this pipeline stage. Every entry must match on at
 // least one stage (counted over `pp`, so every rank agrees and refuses together).
@@ -64,80 +52,30 @@ parallel::TensorParallelPlan stage_plan(const parallel::TensorParallelPlan& plan
 }  // namespace
 
 Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(options)) {
-  state_ = ProcessState::from_environment();
-  if (auto type = env("TANDEM_DISTRIBUTED_TYPE")) {
-    auto msg = launch::unavailable_strategy_message(*type);
-    if (!msg.empty())
-      throw std::invalid_argument(state_.prefix() + " TANDEM_DISTRIBUTED_TYPE=" + *type + ": " + msg);
-    try {
-      distributed_type_ = parallel::distributed_type_from_name(*type);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(state_.prefix() + " TANDEM_DISTRIBUTED_TYPE: " + e.what());
-    }
-  }
-  if (!options_.sharding()) {
-    try {
-      options_.sharding(parallel::sharding_from_environment(current_environment()));
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(state_.prefix() + " " + e.what());
-    }
-  }
-  if (options_.sharding()) {
-    auto msg = parallel::unsupported_sharding_message(*options_.sharding());
-    if (!msg.empty()) throw std::invalid_argument(state_.prefix() + " " + msg);
-  }
-  bool cpu;
-  try {
-    cpu = options_.cpu().value_or(::tandem::detail::env_bool("TANDEM_USE_CPU").value_or(false));
-    if (!options_.gradient_as_bucket_view())
-      options_.gradient_as_bucket_view(
-          ::tandem::detail::env_bool("TANDEM_GRADIENT_AS_BUCKET_VIEW").value_or(false));
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(state_.prefix() + " " + e.what());
-  }
-  device_ = select_device(state_, cpu);
-  if (auto steps = options_.gradient_accumulation_steps()) {
-    if (*steps < 1)
-      throw std::invalid_argument(state_.prefix() + " gradient_accumulation_steps is " +
-                                  std::to_string(*steps) + "; it must be at least 1");
-    accumulation_steps_ = *steps;
-  } else if (auto v = env("TANDEM_GRADIENT_ACCUMULATION_STEPS")) {
-    accumulation_steps_ = env_positive_int("TANDEM_GRADIENT_ACCUMULATION_STEPS", *v);
-  }
-  if (auto threads = env("TANDEM_NUM_CPU_THREADS"))
-    torch::set_num_threads(env_positive_int("TANDEM_NUM_CPU_THREADS", *threads));
-  if (!options_.gradient_clipping()) {
-    if (auto v = env("TANDEM_GRADIENT_CLIPPING")) {
-      try {
-        size_t pos = 0;
-        double x = std::stod(*v, &pos);
-        if (pos != v->size() || x < 0) throw std::invalid_argument("");
-        options_.gradient_clipping(x);
-      } catch (const std::exception&) {
-        throw std::invalid_argument(state_.prefix() + " TANDEM_GRADIENT_CLIPPING='" + *v +
-                                    "' (deepspeed_config.gradient_clipping) must be a number >= 0");
-      }
-    }
-  }
-  if (!options_.comm_hook())
-    options_.comm_hook(env("TANDEM_DDP_COMM_HOOK").value_or("none"));
-  try {
-    parallel::comm_hook_from_name(*options_.comm_hook());
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(state_.prefix() + " comm_hook: " + e.what());
-  }
-  if (options_.bucket_cap_mb() <= 0 || options_.first_bucket_cap_mb() <= 0)
-    throw std::invalid_argument(state_.prefix() + " bucket_cap_mb and first_bucket_cap_mb must be "
-                                "positive");
+  // Note [The environment is read in one place]: every setting is resolved here, once, from the
+  // options over one snapshot of the environment; the parts below are built from the result.
+  config_ = config::resolve_run_config(options_, current_environment());
+  const config::RunConfig& run = config_;
+  state_ = run.process;
+  distributed_type_ = run.distributed_type;
+  // The resolved values stand in the options too, which the other members read.
+  options_.sharding(run.sharding)
+      .gradient_as_bucket_view(run.gradient_as_bucket_view)
+      .gradient_clipping(run.gradient_clipping)
+      .comm_hook(run.comm_hook);
+  if (run.debug && state_.rank == 0) std::cerr << config::describe(run);
+  device_ = select_device(state_, run.cpu);
+  accumulation_steps_ = run.gradient_accumulation_steps;
+  if (run.num_threads) torch::set_num_threads(*run.num_threads);
   // Refuses impossible modes before joining the job.
   precision_ = std::make_unique<precision::MixedPrecision>(
       precision::MixedPrecisionOptions()
-          .mode(options_.mixed_precision())
+          .mode(run.mixed_precision)
           .master_weights(options_.master_weights())
-          .downcast_bf16(options_.downcast_bf16())
+          .downcast_bf16(run.downcast_bf16)
           .loss_scaling(options_.loss_scaling())
           .grad_scaler(options_.grad_scaler())
-          .fp8(options_.fp8()),
+          .fp8(run.fp8),
       device_.type(), state_.prefix());
   if (precision_->fp8()) options_.fp8(*precision_->fp8());
   // Said once per job, by the main process: the slowest mistake a CPU run can make.
@@ -150,13 +88,7 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   // Model parallel: a device mesh when tp or pp is above 1; data parallel then runs over its
   // "dp" dimension.
   dp_ = pg_;
-  comm::MeshShape shape;
-  try {
-    shape = options_.parallelism().value_or(comm::mesh_shape_from_environment());
-    if (!shape.empty()) shape = shape.resolve(state_.world_size, state_.local_world_size);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(state_.prefix() + " parallelism: " + e.what());
-  }
+  const comm::MeshShape shape = run.mesh_shape;  // resolved against the world
   tp_size_ = shape.empty() ? 1 : shape.tp;
   pp_size_ = shape.empty() ? 1 : shape.pp;
   // Note [Pipelines and ZeRO]: refused here, before any training, so that a program that
@@ -179,19 +111,18 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
     }
     dp_ = (*mesh_)["dp"];
   }
-  activation_checkpointing_ = options_.activation_checkpointing().value_or(
-      parallel::activation_checkpointing_from_environment());
+  activation_checkpointing_ = run.activation_checkpointing;
   parallel::StrategyContext ctx;
   ctx.pg = dp_;
   ctx.device = device_;
   ctx.master_weights = precision_->policy().master_weights;
   ctx.reducer = parallel::ReducerOptions()
-                    .bucket_cap_mb(options_.bucket_cap_mb())
-                    .first_bucket_cap_mb(options_.first_bucket_cap_mb())
+                    .bucket_cap_mb(run.bucket_cap_mb)
+                    .first_bucket_cap_mb(run.first_bucket_cap_mb)
                     .find_unused_parameters(options_.find_unused_parameters())
-                    .comm_hook(parallel::comm_hook_from_name(*options_.comm_hook()))
-                    .gradient_as_bucket_view(*options_.gradient_as_bucket_view());
-  strategy_ = parallel::make_strategy(distributed_type_, options_.sharding(), std::move(ctx));
+                    .comm_hook(parallel::comm_hook_from_name(run.comm_hook))
+                    .gradient_as_bucket_view(run.gradient_as_bucket_view);
+  strategy_ = parallel::make_strategy(distributed_type_, run.sharding, std::move(ctx));
   recorder_ = std::make_unique<track::RunRecorder>(
       track::RunRecorderOptions()
           .rank(state_.rank)
@@ -200,7 +131,7 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
           .logging_dir(options_.logging_dir().empty()
                            ? (std::filesystem::path(options_.project_dir()) / "logs").string()
                            : options_.logging_dir())
-          .timeline_dir(options_.timeline_dir()),
+          .timeline_dir(run.timeline_dir),
       loader_state_.get());
   if (options_.seed()) set_seed(*options_.seed());
   // A log always says what ran.

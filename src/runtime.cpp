@@ -1,6 +1,6 @@
 // The CPU math libraries a process has loaded (see runtime.h).
 #include "tandem/runtime.h"
-
+#include "tandem/state.h"
 
 #include <dlfcn.h>
 #include <link.h>
@@ -118,6 +118,14 @@ std::vector<std::string> cpu_flags() {
 
 CpuRuntime cpu_runtime() {
   CpuRuntime r;
+  // The variables other libraries read, from one snapshot (Note [The environment is read in
+  // one place]).
+  const EnvMap env = current_environment();
+  auto variable = [&env](const char* name) {
+    auto it = env.find(name);
+    return it == env.end() ? std::string() : it->second;
+  };
+  r.blas_core_forced = variable("OPENBLAS_CORETYPE");
   for (const auto& path : loaded_objects()) {
     const auto name = base_name(path);
     if (starts_with(name, "libgomp.so") || starts_with(name, "libiomp5") ||
@@ -151,8 +159,7 @@ CpuRuntime cpu_runtime() {
         r.blas_config = config();
       if (auto core = reinterpret_cast<ConfigFn>(::dlsym(h, "openblas_get_corename"))) {
         r.blas_core = core();
-        const char* forced = std::getenv("OPENBLAS_CORETYPE");
-        if (!forced || !*forced)  // a user's choice stands
+        if (r.blas_core_forced.empty())  // a user's choice stands
           r.blas_core_better = openblas_better_coretype(r.blas_core, cpu_flags());
       }
       if (auto par = reinterpret_cast<ParallelFn>(::dlsym(h, "openblas_get_parallel"))) {
@@ -179,7 +186,7 @@ CpuRuntime cpu_runtime() {
   }
   r.intra_op_threads = at::get_num_threads();
   r.inter_op_threads = at::get_num_interop_threads();
-  if (const char* omp = std::getenv("OMP_NUM_THREADS")) r.omp_num_threads = omp;
+  if (env.count("OMP_NUM_THREADS")) r.omp_num_threads = variable("OMP_NUM_THREADS");
   r.onednn = at::hasMKLDNN();
   r.usable_cores = static_cast<int>(usable_cpus().size());
   r.online_cores = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
@@ -196,8 +203,7 @@ std::string cpu_runtime_report(const CpuRuntime& r) {
        << (r.blas_threading.empty() ? "" : ", threading " + r.blas_threading) << "\n";
   if (!r.blas_core.empty()) {
     os << "BLAS kernels: " << r.blas_core;
-    if (const char* forced = std::getenv("OPENBLAS_CORETYPE"); forced && *forced)
-      os << " (OPENBLAS_CORETYPE=" << forced << ")";
+    if (!r.blas_core_forced.empty()) os << " (OPENBLAS_CORETYPE=" << r.blas_core_forced << ")";
     if (!r.blas_core_better.empty())
       os << " (narrower than this CPU: OPENBLAS_CORETYPE=" << r.blas_core_better
          << " selects its kernels; tandem launch sets it for its ranks)";

@@ -1,5 +1,6 @@
 // Reading the process's place in the job from the environment of each supported launcher.
 #include "tandem/state.h"
+#include "tandem/config/run_env.h"
 
 #include <torch/cuda.h>
 
@@ -118,11 +119,28 @@ EnvMap current_environment() {
   return env;
 }
 
+namespace {
+
+ProcessState from_launcher_env(const EnvMap& env);
+
+}  // namespace
+
 ProcessState ProcessState::from_env(const EnvMap& env) {
+  ProcessState s = from_launcher_env(env);
+  // Note [The environment is read in one place]: the process's own facts, whatever launched it.
+  if (auto v = get(env, config::var::kErrorFile)) s.error_file = *v;
+  if (auto v = get(env, config::var::kLocalAddr)) s.local_addr = *v;
+  if (auto v = get(env, "GLOO_SOCKET_IFNAME")) s.socket_ifname = *v;
+  return s;
+}
+
+namespace {
+
+ProcessState from_launcher_env(const EnvMap& env) {
   ProcessState s;
   if (get(env, "RANK") || get(env, "WORLD_SIZE")) {
     // tandem launch, torchrun and Kubernetes PyTorchJob all speak torchrun's variables.
-    s.launcher = get(env, "TANDEM_LAUNCHER") ? LauncherKind::kTandem : LauncherKind::kTorchrun;
+    s.launcher = get(env, config::var::kLauncher) ? LauncherKind::kTandem : LauncherKind::kTorchrun;
     Names n{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"};
     if (!get(env, "WORLD_SIZE"))
       throw std::invalid_argument("RANK is set but WORLD_SIZE is not: set WORLD_SIZE too");
@@ -193,6 +211,8 @@ ProcessState ProcessState::from_env(const EnvMap& env) {
   }
   return s;  // not launched: one process
 }
+
+}  // namespace
 
 ProcessState ProcessState::from_environment() { return from_env(current_environment()); }
 

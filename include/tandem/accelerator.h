@@ -21,6 +21,7 @@
 #include "tandem/comm/collectives.h"
 #include "tandem/comm/mesh.h"
 #include "tandem/comm/process_group.h"
+#include "tandem/config/run_config.h"
 #include "tandem/data/loader.h"
 #include "tandem/optimizer.h"
 #include "tandem/parallel/ddp.h"
@@ -464,6 +465,8 @@ class Accelerator {
   const parallel::Strategy& strategy() const { return *strategy_; }
   /// The distributed type this run was started with.
   parallel::DistributedType distributed_type() const { return distributed_type_; }
+  /// Every setting of this run, resolved once from the options and the environment.
+  const config::RunConfig& run_config() const { return config_; }
   /// The shared state of the prepared loaders.
   const data::LoaderState& loader_state() const { return *loader_state_; }
   /// Number of optimizer steps taken (on boundaries).
@@ -491,6 +494,7 @@ class Accelerator {
   std::map<std::string, std::string> model_parallel_metadata(torch::nn::Module& model) const;
 
   AcceleratorOptions options_;
+  config::RunConfig config_;  // Note [The environment is read in one place]
   // Cell the prepared optimizers reach this Accelerator through; null once it is destroyed
   // (Note [Accelerator lifetime]).
   std::shared_ptr<Accelerator*> self_ = std::make_shared<Accelerator*>(this);

@@ -29,6 +29,8 @@ struct CpuRuntime {
   /// OpenBLAS: the OPENBLAS_CORETYPE that would give this CPU wider vector kernels than
   /// blas_core (Note [OpenBLAS kernels]); "" when blas_core already fits.
   std::string blas_core_better;
+  /// OPENBLAS_CORETYPE as set in the environment (a user's choice of kernels), or "".
+  std::string blas_core_forced;
   /// The provider of LAPACK's sgetrf_, resolved; "" when none is loaded.
   std::string lapack_path;
   /// Loaded OpenMP runtimes (libgomp, libiomp5, libomp), resolved paths.

@@ -36,6 +36,13 @@ struct ProcessState {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   LauncherKind launcher = LauncherKind::kNone;
+  /// What the launcher tells this process about its transport and its failures (empty: unset):
+  /// the file a collective that failed because of a peer writes "peer" into (TANDEM_ERROR_FILE;
+  /// Note [Secondary failures]), the address Gloo listens on in a job of several machines
+  /// (TANDEM_LOCAL_ADDR), and the network interface Gloo uses (GLOO_SOCKET_IFNAME, which wins).
+  std::string error_file;
+  std::string local_addr;
+  std::string socket_ifname;
 
   /// Reads the state from a given environment. Throws std::invalid_argument naming the
   /// variable and its value when a value is malformed or inconsistent.

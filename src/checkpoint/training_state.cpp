@@ -39,6 +39,7 @@
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/comm/collectives.h"
 #include "tandem/comm/process_group.h"
+#include "tandem/config/run_config.h"
 #include "tandem/version.h"
 
 namespace tandem::checkpoint {
@@ -105,12 +106,12 @@ json parse_checkpoint_json(const std::string& text, const std::string& path,
 
 // Fault injection for the crash-consistency tests: TANDEM_CHECKPOINT_CRASH=<point> kills this
 // process with SIGKILL at that point of a save on the rank given by TANDEM_CHECKPOINT_CRASH_RANK
-// (default 0).
+// (default 0). A process-level switch, read by the config part at each save (Note [The
+// environment is read in one place]).
 void crash_point(const char* point, int rank) {
-  const char* want = std::getenv("TANDEM_CHECKPOINT_CRASH");
-  if (!want || std::string(want) != point) return;
-  const char* r = std::getenv("TANDEM_CHECKPOINT_CRASH_RANK");
-  if ((r ? std::atoi(r) : 0) == rank) ::kill(::getpid(), SIGKILL);
+  const auto f = config::fault_injection();
+  if (f.checkpoint_crash != point) return;
+  if (f.checkpoint_crash_rank == rank) ::kill(::getpid(), SIGKILL);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "tandem/comm/process_group.h"
+#include "tandem/config/run_config.h"
 
 namespace tandem::comm {
 namespace {
@@ -22,23 +23,6 @@ int product(const MeshDims& dims) {
   long long p = 1;
   for (const auto& d : dims) p *= d.second;
   return static_cast<int>(p);
-}
-
-int parse_size(const EnvMap& env, const std::string& key) {
-  auto it = env.find(key);
-  if (it == env.end() || it->second.empty()) return 0;
-  size_t used = 0;
-  int v = 0;
-  try {
-    v = std::stoi(it->second, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != it->second.size() || v < 1)
-    throw std::invalid_argument(key + "=" + it->second +
-                                " is not a mesh size: expected a positive integer (unset it to "
-                                "let tandem choose)");
-  return v;
 }
 
 }  // namespace
@@ -187,23 +171,17 @@ std::string MeshShape::to_string() const {
          " x tp " + s(tp);
 }
 
-MeshShape mesh_shape_from_env(const EnvMap& env) {
-  MeshShape s;
-  s.pp = parse_size(env, "TANDEM_PP_SIZE");
-  s.dp_replicate = parse_size(env, "TANDEM_DP_REPLICATE_SIZE");
-  s.dp_shard = parse_size(env, "TANDEM_DP_SHARD_SIZE");
-  s.tp = parse_size(env, "TANDEM_TP_SIZE");
-  return s;
-}
+// Note [The environment is read in one place]: the sizes are read by the run configuration.
+MeshShape mesh_shape_from_env(const EnvMap& env) { return config::mesh_shape_from_env(env); }
 
 MeshShape mesh_shape_from_environment() { return mesh_shape_from_env(current_environment()); }
 
 EnvMap mesh_shape_environment(const MeshShape& shape) {
   EnvMap env;
-  if (shape.pp) env["TANDEM_PP_SIZE"] = std::to_string(shape.pp);
-  if (shape.dp_replicate) env["TANDEM_DP_REPLICATE_SIZE"] = std::to_string(shape.dp_replicate);
-  if (shape.dp_shard) env["TANDEM_DP_SHARD_SIZE"] = std::to_string(shape.dp_shard);
-  if (shape.tp) env["TANDEM_TP_SIZE"] = std::to_string(shape.tp);
+  if (shape.pp) env[config::var::kPpSize] = std::to_string(shape.pp);
+  if (shape.dp_replicate) env[config::var::kDpReplicateSize] = std::to_string(shape.dp_replicate);
+  if (shape.dp_shard) env[config::var::kDpShardSize] = std::to_string(shape.dp_shard);
+  if (shape.tp) env[config::var::kTpSize] = std::to_string(shape.tp);
   return env;
 }
 

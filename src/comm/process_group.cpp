@@ -47,14 +47,15 @@ std::string first_line(const std::string& s) {
 }
 
 // Gloo needs a device (an address to listen on) for each rank: the interface GLOO_SOCKET_IFNAME
-// names; on a single machine the loopback address; else the address of this host's name.
+// names; on a single machine the loopback address; else TANDEM_LOCAL_ADDR, else the address of
+// this host's name (all read into ProcessState).
 std::shared_ptr<::gloo::transport::Device> make_gloo_device(const ProcessState& st) {
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
-    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  if (!st.socket_ifname.empty())
+    return c10d::ProcessGroupGloo::createDeviceForInterface(st.socket_ifname);
   if (is_loopback(st.master_addr))
     return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  if (const char* host = std::getenv("TANDEM_LOCAL_ADDR"); host && *host)
-    return c10d::ProcessGroupGloo::createDeviceForHostname(host);
+  if (!st.local_addr.empty())
+    return c10d::ProcessGroupGloo::createDeviceForHostname(st.local_addr);
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
@@ -81,8 +82,8 @@ void Work::wait() {
   } catch (const std::exception& e) {
     impl_->done = true;
     // Note [Secondary failures]: tell the launcher this rank failed because of a peer.
-    if (const char* file = std::getenv("TANDEM_ERROR_FILE"); file && *file) {
-      if (FILE* f = std::fopen(file, "w")) {
+    if (!impl_->error_file.empty()) {
+      if (FILE* f = std::fopen(impl_->error_file.c_str(), "w")) {
         std::fprintf(f, "peer %s\n", impl_->what.c_str());
         std::fclose(f);
       }
@@ -133,6 +134,7 @@ Work ProcessGroup::Impl::wrap(c10::intrusive_ptr<compat::Work> work, std::string
   w->work = std::move(work);
   w->what = std::move(what);
   w->prefix = prefix();
+  w->error_file = state.error_file;
   w->tensors = std::move(out);
   w->divide_by = divide_by;
   return Work(std::move(w));

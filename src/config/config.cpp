@@ -4,6 +4,7 @@
 #include "../detail/env.h"
 
 #include "tandem/comm/mesh.h"
+#include "tandem/config/run_env.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -851,7 +852,7 @@ std::string default_config_path(const EnvMap& env) {
     auto it = env.find(k);
     return it == env.end() ? std::string() : it->second;
   };
-  if (auto home = get("TANDEM_CONFIG_HOME"); !home.empty()) return home + "/default_config.yaml";
+  if (auto home = get(var::kConfigHome); !home.empty()) return home + "/default_config.yaml";
   if (auto xdg = get("XDG_CACHE_HOME"); !xdg.empty()) return xdg + "/tandem/default_config.yaml";
   std::string home = get("HOME");
   if (home.empty()) home = ".";

@@ -1,22 +1,14 @@
-// Reading settings from the environment and from text: the one vocabulary of booleans, and case
-// folding (shared by the library's source files; Note [One vocabulary of booleans]).
+// Reading settings from text: the one vocabulary of booleans, and case folding (shared by the
+// library's source files; Note [One vocabulary of booleans]). The environment itself is read by
+// the config part only (Note [The environment is read in one place]).
 #pragma once
 
 #include <algorithm>
 #include <cctype>
-#include <cstdlib>
-#include <optional>
 #include <stdexcept>
 #include <string>
 
 namespace tandem::detail {
-
-/// The variable's value, or nullopt when it is unset or empty.
-inline std::optional<std::string> env(const char* key) {
-  const char* v = std::getenv(key);
-  if (!v || !*v) return std::nullopt;
-  return std::string(v);
-}
 
 inline std::string lower(std::string s) {
   std::transform(s.begin(), s.end(), s.begin(),
@@ -44,13 +36,6 @@ inline bool parse_bool(const std::string& what, const std::string& value) {
   if (v == "false" || v == "no" || v == "off" || v == "n" || v == "0") return false;
   throw std::invalid_argument(what + ": got '" + value +
                               "', expected true or false (also yes/no, on/off, 1/0)");
-}
-
-/// The boolean TANDEM_* variable `key` (parse_bool), or nullopt when it is unset or empty.
-inline std::optional<bool> env_bool(const char* key) {
-  auto v = env(key);
-  if (!v) return std::nullopt;
-  return parse_bool(key, *v);
 }
 
 }  // namespace tandem::detail

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "tandem/comm/process_group.h"
+#include "tandem/config/run_env.h"
 
 namespace tandem::launch {
 namespace {
@@ -121,12 +122,12 @@ std::string describe_end(const Worker& w) {
   set("NODE_RANK", "0");
   set("MASTER_ADDR", o.master_addr());
   set("MASTER_PORT", std::to_string(port));
-  set("TANDEM_LAUNCHER", "1");
-  set("TANDEM_MIXED_PRECISION", o.mixed_precision());
-  set("TANDEM_NUM_CPU_THREADS", std::to_string(threads));
+  set(config::var::kLauncher, "1");
+  set(config::var::kMixedPrecision, o.mixed_precision());
+  set(config::var::kNumCpuThreads, std::to_string(threads));
   set("OMP_NUM_THREADS", std::to_string(threads));
-  if (o.cpu()) set("TANDEM_USE_CPU", "1");
-  if (!errors.empty()) set("TANDEM_ERROR_FILE", error_file(errors, rank));
+  if (o.cpu()) set(config::var::kUseCpu, "1");
+  if (!errors.empty()) set(config::var::kErrorFile, error_file(errors, rank));
   for (const auto& [k, v] : o.env()) set(k, v);
   at::set_num_threads(threads);
   auto tag = [&] {

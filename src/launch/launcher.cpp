@@ -24,6 +24,7 @@
 #include <c10/core/thread_pool.h>
 
 #include "tandem/comm/process_group.h"
+#include "tandem/config/run_env.h"
 
 namespace tandem::launch {
 namespace {
@@ -215,7 +216,7 @@ void spawn(Child& c, const LaunchOptions& opts) {
 // Note [Secondary failures]: tandem's collectives write "peer" into TANDEM_ERROR_FILE when they
 // fail because another rank went away (comm/process_group.cpp); the launcher reads it here.
 bool failed_because_of_peer(const Child& c) {
-  auto it = c.plan.env.find("TANDEM_ERROR_FILE");
+  auto it = c.plan.env.find(config::var::kErrorFile);
   if (it == c.plan.env.end()) return false;
   std::ifstream f(it->second);
   std::string word;
@@ -449,7 +450,7 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
     p.rank = o.machine_rank() * o.num_processes() + local;
     p.argv = command;
     p.env = o.extra_env();
-    p.env["TANDEM_LAUNCHER"] = "1";
+    p.env[config::var::kLauncher] = "1";
     p.env["RANK"] = std::to_string(p.rank);
     p.env["WORLD_SIZE"] = std::to_string(world);
     p.env["LOCAL_RANK"] = std::to_string(local);
@@ -459,7 +460,7 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
     p.env["MASTER_ADDR"] = o.main_process_ip();
     p.env["MASTER_PORT"] = std::to_string(port);
     if (!user_threads) p.env["OMP_NUM_THREADS"] = std::to_string(threads);
-    p.env["TANDEM_NUM_CPU_THREADS"] = std::to_string(threads);
+    p.env[config::var::kNumCpuThreads] = std::to_string(threads);
     if (!blas_core.empty() && !p.env.count("OPENBLAS_CORETYPE"))
       p.env["OPENBLAS_CORETYPE"] = blas_core;
     if (o.cpu_affinity()) {
@@ -468,10 +469,10 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
         p.cpus.push_back(cpus[static_cast<size_t>(local * threads + k)]);
         list += (k ? "," : "") + std::to_string(p.cpus.back());
       }
-      p.env["TANDEM_CPU_AFFINITY"] = list;
+      p.env[config::var::kCpuAffinity] = list;
     }
-    if (o.cpu()) p.env["TANDEM_USE_CPU"] = "1";
-    if (!environment.count("TANDEM_RESTART_COUNT")) p.env["TANDEM_RESTART_COUNT"] = "0";
+    if (o.cpu()) p.env[config::var::kUseCpu] = "1";
+    if (!environment.count(config::var::kRestartCount)) p.env[config::var::kRestartCount] = "0";
     plan.push_back(std::move(p));
   }
   return plan;
@@ -546,11 +547,11 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
     std::vector<Child> children(plan.size());
     for (size_t i = 0; i < plan.size(); ++i) {
       children[i].plan = plan[i];
-      children[i].plan.env["TANDEM_RESTART_COUNT"] = std::to_string(attempt);
+      children[i].plan.env[config::var::kRestartCount] = std::to_string(attempt);
       if (!error_dir.empty()) {
         std::string file = error_dir + "/rank" + std::to_string(plan[i].rank) + ".error";
         ::unlink(file.c_str());
-        children[i].plan.env["TANDEM_ERROR_FILE"] = file;
+        children[i].plan.env[config::var::kErrorFile] = file;
       }
     }
     bool interrupted = false;

@@ -3,6 +3,7 @@
 #include "tandem/launch/resolve.h"
 #include "../detail/env.h"
 #include "tandem/comm/mesh.h"
+#include "tandem/config/run_env.h"
 #include "tandem/parallel/strategy.h"
 
 #include <arpa/inet.h>
@@ -226,19 +227,22 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
 }
 
 EnvMap program_environment(const ResolvedLaunch& r) {
+  // Note [One table of variables]: every name written here has a row in config/run_env.h, read
+  // back by config::resolve_run_config.
+  namespace var = config::var;
   const auto& c = r.config;
   EnvMap env;
-  env["TANDEM_DISTRIBUTED_TYPE"] = r.distributed_type;
-  env["TANDEM_MIXED_PRECISION"] = c.mixed_precision;
-  env["TANDEM_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(c.gradient_accumulation_steps);
-  if (c.use_cpu) env["TANDEM_USE_CPU"] = "1";
-  if (c.num_machines > 1) env["TANDEM_NUM_MACHINES"] = std::to_string(c.num_machines);
-  if (c.debug) env["TANDEM_DEBUG"] = "1";
-  if (c.downcast_bf16) env["TANDEM_DOWNCAST_BF16"] = "1";
-  if (c.ddp_comm_hook != "none") env["TANDEM_DDP_COMM_HOOK"] = c.ddp_comm_hook;
-  if (c.gradient_as_bucket_view) env["TANDEM_GRADIENT_AS_BUCKET_VIEW"] = "1";
+  env[var::kDistributedType] = r.distributed_type;
+  env[var::kMixedPrecision] = c.mixed_precision;
+  env[var::kGradientAccumulationSteps] = std::to_string(c.gradient_accumulation_steps);
+  if (c.use_cpu) env[var::kUseCpu] = "1";
+  if (c.num_machines > 1) env[var::kNumMachines] = std::to_string(c.num_machines);
+  if (c.debug) env[var::kDebug] = "1";
+  if (c.downcast_bf16) env[var::kDowncastBf16] = "1";
+  if (c.ddp_comm_hook != "none") env[var::kDdpCommHook] = c.ddp_comm_hook;
+  if (c.gradient_as_bucket_view) env[var::kGradientAsBucketView] = "1";
   if (!c.use_cpu && !c.gpu_ids.empty()) {
-    env["TANDEM_GPU_IDS"] = c.gpu_ids;
+    env[var::kGpuIds] = c.gpu_ids;
     if (c.gpu_ids != "all") env["CUDA_VISIBLE_DEVICES"] = c.gpu_ids;
   }
   if (r.distributed_type == "DEEPSPEED") {
@@ -246,30 +250,32 @@ EnvMap program_environment(const ResolvedLaunch& r) {
       auto it = c.deepspeed_config.find(k);
       return it == c.deepspeed_config.end() ? fallback : it->second;
     };
-    env["TANDEM_ZERO_STAGE"] = get("zero_stage", "2");  // Accelerate's default stage
-    env["TANDEM_OFFLOAD_OPTIMIZER_DEVICE"] = get("offload_optimizer_device", "none");
-    env["TANDEM_OFFLOAD_PARAM_DEVICE"] = get("offload_param_device", "none");
-    for (const char* k : {"gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model"})
-      if (c.deepspeed_config.count(k)) env["TANDEM_" + upper(k)] = c.deepspeed_config.at(k);
+    env[var::kZeroStage] = get("zero_stage", "2");  // Accelerate's default stage
+    env[var::kOffloadOptimizerDevice] = get("offload_optimizer_device", "none");
+    env[var::kOffloadParamDevice] = get("offload_param_device", "none");
+    for (const auto& [k, name] : {std::pair{"gradient_clipping", var::kGradientClipping},
+                                  std::pair{"zero3_init_flag", var::kZero3InitFlag},
+                                  std::pair{"zero3_save_16bit_model", var::kZero3Save16bitModel}})
+      if (c.deepspeed_config.count(k)) env[name] = c.deepspeed_config.at(k);
   } else if (c.deepspeed_config.count("gradient_clipping")) {
-    env["TANDEM_GRADIENT_CLIPPING"] = c.deepspeed_config.at("gradient_clipping");
+    env[var::kGradientClipping] = c.deepspeed_config.at("gradient_clipping");
   }
   // Activation checkpointing is not tied to FSDP in tandem (parallel/activation_checkpoint.h):
   // Accelerate's key asks for it under any strategy.
   if (auto it = c.fsdp_config.find("fsdp_activation_checkpointing");
       it != c.fsdp_config.end() && it->second == "true")
-    env["TANDEM_ACTIVATION_CHECKPOINTING"] = "true";
+    env[var::kActivationCheckpointing] = "true";
   if (r.distributed_type == "FSDP") {
-    env["TANDEM_FSDP_SHARDING_STRATEGY"] = "FULL_SHARD";
-    for (const auto& [k, v] : c.fsdp_config) env["TANDEM_FSDP_" + upper(k.substr(5))] = v;
+    env[std::string(var::kFsdpPrefix) + "SHARDING_STRATEGY"] = "FULL_SHARD";
+    for (const auto& [k, v] : c.fsdp_config) env[var::kFsdpPrefix + upper(k.substr(5))] = v;
   }
-  // The mesh sizes as set (comm::mesh_shape_from_environment reads them back); validate()
-  // refused a shape that does not fit the job before any rank started.
+  // The mesh sizes as set (config::resolve_run_config reads them back); validate() refused a
+  // shape that does not fit the job before any rank started.
   for (const auto& [k, v] : comm::mesh_shape_environment(config::mesh_shape(c))) env[k] = v;
   if (c.mixed_precision == "fp8") {
     for (const auto& [k, v] : c.fp8_config) {
       std::string name = k.rfind("fp8_", 0) == 0 ? k.substr(4) : k;
-      env["TANDEM_FP8_" + upper(name)] = v;
+      env[var::kFp8Prefix + upper(name)] = v;
     }
   }
   return env;
@@ -289,12 +295,12 @@ const std::vector<std::pair<std::string, std::string>>& launcher_variables() {
       {"NODE_RANK", "choose it with --machine_rank"},
       {"MASTER_ADDR", "choose it with --main_process_ip"},
       {"MASTER_PORT", "choose it with --main_process_port"},
-      {"TANDEM_NUM_CPU_THREADS", "choose it with --num_cpu_threads_per_process"},
-      {"TANDEM_CPU_AFFINITY", "choose it with --enable_cpu_affinity"},
-      {"TANDEM_USE_CPU", "choose it with --cpu"},
-      {"TANDEM_LAUNCHER", "it marks a rank that tandem launch started"},
-      {"TANDEM_RESTART_COUNT", "it counts restarts (0, 1, ...; --max_restarts)"},
-      {"TANDEM_ERROR_FILE", "it is the launcher's own file for each rank's failure"},
+      {config::var::kNumCpuThreads, "choose it with --num_cpu_threads_per_process"},
+      {config::var::kCpuAffinity, "choose it with --enable_cpu_affinity"},
+      {config::var::kUseCpu, "choose it with --cpu"},
+      {config::var::kLauncher, "it marks a rank that tandem launch started"},
+      {config::var::kRestartCount, "it counts restarts (0, 1, ...; --max_restarts)"},
+      {config::var::kErrorFile, "it is the launcher's own file for each rank's failure"},
   };
   return v;
 }

@@ -2,8 +2,8 @@
 // the in-place wrapping of Sequential entries (see activation_checkpoint.h).
 #include "tandem/parallel/activation_checkpoint.h"
 
+#include "tandem/config/run_config.h"
 #include "tandem/nn/module.h"
-#include "../detail/env.h"
 
 #include <torch/torch.h>
 #include <torch/csrc/autograd/engine.h>
@@ -501,15 +501,7 @@ int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::str
 }
 
 bool activation_checkpointing_from_environment(const EnvMap& env) {
-  for (const char* var : {"TANDEM_ACTIVATION_CHECKPOINTING", "TANDEM_FSDP_ACTIVATION_CHECKPOINTING"}) {
-    auto it = env.find(var);
-    if (it == env.end()) continue;
-    if (it->second.empty()) return false;
-    return ::tandem::detail::parse_bool(std::string(var) + " (fsdp_config.fsdp_activation_checkpointing, or "
-                              "tandem launch --activation_checkpointing)",
-                              it->second);
-  }
-  return false;
+  return config::activation_checkpointing_from_env(env);  // Note [The environment is read in one place]
 }
 
 bool activation_checkpointing_from_environment() {

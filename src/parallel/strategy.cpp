@@ -1,13 +1,13 @@
 // Strategy selection, the data parallel strategy, and the sharding options a launcher's
-// environment asks for (see strategy.h).
+// environment asks for (see strategy.h; read by config/run_config.cpp).
 #include "tandem/parallel/strategy.h"
 #include "../detail/env.h"
+#include "tandem/config/run_config.h"
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
-#include <sstream>
 #include <stdexcept>
 
 #include "detail/strategies.h"
@@ -26,8 +26,6 @@ const std::vector<std::pair<DistributedType, std::string>>& type_names() {
   return v;
 }
 
-using ::tandem::detail::lower;
-using ::tandem::detail::parse_bool;
 using ::tandem::detail::upper;
 
 // Data parallel: one gradient reducer per prepared model (none in a one-process run).
@@ -75,135 +73,7 @@ DistributedType distributed_type_from_name(const std::string& name) {
 }
 
 std::optional<ShardingOptions> sharding_from_environment(const EnvMap& env) {
-  auto get = [&](const std::string& k) -> std::optional<std::string> {
-    auto it = env.find(k);
-    if (it == env.end() || it->second.empty()) return std::nullopt;  // as detail::env
-    return it->second;
-  };
-  const auto type = distributed_type_from_name(get("TANDEM_DISTRIBUTED_TYPE").value_or("NO"));
-  if (type != DistributedType::kDeepSpeed && type != DistributedType::kFsdp) return std::nullopt;
-  ShardingOptions o;
-  auto bad = [](const std::string& var, const std::string& v, const std::string& expected) {
-    return std::invalid_argument(var + "='" + v + "': " + expected);
-  };
-  if (type == DistributedType::kDeepSpeed) {
-    o.origin("deepspeed_config");
-    const auto stage = get("TANDEM_ZERO_STAGE").value_or("2");  // Accelerate's default
-    if (stage != "0" && stage != "1" && stage != "2" && stage != "3")
-      throw bad("TANDEM_ZERO_STAGE (deepspeed_config.zero_stage)", stage, "expected 0, 1, 2 or 3");
-    o.stage(std::stoi(stage));
-    for (const char* var : {"TANDEM_OFFLOAD_OPTIMIZER_DEVICE", "TANDEM_OFFLOAD_PARAM_DEVICE"}) {
-      const auto v = lower(get(var).value_or("none"));
-      if (v != "none" && v != "cpu")
-        throw bad(var, v, v == "nvme" ? "offload to NVMe is not implemented; use cpu or none"
-                                      : "expected none or cpu");
-      if (v == "cpu") {
-        if (std::string(var) == "TANDEM_OFFLOAD_OPTIMIZER_DEVICE")
-          o.offload_optimizer(true);
-        else
-          o.offload_params(true);
-      }
-    }
-    if (auto v = get("TANDEM_ZERO3_SAVE_16BIT_MODEL")) parse_bool("TANDEM_ZERO3_SAVE_16BIT_MODEL", *v);
-  } else {
-    o.origin("fsdp_config");
-    // Every fsdp_ key Accelerate writes; tandem acts on some and accepts the others as hints
-    // that do not change results (docs/sharding.md says which).
-    static const std::vector<std::string> known = {
-        "SHARDING_STRATEGY",    "OFFLOAD_PARAMS",        "AUTO_WRAP_POLICY",
-        "MIN_NUM_PARAMS",       "STATE_DICT_TYPE",       "SYNC_MODULE_STATES",
-        "CPU_RAM_EFFICIENT_LOADING", "BACKWARD_PREFETCH", "FORWARD_PREFETCH",
-        "USE_ORIG_PARAMS",      "TRANSFORMER_LAYER_CLS_TO_WRAP", "VERSION",
-        "RESHARD_AFTER_FORWARD", "ACTIVATION_CHECKPOINTING", "CPU_OFFLOAD"};
-    for (const auto& [k, v] : env) {
-      if (k.rfind("TANDEM_FSDP_", 0) != 0) continue;
-      const auto key = k.substr(12);
-      if (std::find(known.begin(), known.end(), key) == known.end())
-        throw std::invalid_argument(k + ": fsdp_config key fsdp_" + lower(key) +
-                                    " is not one tandem knows; remove it from the config file");
-    }
-    static const std::vector<std::pair<std::string, int>> strategies = {
-        {"FULL_SHARD", 3}, {"SHARD_GRAD_OP", 2}, {"NO_SHARD", 0},
-        {"HYBRID_SHARD", 3}, {"HYBRID_SHARD_ZERO2", 2}};
-    auto s = upper(get("TANDEM_FSDP_SHARDING_STRATEGY").value_or("FULL_SHARD"));
-    if (s.size() == 1 && s[0] >= '1' && s[0] <= '5') s = strategies[s[0] - '1'].first;
-    bool found = false;
-    for (const auto& [n, stage] : strategies)
-      if (n == s) {
-        o.stage(stage);
-        found = true;
-      }
-    if (!found)
-      throw bad("TANDEM_FSDP_SHARDING_STRATEGY (fsdp_config.fsdp_sharding_strategy)", s,
-                "expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or "
-                "HYBRID_SHARD_ZERO2 (or 1-5)");
-    if (s.rfind("HYBRID", 0) == 0) {
-      auto machines = get("TANDEM_NUM_MACHINES").value_or("1");
-      if (machines != "1")
-        throw bad("TANDEM_FSDP_SHARDING_STRATEGY", s,
-                  "hybrid sharding (shards within a machine, replicas across machines) is not "
-                  "implemented for several machines; use FULL_SHARD or SHARD_GRAD_OP");
-    }
-    if (auto v = get("TANDEM_FSDP_OFFLOAD_PARAMS");
-        v && parse_bool("TANDEM_FSDP_OFFLOAD_PARAMS", *v)) {
-      o.offload_optimizer(true);  // FSDP's CPU offload moves the step to the host as well
-      o.offload_params(o.stage() == 3);
-    }
-    if (auto v = get("TANDEM_FSDP_AUTO_WRAP_POLICY")) {
-      const auto t = upper(*v);
-      if (t != "TRANSFORMER_BASED_WRAP" && t != "SIZE_BASED_WRAP" && t != "NO_WRAP")
-        throw bad("TANDEM_FSDP_AUTO_WRAP_POLICY (fsdp_config.fsdp_auto_wrap_policy)", *v,
-                  "expected TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP");
-      o.auto_wrap_policy(t);
-    }
-    if (auto v = get("TANDEM_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP")) {
-      // Comma-separated class names, as Accelerate writes them ("Block,Embeddings").
-      std::vector<std::string> classes;
-      std::string item;
-      std::stringstream ss(*v);
-      while (std::getline(ss, item, ',')) {
-        const auto b = item.find_first_not_of(" \t"), e = item.find_last_not_of(" \t");
-        if (b != std::string::npos) classes.push_back(item.substr(b, e - b + 1));
-      }
-      o.transformer_layer_cls_to_wrap(classes);
-    }
-    if (auto v = get("TANDEM_FSDP_MIN_NUM_PARAMS")) {
-      try {
-        o.min_num_params(std::stoll(*v));
-      } catch (const std::exception&) {
-        throw bad("TANDEM_FSDP_MIN_NUM_PARAMS (fsdp_config.fsdp_min_num_params)", *v,
-                  "expected a whole number");
-      }
-    }
-    if (auto v = get("TANDEM_FSDP_STATE_DICT_TYPE")) {
-      const auto t = upper(*v);
-      if (t != "FULL_STATE_DICT" && t != "SHARDED_STATE_DICT")
-        throw bad("TANDEM_FSDP_STATE_DICT_TYPE (fsdp_config.fsdp_state_dict_type)", *v,
-                  "expected FULL_STATE_DICT or SHARDED_STATE_DICT");
-      o.state_dict_type(t);
-    }
-    // fsdp_activation_checkpointing is the Accelerator's (parallel/activation_checkpoint.h); it
-    // is only checked here.
-    for (const char* b : {"TANDEM_FSDP_ACTIVATION_CHECKPOINTING", "TANDEM_FSDP_SYNC_MODULE_STATES", "TANDEM_FSDP_USE_ORIG_PARAMS",
-                          "TANDEM_FSDP_FORWARD_PREFETCH", "TANDEM_FSDP_CPU_RAM_EFFICIENT_LOADING"})
-      if (auto v = get(b)) parse_bool(b, *v);
-    if (auto v = get("TANDEM_FSDP_BACKWARD_PREFETCH")) {
-      const auto t = upper(*v);
-      if (t != "BACKWARD_PRE" && t != "BACKWARD_POST" && t != "NO_PREFETCH" && t != "NONE")
-        throw bad("TANDEM_FSDP_BACKWARD_PREFETCH", *v,
-                  "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH");
-    }
-  }
-  if (auto v = get("TANDEM_REDUCE_SCATTER")) {
-    const auto l = lower(*v);
-    if (l == "alltoall")
-      o.reduce_scatter(ProcessGroup::ReduceScatterAlgorithm::kAlltoall);
-    else if (l == "allreduce")
-      o.reduce_scatter(ProcessGroup::ReduceScatterAlgorithm::kAllreduceSlice);
-    else
-      throw bad("TANDEM_REDUCE_SCATTER", *v, "expected alltoall or allreduce");
-  }
-  return o;
+  return config::sharding_from_env(env);  // Note [The environment is read in one place]
 }
 
 std::vector<std::pair<std::string, at::Tensor>> Strategy::model_state(torch::nn::Module& model) {

@@ -1,37 +1,15 @@
 // fp8 options, and the stand-ins used where the fp8 kernels are not compiled (see fp8.h).
 #include "tandem/precision/fp8.h"
 
-#include <cstdlib>
 #include <stdexcept>
 
+#include "tandem/config/run_config.h"
+
 namespace tandem::precision {
-namespace {
 
-const char* env(const char* key) {
-  const char* v = std::getenv(key);
-  return v && *v ? v : nullptr;
-}
-
-int64_t env_int(const char* key, const char* v) {
-  try {
-    size_t pos = 0;
-    long long x = std::stoll(v, &pos);
-    if (pos == std::string(v).size()) return x;
-  } catch (const std::exception&) {
-  }
-  throw std::invalid_argument(std::string(key) + "='" + v + "' must be an integer");
-}
-
-}  // namespace
-
+// Note [The environment is read in one place]: TANDEM_FP8_* are read by the run configuration.
 Fp8Options Fp8Options::from_environment() {
-  Fp8Options o;
-  if (auto v = env("TANDEM_FP8_FORMAT")) o.fp8_format(v);
-  if (auto v = env("TANDEM_FP8_AMAX_HISTORY_LEN")) o.amax_history_len(env_int("TANDEM_FP8_AMAX_HISTORY_LEN", v));
-  if (auto v = env("TANDEM_FP8_AMAX_COMPUTE_ALGO")) o.amax_compute_algo(v);
-  if (auto v = env("TANDEM_FP8_MARGIN")) o.margin(env_int("TANDEM_FP8_MARGIN", v));
-  if (auto v = env("TANDEM_FP8_INTERVAL")) o.interval(env_int("TANDEM_FP8_INTERVAL", v));
-  return o;
+  return config::fp8_options_from_env(current_environment());
 }
 
 void Fp8Options::validate() const {

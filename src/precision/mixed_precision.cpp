@@ -1,4 +1,4 @@
-// MixedPrecision (mixed_precision.h): the policy from options and environment, the model's
+// MixedPrecision (mixed_precision.h): the policy from its options, the model's
 // dtype, fp32 master weights, loss scaling with a skip agreed by every rank, and the precision
 // of metric reductions. See docs/mixed_precision.md.
 #include "tandem/precision/mixed_precision.h"
@@ -11,25 +11,18 @@
 #include <iostream>
 #include <set>
 
-#include "../detail/env.h"
-
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/comm/process_group.h"
 
 namespace tandem::precision {
-namespace {
-
-using tandem::detail::env;
-
-}  // namespace
-
 MixedPrecision::MixedPrecision(MixedPrecisionOptions options, c10::DeviceType device,
                                std::string prefix)
     : prefix_(std::move(prefix)), device_(device) {
-  const std::string mode = options.mode().value_or(env("TANDEM_MIXED_PRECISION").value_or("no"));
-  const bool downcast = options.downcast_bf16().value_or(
-      ::tandem::detail::env_bool("TANDEM_DOWNCAST_BF16").value_or(false));
+  // Note [The environment is read in one place]: the Accelerator passes its RunConfig's mode,
+  // downcast and fp8 recipe; unset here means the defaults.
+  const std::string mode = options.mode().value_or("no");
+  const bool downcast = options.downcast_bf16().value_or(false);
   policy_ = PrecisionPolicy::create(PolicyOptions()
                                         .mode(mode)
                                         .master_weights(options.master_weights())
@@ -38,7 +31,7 @@ MixedPrecision::MixedPrecision(MixedPrecisionOptions options, c10::DeviceType de
                                         .prefix(prefix_),
                                     Capabilities::detect(device_));
   if (policy_.fp8) {
-    auto recipe = options.fp8().value_or(Fp8Options::from_environment());
+    auto recipe = options.fp8().value_or(Fp8Options());
     try {
       recipe.validate();
     } catch (const std::exception& e) {

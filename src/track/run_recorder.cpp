@@ -11,7 +11,8 @@ namespace tandem::track {
 
 RunRecorder::RunRecorder(RunRecorderOptions options, data::LoaderState* loaders)
     : options_(std::move(options)), loaders_(loaders) {
-  auto opts = TimelineOptions::from_environment(options_.rank());
+  // The Accelerator hands in RunConfig::timeline_dir (TANDEM_TIMELINE resolved there).
+  auto opts = TimelineOptions().rank(options_.rank());
   if (!options_.timeline_dir().empty()) opts.enabled(true).dir(options_.timeline_dir());
   timeline_ = std::make_shared<Timeline>(opts);
   if (!timeline_->enabled() || !loaders_) return;

@@ -4,9 +4,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cstdlib>
 #include <filesystem>
 
+#include "tandem/config/run_config.h"
 #include "track/detail/files.h"
 
 namespace tandem::track {
@@ -14,15 +14,13 @@ namespace tandem::track {
 TimelineOptions TimelineOptions::from_env(const std::map<std::string, std::string>& env, int rank) {
   TimelineOptions o;
   o.rank(rank);
-  auto it = env.find("TANDEM_TIMELINE");
-  if (it != env.end() && !it->second.empty()) o.enabled(true).dir(it->second);
+  // Note [The environment is read in one place]: TANDEM_TIMELINE is read by the run configuration.
+  if (auto dir = config::timeline_dir_from_env(env); !dir.empty()) o.enabled(true).dir(dir);
   return o;
 }
 
 TimelineOptions TimelineOptions::from_environment(int rank) {
-  std::map<std::string, std::string> env;
-  if (const char* v = std::getenv("TANDEM_TIMELINE")) env["TANDEM_TIMELINE"] = v;
-  return from_env(env, rank);
+  return from_env(current_environment(), rank);
 }
 
 Timeline::Scope::Scope(Timeline* timeline, std::string_view name, std::string_view cat)

@@ -11,6 +11,7 @@
 
 #include "tandem/config/config.h"
 #include "tandem/config/questionnaire.h"
+#include "tandem/config/run_env.h"
 #include "tandem/launch/launcher.h"
 #include "tandem/launch/resolve.h"
 
@@ -232,14 +233,14 @@ int LaunchCommand::run() {
         .quiet(quiet_)
         .num_cpu_threads_per_process(threads);
     // Note [Gloo address]: on several machines every rank's Gloo device must listen on an
-    // address the other machines reach. comm/process_group.cpp reads GLOO_SOCKET_IFNAME or
-    // TANDEM_LOCAL_ADDR; unless the user set one, use the address that routes to machine 0.
+    // address the other machines reach. ProcessState reads GLOO_SOCKET_IFNAME or
+    // TANDEM_LOCAL_ADDR for the process group; unless the user set one, use the address that routes to machine 0.
     const auto& c = resolved.config;
     auto has = [&](const char* k) { return environment.count(k) || user_env.count(k); };
-    if (c.num_machines > 1 && !has("GLOO_SOCKET_IFNAME") && !has("TANDEM_LOCAL_ADDR")) {
+    if (c.num_machines > 1 && !has("GLOO_SOCKET_IFNAME") && !has(config::var::kLocalAddr)) {
       std::string addr = launch::local_address_for(c.main_process_ip, c.main_process_port);
       if (!addr.empty())
-        lo.extra_env({{"TANDEM_LOCAL_ADDR", addr}});
+        lo.extra_env({{config::var::kLocalAddr, addr}});
       else if (!quiet_)
         std::cerr << "tandem launch: warning: found no local address that reaches "
                   << c.main_process_ip << "; set GLOO_SOCKET_IFNAME (e.g. --env "

@@ -30,8 +30,9 @@ class SafetensorsFile;
 
 namespace tandem::precision {
 
-/// What a MixedPrecision is built from. Unset values come from the launcher's environment
-/// (TANDEM_MIXED_PRECISION, TANDEM_DOWNCAST_BF16, TANDEM_FP8_*), then the defaults.
+/// What a MixedPrecision is built from. Unset values take the defaults; the Accelerator fills
+/// them from its config::RunConfig (TANDEM_MIXED_PRECISION, TANDEM_DOWNCAST_BF16, TANDEM_FP8_*
+/// resolved there).
 ///
 /// Example:
 ///   precision::MixedPrecision mp(precision::MixedPrecisionOptions().mode("bf16"), c10::kCPU,
@@ -46,7 +47,7 @@ struct MixedPrecisionOptions {
   /// Dynamic loss scaling: unset: on for fp16 and fp16-true only.
   TORCH_ARG(std::optional<bool>, loss_scaling) = std::nullopt;
   TORCH_ARG(GradScalerOptions, grad_scaler) = {};
-  /// The fp8 recipe (unset: from TANDEM_FP8_* or the defaults).
+  /// The fp8 recipe (unset: the defaults).
   TORCH_ARG(std::optional<Fp8Options>, fp8) = std::nullopt;
 };
 

@@ -37,7 +37,8 @@ struct RunRecorderOptions {
   TORCH_ARG(std::vector<std::string>, log_with) = std::vector<std::string>{"all"};
   /// Where init_trackers writes (<logging_dir>/<project_name>/).
   TORCH_ARG(std::string, logging_dir) = "logs";
-  /// Per-rank timeline written here; empty: TANDEM_TIMELINE, else none.
+  /// Per-rank timeline written here; empty: none (the Accelerator passes its RunConfig's
+  /// timeline_dir: AcceleratorOptions::timeline_dir, else TANDEM_TIMELINE).
   TORCH_ARG(std::string, timeline_dir) = "";
 };
 

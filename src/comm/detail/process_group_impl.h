@@ -35,6 +35,8 @@ struct Work::Impl {
   std::vector<c10::intrusive_ptr<compat::Work>> more;
   std::string what;
   std::string prefix;
+  /// ProcessState::error_file of the group (Note [Secondary failures]).
+  std::string error_file;
   std::vector<at::Tensor> tensors;
   double divide_by = 1.0;
   /// Runs once after a successful wait (e.g. reduce_scatter's local sum); may be empty.
