@@ -59,8 +59,7 @@ int main(int argc, char** argv) {
       options.parallelism(shape);
     }
     tandem::Accelerator acc(options);
-    const auto* mesh = acc.mesh();
-    const int tp = mesh ? mesh->size("tp") : 1, pp = mesh ? mesh->size("pp") : 1;
+    const int tp = acc.topology().tp(), pp = acc.topology().pp();
     const int dp = acc.data_parallel_group().size();
     std::string text;
     if (!text_file.empty()) {
@@ -88,7 +87,7 @@ int main(int argc, char** argv) {
         throw std::runtime_error("--batch-size " + std::to_string(batch) +
                                  " must be a multiple of --microbatches " +
                                  std::to_string(microbatches));
-      auto tp_group = tp > 1 ? (*mesh)["tp"] : nullptr;
+      auto tp_group = tp > 1 ? acc.topology().group("tp") : nullptr;
       auto loss = [tp_group](const torch::Tensor& logits, const torch::Tensor& targets) {
         return examples::gpt_sequential_loss(logits, targets, tp_group);
       };

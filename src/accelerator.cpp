@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cmath>
 #include <filesystem>
 #include <set>
 #include <stdexcept>
@@ -85,35 +84,25 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
       if (!w.empty()) std::cerr << w << std::endl;
   }
   pg_ = ProcessGroup::create(state_, ProcessGroupOptions().timeout(options_.timeout()));
-  // Model parallel: a device mesh when tp or pp is above 1; data parallel then runs over its
-  // "dp" dimension.
-  dp_ = pg_;
-  const comm::MeshShape shape = run.mesh_shape;  // resolved against the world
-  tp_size_ = shape.empty() ? 1 : shape.tp;
-  pp_size_ = shape.empty() ? 1 : shape.pp;
+  const comm::MeshShape& shape = run.mesh_shape;  // resolved against the world
   // Note [Pipelines and ZeRO]: refused here, before any training, so that a program that
   // never reaches prepare_pipeline cannot run a pipeline layout under ZeRO either; and before
-  // the mesh is built, since the refusal needs no peer: a rank that refused after building it
-  // could end rank 0's store while a slower rank still connected its subgroups.
-  if (pp_size_ > 1 && options_.sharding() && options_.sharding()->stage() > 0)
+  // the topology is built, since the refusal needs no peer: a rank that refused after building
+  // it could end rank 0's store while a slower rank still connected its subgroups.
+  if (shape.pp > 1 && options_.sharding() && options_.sharding()->stage() > 0)
     throw std::invalid_argument(
         state_.prefix() + " ZeRO stage " + std::to_string(options_.sharding()->stage()) +
-        " does not combine with pipeline parallel in tandem: pp_size " + std::to_string(pp_size_) +
+        " does not combine with pipeline parallel in tandem: pp_size " + std::to_string(shape.pp) +
         " (tandem launch --pp_size, or AcceleratorOptions().parallelism) with ZeRO (--use_deepspeed "
         "--zero_stage, --use_fsdp, or AcceleratorOptions().sharding); the pipeline averages each "
         "stage's gradients itself. Drop one of the two (ZeRO combines with --tp_size)");
-  if (tp_size_ > 1 || pp_size_ > 1) {
-    try {
-      mesh_ = std::make_unique<comm::DeviceMesh>(
-          comm::make_device_mesh(pg_, shape, state_.local_world_size));
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(state_.prefix() + " parallelism: " + e.what());
-    }
-    dp_ = (*mesh_)["dp"];
-  }
+  // Note [A topology always built]: every run, sizes of 1 included; its groups say where each
+  // kind of work runs.
+  topology_ = std::make_unique<parallel::Topology>(pg_, shape, state_.local_world_size);
   activation_checkpointing_ = run.activation_checkpointing;
   parallel::StrategyContext ctx;
-  ctx.pg = dp_;
+  ctx.pg = topology_->data_parallel();
+  ctx.shard_pg = topology_->sharding();
   ctx.device = device_;
   ctx.master_weights = precision_->policy().master_weights;
   ctx.reducer = parallel::ReducerOptions()
@@ -144,8 +133,7 @@ std::string Accelerator::layout_line() const {
      << " on " << device_.str() << "; strategy " << strategy_->name();
   if (options_.sharding() && options_.sharding()->stage() > 0)
     os << " (ZeRO stage " << options_.sharding()->stage() << ")";
-  os << "; mesh pp " << pp_size_ << " x dp " << dp_->size() << " x tp " << tp_size_
-     << "; precision " << precision_->policy().name() << "; gradient accumulation "
+  os << "; mesh " << topology_->summary() << "; precision " << precision_->policy().name() << "; gradient accumulation "
      << accumulation_steps_ << "; activation checkpointing "
      << (activation_checkpointing_ ? "on" : "off");
   return os.str();
@@ -158,7 +146,8 @@ std::string Accelerator::layout_line() const {
 // the call that is missing. A model split by parallel::parallelize_module directly counts too.
 void Accelerator::check_model_split(const char* where) {
   if (split_checked_) return;
-  if (tp_size_ > 1 && !tp_applied_) {
+  const int tp = topology_->tp(), pp = topology_->pp();
+  if (tp > 1 && !tp_applied_) {
     for (const auto& m : models_)
       if (!parallel::tensor_parallel_splits(*m).empty()) tp_applied_ = true;
   }
@@ -171,11 +160,11 @@ void Accelerator::check_model_split(const char* where) {
                                 ": every rank would train the whole model. Call " + call +
                                 ", or run without --" + dim);
   };
-  if (tp_size_ > 1 && !tp_applied_)
-    refuse("tp_size", tp_size_, "the model was never split",
+  if (tp > 1 && !tp_applied_)
+    refuse("tp_size", tp, "the model was never split",
            "acc.parallelize(model, plan) before prepare(model) (or prepare_pipeline with a plan)");
-  if (pp_size_ > 1 && !pipeline_prepared_)
-    refuse("pp_size", pp_size_, "no pipeline was prepared",
+  if (pp > 1 && !pipeline_prepared_)
+    refuse("pp_size", pp, "no pipeline was prepared",
            "acc.prepare_pipeline(model, loss, options) on the model as a torch::nn::Sequential");
   split_checked_ = true;
 }
@@ -208,18 +197,18 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
     parallel::checkpoint_model_blocks(
         *model, options_.sharding() ? options_.sharding()->transformer_layer_cls_to_wrap()
                                     : std::vector<std::string>{});
-  parallel::broadcast_module_state(*model, *dp_, true, true);
+  parallel::broadcast_module_state(*model, *topology_->data_parallel(), true, true);
   strategy_->prepare_model(model);
   models_.push_back(model);
   return model;
 }
 
 void Accelerator::parallelize(torch::nn::Module& model, const parallel::TensorParallelPlan& plan) {
-  TORCH_CHECK(mesh_ && mesh_->size("tp") > 1, state_.prefix(),
+  TORCH_CHECK(topology_->tp() > 1, state_.prefix(),
               " parallelize: this run has no tensor-parallel dimension; set tp_size (tandem launch "
               "--tp_size, parallelism_config_tp_size, or AcceleratorOptions().parallelism)");
   model.to(device_);
-  parallel::parallelize_module(model, (*mesh_)["tp"], plan);
+  parallel::parallelize_module(model, topology_->group("tp"), plan);
   tp_applied_ = true;
 }
 
@@ -231,7 +220,7 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
 std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
     torch::nn::Sequential model, parallel::Pipeline::Loss loss, parallel::PipelineOptions options,
     const parallel::TensorParallelPlan& plan) {
-  TORCH_CHECK(mesh_ && mesh_->size("pp") > 1, state_.prefix(),
+  TORCH_CHECK(topology_->pp() > 1, state_.prefix(),
               " prepare_pipeline: this run has no pipeline dimension; set pp_size (tandem launch "
               "--pp_size, parallelism_config pp_size, or AcceleratorOptions().parallelism)");
   // Note [Pipelines and ZeRO]: a Pipeline averages its stage's gradients over mesh["dp"] once per
@@ -252,24 +241,25 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
         "accumulate across calls; give the pipeline more micro-batches instead "
         "(PipelineOptions().microbatches, over a larger batch) and leave "
         "gradient_accumulation_steps at 1");
-  auto pp = (*mesh_)["pp"];
+  auto pp = topology_->group("pp");
+  auto dp = topology_->data_parallel();
   auto stage = parallel::split_sequential(model, pp->size(), pp->rank());
   stage->to(device_);
   if (!plan.entries.empty()) {
-    TORCH_CHECK(mesh_->size("tp") > 1, state_.prefix(),
+    TORCH_CHECK(topology_->tp() > 1, state_.prefix(),
                 " prepare_pipeline: a tensor-parallel plan was given, but this run has no "
                 "tensor-parallel dimension; set tp_size (tandem launch --tp_size, "
                 "parallelism_config_tp_size, or AcceleratorOptions().parallelism), or pass no plan");
-    parallel::parallelize_module(*stage, (*mesh_)["tp"], stage_plan(plan, *stage, *pp));
+    parallel::parallelize_module(*stage, topology_->group("tp"), stage_plan(plan, *stage, *pp));
     tp_applied_ = true;
   }
   pipeline_prepared_ = true;
   precision_->cast_model(*stage);
   if (activation_checkpointing_) parallel::checkpoint_sequential_entries(stage);
-  parallel::broadcast_module_state(*stage, *dp_, true, true);
+  parallel::broadcast_module_state(*stage, *dp, true, true);
   models_.push_back(stage.ptr());  // saved and loaded per rank (Note [Model-parallel checkpoints])
   return std::make_shared<parallel::Pipeline>(stage, pp, std::move(loss), options,
-                                              dp_->size() > 1 ? dp_ : nullptr);
+                                              dp->size() > 1 ? dp : nullptr);
 }
 
 AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimizer> optimizer) {
@@ -313,8 +303,8 @@ std::shared_ptr<torch::optim::LRScheduler> Accelerator::prepare_scheduler(
 
 data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o) const {
   data::detail::Placement p;
-  p.rank = dp_->rank();
-  p.world = dp_->size();
+  p.rank = topology_->data_parallel()->rank();
+  p.world = topology_->data_parallel()->size();
   p.device = device_;
   p.even_batches = o.even_batches().value_or(options_.even_batches());
   p.split_batches = o.split_batches().value_or(options_.split_batches());
@@ -372,62 +362,9 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
   if (!sync_gradients_) return 0.0;
   unscale_gradients();
   auto no_autocast = autocast(false);
-  return clip_model_parallel(parameters, max_norm, norm_type);
-}
-
-// Note [Clipping under model parallel]: the total norm is that of the dense, unsharded model's
-// gradients (as FSDP's clip_grad_norm_, the whole model's).
-//  - Sharded gradients (ZeRO): every rank's shards together; the strategy sums over its
-//    (data-parallel) group.
-//  - Tensor parallel: a split parameter (a TensorParallelModule's weight, and its bias unless it
-//    is a row-parallel bias, which every tp rank holds whole) contributes the norms of every tp
-//    rank's shard, summed over mesh["tp"]; a replicated one (LayerNorm, a row-parallel bias)
-//    contributes once, from this rank's copy, which equals every other's.
-//  - Pipeline parallel: each stage holds other parameters, so the stages' sums add up over
-//    mesh["pp"].
-// For the infinity norm, maxima instead of sums.
-double Accelerator::clip_model_parallel(const std::vector<at::Tensor>& parameters,
-                                        double max_norm, double norm_type) {
-  std::set<const void*> split;
-  if (mesh_ && mesh_->size("tp") > 1)
-    for (const auto& m : models_) {
-      const auto cuts = parallel::tensor_parallel_splits(*m);
-      for (const auto& p : m->named_parameters())
-        if (cuts.count(p.key())) split.insert(p.value().unsafeGetTensorImpl());
-    }
-  std::function<bool(const at::Tensor&)> is_split;
-  if (!split.empty())
-    is_split = [&split](const at::Tensor& t) { return split.count(t.unsafeGetTensorImpl()) > 0; };
-  torch::NoGradGuard no_grad;
-  const bool inf = std::isinf(norm_type);
-  const auto op = inf ? ReduceOp::kMax : ReduceOp::kSum;
-  auto combine = [inf](double a, double b) { return inf ? std::max(a, b) : a + b; };
-  std::vector<at::Tensor> tensors;
-  auto parts = strategy_->grad_norm_parts(is_split, norm_type);
-  const bool sharded = parts.has_value();
-  if (!sharded) {  // gradients whole on every data-parallel rank: this rank's copy
-    tensors = precision_->grads_to_clip(parameters);
-    if (!mesh_) return torch::nn::utils::clip_grad_norm_(tensors, max_norm, norm_type);
-    parts = std::array<double, 2>{0, 0};
-    for (const auto& t : tensors) {
-      if (!t.grad().defined()) continue;
-      const double n = t.grad().detach().to(at::kDouble).norm(norm_type).item<double>();
-      auto& part = (*parts)[is_split && is_split(t) ? 0 : 1];
-      part = combine(part, inf ? n : std::pow(n, norm_type));
-    }
-  }
-  auto sum = at::full({1}, (*parts)[0], at::TensorOptions().dtype(at::kDouble));
-  if (is_split) (*mesh_)["tp"]->allreduce(sum, op);
-  sum.fill_(combine(sum.item<double>(), (*parts)[1]));
-  if (mesh_ && mesh_->size("pp") > 1) (*mesh_)["pp"]->allreduce(sum, op);
-  const double total = inf ? sum.item<double>() : std::pow(sum.item<double>(), 1.0 / norm_type);
-  const double coef = max_norm / (total + 1e-6);
-  if (coef < 1) {
-    if (sharded) strategy_->scale_gradients(coef);
-    for (const auto& t : tensors)
-      if (t.grad().defined()) t.grad().detach().mul_(coef);
-  }
-  return total;
+  // Note [Clipping under model parallel]: the whole model's norm, across the topology.
+  return parallel::clip_grad_norm(*topology_, *strategy_, precision_->grads_to_clip(parameters),
+                                  models_, max_norm, norm_type);
 }
 
 void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) {
@@ -444,11 +381,12 @@ at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
   if (t.dim() > 0 && st.valid_rows >= 0 && st.valid_rows < st.batch_rows &&
       t.size(0) == st.batch_rows)
     t = t.narrow(0, 0, st.valid_rows);
-  return precision_->metric_result(comm::gather(*dp_, precision_->metric_input(t)));
+  return precision_->metric_result(comm::gather(*topology_->metrics(), precision_->metric_input(t)));
 }
 
 at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) {
-  return precision_->metric_result(comm::reduce(*dp_, precision_->metric_input(tensor), op));
+  return precision_->metric_result(
+      comm::reduce(*topology_->metrics(), precision_->metric_input(tensor), op));
 }
 
 void Accelerator::unscale_gradients() {
@@ -473,7 +411,8 @@ void Accelerator::clip_before_step(torch::optim::Optimizer& optimizer) {
 void Accelerator::after_optimizer_step() {
   ++optimizer_steps_;
   if (options_.broadcast_buffers())
-    for (auto& m : models_) parallel::broadcast_module_state(*m, *dp_, false, true);
+    for (auto& m : models_)
+      parallel::broadcast_module_state(*m, *topology_->data_parallel(), false, true);
 }
 
 Accelerator::MainProcessFirst::MainProcessFirst(Accelerator* acc) : acc_(acc) {

@@ -1,6 +1,9 @@
-// Accelerator: the user's single entry point. It reads where the process stands in the job,
-// builds the process group, prepares models, optimizers and loaders for data parallel
-// training, and offers backward, gradient accumulation, clipping and collectives.
+// Accelerator: the user's single entry point, with Accelerate's names. A facade over parts that
+// do the work: the run configuration (config::RunConfig, resolved once from the options and the
+// environment), the topology (parallel::Topology: every degree and its groups), the strategy
+// (data parallel or a ZeRO stage, chosen from the distributed type), precision, the loaders and
+// the recorder. It prepares models, optimizers and loaders, and offers backward, gradient
+// accumulation, clipping, collectives and checkpoints assembled from the parts' own files.
 #pragma once
 
 #include <torch/arg.h>
@@ -27,6 +30,7 @@
 #include "tandem/parallel/ddp.h"
 #include "tandem/parallel/pipeline.h"
 #include "tandem/parallel/strategy.h"
+#include "tandem/parallel/topology.h"
 #include "tandem/precision/autocast.h"
 #include "tandem/precision/fp8.h"
 #include "tandem/precision/grad_scaler.h"
@@ -96,10 +100,11 @@ struct AcceleratorOptions {
   /// gradient_clipping; env TANDEM_GRADIENT_CLIPPING). Unset or 0: only when the user calls
   /// clip_grad_norm_.
   TORCH_ARG(std::optional<double>, gradient_clipping) = std::nullopt;
-  /// The model-parallel layout (Accelerate's parallelism_config sizes dp_replicate, dp_shard,
-  /// tp, and tandem's pp; docs/model_parallel.md). Unset: from the launcher's environment
-  /// (TANDEM_TP_SIZE, TANDEM_PP_SIZE, ...). With tp or pp above 1 the Accelerator builds a
-  /// comm::DeviceMesh, and data parallel (gradients, loaders, metrics) runs over mesh["dp"].
+  /// The parallel layout (Accelerate's parallelism_config sizes dp_replicate, dp_shard, tp, and
+  /// tandem's pp; docs/model_parallel.md). Unset: from the launcher's environment
+  /// (TANDEM_TP_SIZE, TANDEM_PP_SIZE, ...), else plain data parallel over every process. Every
+  /// run builds its parallel::Topology from it; data parallel (gradients, loaders, metrics) runs
+  /// over its "dp" group, ZeRO over "dp_shard".
   TORCH_ARG(std::optional<comm::MeshShape>, parallelism) = std::nullopt;
   /// Wrap the entries of every Sequential in a prepared model (and of a pipeline stage) in
   /// parallel::Checkpointed, so that their activations are recomputed in backward (Accelerate's
@@ -172,11 +177,14 @@ class Accelerator {
   bool is_local_main_process() const { return state_.local_rank == 0; }
   c10::Device device() const { return device_; }
   ProcessGroup& process_group() { return *pg_; }
-  /// The device mesh of a model-parallel run (tp or pp above 1), or nullptr.
-  const comm::DeviceMesh* mesh() const { return mesh_.get(); }
-  /// The group that data parallel runs over: mesh["dp"] in a model-parallel run, else every
-  /// rank. Gradients are averaged, loaders sharded and metrics gathered over it.
-  ProcessGroup& data_parallel_group() { return *dp_; }
+  /// The run's layout and its groups (Note [A topology always built]): every run has one, a
+  /// plain data-parallel run too (pp 1 x dp W x tp 1).
+  const parallel::Topology& topology() const { return *topology_; }
+  /// The topology's device mesh (never null): `(*acc.mesh())["tp"]`, `mesh()->size("pp")`.
+  const comm::DeviceMesh* mesh() const { return &topology_->mesh(); }
+  /// The group that data parallel runs over (the topology's "dp": every rank without tensor or
+  /// pipeline parallel). Gradients are averaged, loaders sharded and metrics gathered over it.
+  ProcessGroup& data_parallel_group() { return *topology_->data_parallel(); }
   int gradient_accumulation_steps() const { return accumulation_steps_; }
 
   // ---- prepare --------------------------------------------------------------------------------
@@ -357,14 +365,14 @@ class Accelerator {
 
   // ---- collectives ----------------------------------------------------------------------------
   // Note [Collectives on a mesh]: the metric collectives (gather, gather_for_metrics, reduce,
-  // pad_across_processes) run over the data-parallel group: the ranks of one tensor-parallel
-  // group hold the same (replicated) values, and the data-parallel ranks hold different samples,
-  // so each sample counts once and `reduce(x, kSum)` on dp 2 x tp 2 equals dp 2's. Without a
-  // model-parallel layout that group is every process, as in Accelerate. Under a pipeline, each
-  // stage's group is its data-parallel peers (a loss exists on the last stage). wait_for_everyone
-  // waits for every process.
+  // pad_across_processes) run over the topology's metrics() group, its data-parallel ranks: the
+  // ranks of one tensor-parallel group hold the same (replicated) values, and the data-parallel
+  // ranks hold different samples, so each sample counts once and `reduce(x, kSum)` on dp 2 x
+  // tp 2 equals dp 2's. Without tensor or pipeline parallel that group is every process, as in
+  // Accelerate. Under a pipeline, each stage's group is its data-parallel peers (a loss exists
+  // on the last stage). wait_for_everyone runs over barrier(): every process.
   /// Every data-parallel rank's `tensor`, concatenated along dim 0 in rank order.
-  at::Tensor gather(const at::Tensor& tensor) { return comm::gather(*dp_, tensor); }
+  at::Tensor gather(const at::Tensor& tensor) { return comm::gather(*topology_->metrics(), tensor); }
   /// gather(), dropping the rows that even-batches padding duplicated in the last batch, so
   /// that each sample of the data set is counted exactly once.
   at::Tensor gather_for_metrics(const at::Tensor& tensor);
@@ -374,10 +382,10 @@ class Accelerator {
   /// Pads `tensor` along `dim` to the largest size among the data-parallel ranks.
   at::Tensor pad_across_processes(const at::Tensor& tensor, int64_t dim = 0, double pad_value = 0,
                                   bool pad_first = false) {
-    return comm::pad_across_processes(*dp_, tensor, dim, pad_value, pad_first);
+    return comm::pad_across_processes(*topology_->metrics(), tensor, dim, pad_value, pad_first);
   }
   /// Waits for every process.
-  void wait_for_everyone() { comm::wait_for_everyone(*pg_); }
+  void wait_for_everyone() { comm::wait_for_everyone(*topology_->barrier()); }
 
   // ---- helpers --------------------------------------------------------------------------------
   /// Seeds LibTorch's CPU (and CUDA) generators; device_specific adds the process index.
@@ -477,21 +485,14 @@ class Accelerator {
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
   void after_optimizer_step();
   void clip_before_step(torch::optim::Optimizer& optimizer);  // gradient_clipping
-  // Sharded gradients or a mesh: Note [Clipping under model parallel].
-  double clip_model_parallel(const std::vector<at::Tensor>& parameters, double max_norm,
-                             double norm_type);
   // The parts of a checkpoint, in the order every rank saves and loads them
   // (src/accelerator_state.cpp).
   std::vector<checkpoint::StatePart> checkpoint_parts();
-  void load_optimizers(const checkpoint::StateReader& reader);
-  std::string mesh_shape_string() const;  // "pp 1 x dp_replicate 2 x ..." of the mesh
   // Note [Layouts that must take effect]: a run whose layout asks for tensor or pipeline
   // parallel refuses its first backward/step until the model was split.
   void check_model_split(const char* where);
   // The line the main process prints at construction: strategy, mesh, precision, accumulation.
   std::string layout_line() const;
-  // The safetensors metadata of a model.mp<r> file (Note [Tensor-parallel shards in checkpoints]).
-  std::map<std::string, std::string> model_parallel_metadata(torch::nn::Module& model) const;
 
   AcceleratorOptions options_;
   config::RunConfig config_;  // Note [The environment is read in one place]
@@ -501,12 +502,10 @@ class Accelerator {
   ProcessState state_;
   c10::Device device_ = c10::Device(c10::kCPU);
   std::shared_ptr<ProcessGroup> pg_;
-  std::unique_ptr<comm::DeviceMesh> mesh_;  // model-parallel runs only
-  int tp_size_ = 1, pp_size_ = 1;           // the resolved layout (1 without a mesh)
+  std::unique_ptr<parallel::Topology> topology_;  // Note [A topology always built]
   bool tp_applied_ = false;                 // parallelize() or prepare_pipeline(plan) ran
   bool pipeline_prepared_ = false;          // prepare_pipeline() ran
   bool split_checked_ = false;              // check_model_split() passed once
-  std::shared_ptr<ProcessGroup> dp_;        // mesh["dp"] or pg_
   bool activation_checkpointing_ = false;
   int accumulation_steps_ = 1;
   int64_t micro_step_ = 0;

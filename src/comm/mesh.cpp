@@ -133,7 +133,7 @@ void validate_mesh_shape(int world, const MeshDims& dims, int local_world_size) 
   }
 }
 
-MeshShape MeshShape::resolve(int world, int local_world_size) const {
+MeshShape MeshShape::resolve(int world, int local_world_size, bool shard_data) const {
   MeshShape r = *this;
   if (r.pp == 0) r.pp = 1;
   if (r.tp == 0) r.tp = 1;
@@ -148,8 +148,13 @@ MeshShape MeshShape::resolve(int world, int local_world_size) const {
     return world / fixed;
   };
   if (r.dp_replicate == 0 && r.dp_shard == 0) {
-    r.dp_shard = 1;
-    r.dp_replicate = derive(1, "dp_replicate_size");
+    if (shard_data) {
+      r.dp_replicate = 1;
+      r.dp_shard = derive(1, "dp_shard_size");
+    } else {
+      r.dp_shard = 1;
+      r.dp_replicate = derive(1, "dp_replicate_size");
+    }
   } else if (r.dp_replicate == 0) {
     r.dp_replicate = derive(r.dp_shard, "dp_replicate_size");
   } else if (r.dp_shard == 0) {
@@ -208,8 +213,15 @@ DeviceMesh::DeviceMesh(std::shared_ptr<ProcessGroup> world, MeshDims dims, int l
 std::shared_ptr<ProcessGroup> DeviceMesh::build(const std::vector<int>& dim_indices) {
   // Every rank creates every slice's group, in the same order, so that new_subgroup's call
   // counter (its store prefix) agrees on every rank; this rank keeps the one it belongs to.
+  // A slice of every rank is the world group itself (Note [A topology always built]): a plain
+  // data-parallel job's "dp" costs no second connection. Every rank sees the same slices, so
+  // every rank skips the same calls and the counter still agrees.
   std::shared_ptr<ProcessGroup> mine;
   for (const auto& slice : mesh_slices(shape_, dim_indices)) {
+    if (static_cast<int>(slice.size()) == world_->size()) {
+      mine = world_;
+      continue;
+    }
     // The mesh numbers ranks of `world_`; new_subgroup takes global ranks.
     std::vector<int> global;
     for (int r : slice) global.push_back(world_->global_rank(r));
@@ -236,12 +248,22 @@ void DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string
     indices.push_back(i);
   }
   std::sort(indices.begin(), indices.end());
+  int wider = 0, widest = indices.empty() ? -1 : indices.front();
   for (int i : indices) {
-    d.coordinate = d.coordinate * dims_[static_cast<size_t>(i)].size +
-                   dims_[static_cast<size_t>(i)].coordinate;
-    d.size *= dims_[static_cast<size_t>(i)].size;
+    const auto& di = dims_[static_cast<size_t>(i)];
+    d.coordinate = d.coordinate * di.size + di.coordinate;
+    d.size *= di.size;
+    if (di.size > 1) {
+      ++wider;
+      widest = i;
+    }
   }
-  d.group = build(indices);
+  // Over one dimension above size 1 (dp over dp_replicate 1 x dp_shard 4), the slices are that
+  // dimension's: its group serves (on every rank alike, so the subgroup counter still agrees).
+  if (wider <= 1 && widest >= 0)
+    d.group = dims_[static_cast<size_t>(widest)].group;
+  else
+    d.group = build(indices);
   dims_.push_back(std::move(d));
 }
 

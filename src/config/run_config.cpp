@@ -362,11 +362,29 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
   });
   try {
     c.mesh_shape = options.parallelism() ? *options.parallelism() : mesh_shape_of(env);
-    if (!c.mesh_shape.empty())
-      c.mesh_shape = c.mesh_shape.resolve(c.process.world_size, c.process.local_world_size);
+    c.mesh_shape = c.mesh_shape.resolve(c.process.world_size, c.process.local_world_size,
+                                        c.sharding && c.sharding->stage() > 0);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(prefix + "parallelism: " + e.what());
   }
+  // Note [A topology always built]: the data-parallel sizes take effect through the strategy
+  // (ZeRO shards over dp_shard), so a size no strategy can honour is refused here.
+  const int stage = c.sharding ? c.sharding->stage() : 0;
+  if (stage == 0 && c.mesh_shape.dp_shard > 1)
+    throw std::invalid_argument(
+        prefix + "parallelism: dp_shard_size " + std::to_string(c.mesh_shape.dp_shard) +
+        " (--dp_shard_size, parallelism_config_dp_shard_size, or AcceleratorOptions()."
+        "parallelism) shards the training state over " + std::to_string(c.mesh_shape.dp_shard) +
+        " ranks, but this run has no sharding strategy, so it would train as plain data parallel. "
+        "Add one (--use_fsdp, or --use_deepspeed --zero_stage 1-3), or set dp_replicate_size "
+        "instead of dp_shard_size");
+  if (stage > 0 && c.mesh_shape.dp_replicate > 1)
+    throw std::invalid_argument(
+        prefix + "parallelism: dp_replicate_size " + std::to_string(c.mesh_shape.dp_replicate) +
+        " with ZeRO stage " + std::to_string(stage) + " (" + c.sharding->origin() +
+        ") asks for hybrid sharding (shard within dp_shard, replicate across dp_replicate), "
+        "which tandem does not run yet. Leave dp_replicate_size unset (or 1) so that ZeRO shards "
+        "over every data-parallel rank, or drop the sharding strategy for plain data parallel");
   with_prefix([&] {
     c.activation_checkpointing =
         options.activation_checkpointing().value_or(activation_checkpointing_of(map, env));
@@ -404,8 +422,7 @@ std::string describe(const RunConfig& c) {
   os << "  comm_hook: " << c.comm_hook << ", gradient_as_bucket_view: "
      << yes(c.gradient_as_bucket_view) << ", bucket_cap_mb: " << c.bucket_cap_mb
      << ", first_bucket_cap_mb: " << c.first_bucket_cap_mb << "\n";
-  os << "  mesh: " << (c.mesh_shape.empty() ? std::string("none") : c.mesh_shape.to_string())
-     << "\n";
+  os << "  mesh: " << c.mesh_shape.to_string() << "\n";
   os << "  activation_checkpointing: " << yes(c.activation_checkpointing) << "\n";
   os << "  timeline_dir: " << (c.timeline_dir.empty() ? "none" : c.timeline_dir) << "\n";
   os << "  from the environment:";

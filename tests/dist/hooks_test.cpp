@@ -145,4 +145,40 @@ TEST(MeshCollectives, MetricsOnDp2EqualDp2TimesTp2) {
   EXPECT_EQ(lines(both.output), expected) << both.output;
 }
 
+// Note [A topology always built]: a plain run has one too (its dp group the world group
+// itself), and the data-parallel sizes take effect through the strategy or are refused.
+TEST(Topology, AlwaysBuiltAndItsSizesTakeEffect) {
+  auto r = run(2, {}, "topology");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "topology pp 1 x dp_replicate 2 x dp_shard 1 x tp 1 x dp 2; dp 2 "
+                               "(the world group); shard 1; strategy ddp; mesh built\n"),
+            1)
+      << r.output;
+  // A ZeRO stage shards over every data-parallel rank.
+  r = run(2, {"--use_fsdp"}, "topology");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "topology pp 1 x dp_replicate 1 x dp_shard 2 x tp 1 x dp 2; dp 2 "
+                               "(the world group); shard 2; strategy zero-3"),
+            1)
+      << r.output;
+  r = run(4, {"--use_deepspeed", "--zero_stage", "2", "--tp_size", "2"}, "topology");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "topology pp 1 x dp_replicate 1 x dp_shard 2 x tp 2 x dp 2; dp 2; "
+                               "shard 2; strategy zero-2"),
+            1)
+      << r.output;
+  // dp_shard_size set: ZeRO-3 over those ranks trains as one dense process.
+  r = run(2, {"--use_fsdp", "--dp_shard_size", "2"}, "train");
+  expect_dense(r, "fsdp --dp_shard_size 2");
+  // Sizes no strategy honours are refused on every rank, naming the flag and the fix.
+  r = run(2, {"--dp_shard_size", "2"}, "topology");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_GE(count_of(r.output, "dp_shard_size 2 (--dp_shard_size"), 1) << r.output;
+  EXPECT_GE(count_of(r.output, "--use_fsdp"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "topology pp"), 0) << r.output;
+  r = run(4, {"--use_fsdp", "--dp_replicate_size", "2"}, "topology");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_GE(count_of(r.output, "hybrid sharding"), 1) << r.output;
+}
+
 }  // namespace

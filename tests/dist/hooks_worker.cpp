@@ -169,6 +169,22 @@ int metrics() {
   return 0;
 }
 
+// Note [A topology always built]: every run has a topology; the main process prints its
+// sizes, whether its data-parallel group is the world group itself, and the strategy's group.
+int topology() {
+  tandem::Accelerator acc;
+  const auto& t = acc.topology();
+  const bool dp_is_world = t.data_parallel().get() == t.world().get();
+  acc.wait_for_everyone();
+  if (acc.is_main_process()) {
+    std::printf("topology %s; dp %d%s; shard %d; strategy %s; mesh %s\n", t.shape_string().c_str(),
+                t.dp(), dp_is_world ? " (the world group)" : "", t.sharding()->size(),
+                acc.strategy().name().c_str(), acc.mesh() ? "built" : "none");
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -177,8 +193,9 @@ int main(int argc, char** argv) {
     if (mode == "tp" || mode == "train") return train<Net>(mode);
     if (mode == "plain") return train<PlainNet>("train");
     if (mode == "metrics") return metrics();
+    if (mode == "topology") return topology();
     if (mode == "plain-tp") return train<PlainNet>("tp");
-    std::cerr << "usage: hooks_worker tp|train|plain|plain-tp" << std::endl;
+    std::cerr << "usage: hooks_worker tp|train|plain|plain-tp|metrics|topology" << std::endl;
     return 2;
   } catch (const std::exception& e) {
     std::cerr << "hooks_worker: " << e.what() << std::endl;

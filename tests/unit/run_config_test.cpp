@@ -59,7 +59,9 @@ TEST(RunConfig, DefaultsWithoutEnvironment) {
   EXPECT_EQ(c.comm_hook, "none");
   EXPECT_EQ(c.mixed_precision, "no");
   EXPECT_FALSE(c.fp8);
-  EXPECT_TRUE(c.mesh_shape.empty());
+  // Note [A topology always built]: every size resolved, each 1 on one process.
+  EXPECT_EQ(c.mesh_shape.dims(), tandem::comm::MeshShape().resolve(1).dims());
+  EXPECT_EQ(c.mesh_shape.to_string(), "pp 1 x dp_replicate 1 x dp_shard 1 x tp 1");
   EXPECT_FALSE(c.activation_checkpointing);
   EXPECT_EQ(c.timeline_dir, "");
   EXPECT_TRUE(c.from_environment.empty());
@@ -232,9 +234,42 @@ TEST(RunConfig, MeshShapeIsResolvedAgainstTheWorld) {
   EXPECT_TRUE(contains(e, "[rank 0/3] parallelism: ")) << e;
 }
 
+// Note [A topology always built]: the data-parallel sizes follow the strategy. A sharded run
+// shards over every data-parallel rank; plain data parallel replicates; a size that no strategy
+// would honour is refused, naming it and the fix.
+TEST(RunConfig, DataParallelSizesFollowTheStrategy) {
+  const auto zero3 = AcceleratorOptions().sharding(tandem::parallel::ShardingOptions().stage(3));
+  auto c = resolve_run_config(zero3, world(4));
+  EXPECT_EQ(c.mesh_shape.dp_shard, 4);
+  EXPECT_EQ(c.mesh_shape.dp_replicate, 1);
+  c = resolve_run_config(zero3, with(world(4), {{var::kTpSize, "2"}}));
+  EXPECT_EQ(c.mesh_shape.dp_shard, 2);
+  EXPECT_EQ(c.mesh_shape.dp_replicate, 1);
+  EXPECT_EQ(c.mesh_shape.tp, 2);
+  c = resolve_run_config(AcceleratorOptions(), world(4));
+  EXPECT_EQ(c.mesh_shape.dp_replicate, 4);
+  EXPECT_EQ(c.mesh_shape.dp_shard, 1);
+  // NO_SHARD (stage 0) is plain data parallel.
+  c = resolve_run_config(AcceleratorOptions().sharding(tandem::parallel::ShardingOptions().stage(0)),
+                         world(4));
+  EXPECT_EQ(c.mesh_shape.dp_replicate, 4);
+  // dp_shard without a ZeRO stage would train as plain data parallel: refused.
+  auto e = resolve_error(AcceleratorOptions(), with(world(4), {{var::kDpShardSize, "2"}}));
+  EXPECT_TRUE(contains(e, "dp_shard_size 2 (--dp_shard_size")) << e;
+  EXPECT_TRUE(contains(e, "--use_fsdp")) << e;
+  // dp_replicate with a ZeRO stage is hybrid sharding: refused.
+  e = resolve_error(zero3, with(world(4), {{var::kDpReplicateSize, "2"}}));
+  EXPECT_TRUE(contains(e, "dp_replicate_size 2 with ZeRO stage 3")) << e;
+  EXPECT_TRUE(contains(e, "hybrid sharding")) << e;
+  // Both set to what the strategy does: accepted.
+  c = resolve_run_config(zero3, with(world(4), {{var::kDpShardSize, "4"}}));
+  EXPECT_EQ(c.mesh_shape.dp_shard, 4);
+}
+
 // The context a variable is read in (the settings of its section).
 EnvMap context_of(const std::string& name) {
-  EnvMap env = world(8);
+  // A dp_replicate size of 2 leaves no dp_shard above 1 (refused without sharding) on 2 ranks.
+  EnvMap env = world(name == var::kDpReplicateSize ? 2 : 8);
   if (name.rfind(var::kFsdpPrefix, 0) == 0) env[var::kDistributedType] = "FSDP";
   if (name.rfind(var::kFp8Prefix, 0) == 0) env[var::kMixedPrecision] = "fp8";
   for (const char* ds : {var::kZeroStage, var::kOffloadOptimizerDevice, var::kOffloadParamDevice,
@@ -381,12 +416,9 @@ TEST(RunConfig, LaunchedEnvironmentResolvesToTheConfiguration) {
     auto ac = c.fsdp_config.find("fsdp_activation_checkpointing");
     EXPECT_EQ(run.activation_checkpointing, ac != c.fsdp_config.end() && ac->second == "true");
     const auto shape = tandem::config::mesh_shape(c);
-    if (shape.empty()) {
-      EXPECT_TRUE(run.mesh_shape.empty());
-    } else {
-      const auto want = shape.resolve(c.num_processes, c.num_processes / c.num_machines);
-      EXPECT_EQ(run.mesh_shape.dims(), want.dims());
-    }
+    const auto want = shape.resolve(c.num_processes, c.num_processes / c.num_machines,
+                                    run.sharding && run.sharding->stage() > 0);
+    EXPECT_EQ(run.mesh_shape.dims(), want.dims());
     // The sharding the config names.
     if (resolved.distributed_type == "DEEPSPEED") {
       ASSERT_TRUE(run.sharding);

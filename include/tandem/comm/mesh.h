@@ -47,7 +47,8 @@ void validate_mesh_shape(int world, const MeshDims& dims, int local_world_size =
 ///
 /// Resolution against a world size (resolve): tp and pp default to 1. When neither dp size is
 /// set, the data-parallel ranks replicate (dp_replicate = world / (pp * tp), dp_shard = 1: plain
-/// data parallel, what tandem runs without a sharding strategy). When exactly one is set, the
+/// data parallel), or, when the run shards (`shard_data`: a ZeRO stage), they shard
+/// (dp_shard = world / (pp * tp), dp_replicate = 1). When exactly one is set, the
 /// other is derived as world / (pp * tp * the one set). When both are set, nothing is derived and
 /// the product must equal the world.
 ///
@@ -69,7 +70,7 @@ struct MeshShape {
   bool empty() const { return pp == 0 && dp_replicate == 0 && dp_shard == 0 && tp == 0; }
   /// Every size filled in for `world` ranks (see above), then validate_mesh_shape(world, dims(),
   /// local_world_size). Throws std::invalid_argument when a derived size does not divide.
-  MeshShape resolve(int world, int local_world_size = 0) const;
+  MeshShape resolve(int world, int local_world_size = 0, bool shard_data = false) const;
   /// {"pp", pp}, {"dp_replicate", dp_replicate}, {"dp_shard", dp_shard}, {"tp", tp}: torchtitan's
   /// order, tp innermost so that a tensor-parallel group is consecutive ranks on one machine.
   /// Unset sizes count as 1.

@@ -62,7 +62,10 @@ struct RunConfig {
   bool downcast_bf16 = false;
   /// The fp8 recipe: the options', else TANDEM_FP8_* under mixed_precision fp8; unset otherwise.
   std::optional<precision::Fp8Options> fp8;
-  /// The mesh sizes, resolved against the job's world (empty: plain data parallel).
+  /// The mesh sizes, always resolved against the job's world (every size >= 1; Note [A topology
+  /// always built]). Without dp sizes given, a sharded run (a ZeRO stage) shards over every
+  /// data-parallel rank (dp_shard), any other replicates (dp_replicate). dp_shard above 1 without
+  /// a ZeRO stage, and dp_replicate above 1 with one (hybrid sharding), are refused.
   comm::MeshShape mesh_shape;
   bool activation_checkpointing = false;
   /// Per-rank timeline folder: AcceleratorOptions::timeline_dir, else TANDEM_TIMELINE; empty: none.

@@ -25,7 +25,16 @@ namespace torch::optim {
 class Optimizer;
 }
 
+namespace tandem::checkpoint {
+struct StatePart;
+}
+namespace tandem::precision {
+class MixedPrecision;
+}
+
 namespace tandem::parallel {
+
+class Topology;
 
 /// Accelerate's distributed types (TANDEM_DISTRIBUTED_TYPE, the config key distributed_type).
 enum class DistributedType { kNo, kMultiCpu, kMultiGpu, kFsdp, kDeepSpeed };
@@ -81,9 +90,12 @@ struct ShardingOptions {
 /// value and what is accepted, for every value tandem cannot honour.
 std::optional<ShardingOptions> sharding_from_environment(const EnvMap& env);
 
-/// What a strategy needs to know of the run's precision.
+/// What a strategy needs to know of the run: its group and the run's precision.
 struct StrategyContext {
+  /// The group data parallel runs over (the topology's "dp"; Note [A topology always built]).
   std::shared_ptr<ProcessGroup> pg;
+  /// The group ZeRO shards over (the topology's "dp_shard"); unset: `pg`.
+  std::shared_ptr<ProcessGroup> shard_pg;
   c10::Device device = c10::Device(c10::kCPU);
   /// The optimizer steps fp32 copies of half parameters (the -true modes with master weights).
   bool master_weights = false;
@@ -153,6 +165,15 @@ class Strategy {
   /// nothing (the parameters are always whole).
   virtual void gather_units() {}
   virtual void release_units() {}
+
+  /// The checkpoint's "models" and "optimizers" parts for the models and optimizers this
+  /// strategy runs, laid out for `topology` (Note [Model-parallel checkpoints]: which file each
+  /// rank writes, which ranks' files it reads back, and reloading ZeRO shards on another world).
+  /// The parts keep references to the arguments: use them before any of them changes.
+  std::vector<checkpoint::StatePart> checkpoint_parts(
+      const Topology& topology, precision::MixedPrecision& precision,
+      const std::vector<std::shared_ptr<torch::nn::Module>>& models,
+      const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers);
 };
 
 /// Why `sharding` cannot run ("" when it can): a stage outside 0-3, parameter offload below stage 3.
