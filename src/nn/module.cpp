@@ -75,13 +75,20 @@ void Hookable::register_forward_hook(
               });
 }
 
-std::string module_type_name(const torch::nn::Module& module) {
-  if (auto* h = dynamic_cast<const Hookable*>(&module)) return h->type_name();
-  auto n = module.name();
+namespace detail {
+
+std::string trim_type_name(std::string n) {
   if (auto lt = n.find('<'); lt != std::string::npos) n = n.substr(0, lt);
   if (auto colon = n.rfind("::"); colon != std::string::npos) n = n.substr(colon + 2);
   if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n.resize(n.size() - 4);
   return n;
+}
+
+}  // namespace detail
+
+std::string module_type_name(const torch::nn::Module& module) {
+  if (auto* h = dynamic_cast<const Hookable*>(&module)) return h->type_name();
+  return detail::trim_type_name(module.name());
 }
 
 std::vector<std::pair<std::string, std::vector<std::string>>> describe_hooks(

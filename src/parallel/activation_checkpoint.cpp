@@ -312,33 +312,50 @@ std::vector<std::string> entry_names(torch::nn::SequentialImpl& seq) {
 void hook_checkpoint(torch::nn::Module& m, const std::string& path, CheckpointOptions options);
 bool is_checkpointed(torch::nn::Module& m);
 
-void visit(torch::nn::Module& m, const std::string& prefix, const CheckpointPredicate& predicate,
-           CheckpointOptions options, std::vector<std::shared_ptr<CheckpointedImpl>>& made,
-           std::vector<std::string>& unreachable) {
-  if (dynamic_cast<CheckpointedImpl*>(&m)) return;
+// One walk over a model, for apply_activation_checkpointing and checkpoint_model_blocks: a
+// module `wanted` names is checkpointed where a wrapper reaches it (a Sequential entry by a
+// Checkpointed wrapper, a hookable module by a hook); one it names but no wrapper reaches is
+// recorded, and the others are walked into. A checkpointed module is never walked into.
+struct Walk {
+  std::function<bool(const std::string& path, torch::nn::Module&, bool entry)> wanted;
+  CheckpointOptions options;
+  std::vector<std::shared_ptr<CheckpointedImpl>> made;  // the Sequential entries' wrappers
+  int hooked = 0;                                       // hookable modules checkpointed
+  std::set<std::string> found;                          // the classes checkpointed
+  std::vector<std::pair<std::string, std::string>> unreachable;  // {path, Type} it could not
+};
+
+void walk(torch::nn::Module& m, const std::string& prefix, Walk& w) {
+  if (is_checkpointed(m)) return;
   if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&m)) {
     const auto names = entry_names(*seq);
     for (size_t i = 0; i < names.size(); ++i) {
       auto ptr = (seq->begin() + static_cast<std::ptrdiff_t>(i))->ptr();
-      if (dynamic_cast<CheckpointedImpl*>(ptr.get())) continue;
+      if (is_checkpointed(*ptr)) continue;
       const std::string name = prefix + names[i];
-      if (predicate(name, *ptr))
-        made.push_back(wrap_entry(*seq, i, names[i], options));
-      else
-        visit(*ptr, name + ".", predicate, options, made, unreachable);
+      if (w.wanted(name, *ptr, true)) {
+        w.found.insert(tandem::nn::module_type_name(*ptr));
+        w.made.push_back(wrap_entry(*seq, i, names[i], w.options));
+      } else {
+        walk(*ptr, name + ".", w);
+      }
     }
     return;
   }
   for (const auto& kv : m.named_children()) {
     const std::string name = prefix + kv.key();
-    if (predicate(name, *kv.value())) {
-      if (tandem::nn::hookable(*kv.value())) {
-        if (!is_checkpointed(*kv.value())) hook_checkpoint(*kv.value(), name, options);
-      } else {
-        unreachable.push_back(name);
-      }
+    auto& child = *kv.value();
+    if (is_checkpointed(child)) continue;
+    if (!w.wanted(name, child, false)) {
+      walk(child, name + ".", w);
+      continue;
+    }
+    w.found.insert(tandem::nn::module_type_name(child));
+    if (tandem::nn::hookable(child)) {
+      hook_checkpoint(child, name, w.options);
+      ++w.hooked;
     } else {
-      visit(*kv.value(), name + ".", predicate, options, made, unreachable);
+      w.unreachable.emplace_back(name, tandem::nn::module_type_name(child));
     }
   }
 }
@@ -364,45 +381,6 @@ bool is_checkpointed(torch::nn::Module& m) {
   if (dynamic_cast<CheckpointedImpl*>(&m)) return true;
   auto* h = tandem::nn::hookable(m);
   return h && h->hooks_if_any() && h->hooks_if_any()->contains("activation checkpoint");
-}
-
-// The blocks of a model (checkpoint_model_blocks): Sequential entries and hookable modules.
-void visit_blocks(torch::nn::Module& m, const std::string& prefix,
-                  const std::function<bool(torch::nn::Module&, bool entry)>& wanted,
-                  CheckpointOptions options, int& count, std::set<std::string>& found,
-                  std::vector<std::string>& unreachable) {
-  if (is_checkpointed(m)) return;
-  if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&m)) {
-    const auto names = entry_names(*seq);
-    for (size_t i = 0; i < names.size(); ++i) {
-      auto ptr = (seq->begin() + static_cast<std::ptrdiff_t>(i))->ptr();
-      if (is_checkpointed(*ptr)) continue;
-      const std::string name = prefix + names[i];
-      if (wanted(*ptr, true)) {
-        found.insert(tandem::nn::module_type_name(*ptr));
-        wrap_entry(*seq, i, names[i], options);
-        ++count;
-      } else {
-        visit_blocks(*ptr, name + ".", wanted, options, count, found, unreachable);
-      }
-    }
-    return;
-  }
-  for (const auto& kv : m.named_children()) {
-    const std::string name = prefix + kv.key();
-    if (is_checkpointed(*kv.value())) continue;
-    if (wanted(*kv.value(), false)) {
-      found.insert(tandem::nn::module_type_name(*kv.value()));
-      if (tandem::nn::hookable(*kv.value())) {
-        hook_checkpoint(*kv.value(), name, options);
-        ++count;
-      } else {
-        unreachable.push_back(name + " (" + tandem::nn::module_type_name(*kv.value()) + ")");
-      }
-    } else {
-      visit_blocks(*kv.value(), name + ".", wanted, options, count, found, unreachable);
-    }
-  }
 }
 
 }  // namespace
@@ -438,12 +416,15 @@ std::vector<std::shared_ptr<CheckpointedImpl>> checkpoint_sequential_entries(
 std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
     torch::nn::Module& model, const CheckpointPredicate& predicate, CheckpointOptions options) {
   TORCH_CHECK(predicate, "apply_activation_checkpointing: the predicate is empty");
-  std::vector<std::shared_ptr<CheckpointedImpl>> made;
-  std::vector<std::string> unreachable;
-  visit(model, "", predicate, options, made, unreachable);
+  Walk w;
+  w.wanted = [&](const std::string& path, torch::nn::Module& m, bool) { return predicate(path, m); };
+  w.options = options;
+  walk(model, "", w);
+  const auto& unreachable = w.unreachable;
   if (!unreachable.empty()) {
     std::string names;
-    for (size_t k = 0; k < unreachable.size() && k < 8; ++k) names += (k ? ", " : "") + unreachable[k];
+    for (size_t k = 0; k < unreachable.size() && k < 8; ++k)
+      names += (k ? ", " : "") + unreachable[k].first;
     if (unreachable.size() > 8) names += ", ... (" + std::to_string(unreachable.size()) + " in all)";
     throw std::invalid_argument(
         "apply_activation_checkpointing: the predicate matches " + names +
@@ -456,7 +437,7 @@ std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
         "it is built (register_module(\"h0\", tandem::parallel::Checkpointed(Block(...)))), or "
         "hold it in a torch::nn::Sequential");
   }
-  return made;
+  return w.made;
 }
 
 int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::string>& classes,
@@ -464,7 +445,9 @@ int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::str
   if (classes.empty())
     if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&model))
       return static_cast<int>(checkpoint_sequential_entries(*seq, options).size());
-  auto wanted = [&](torch::nn::Module& m, bool entry) {
+  Walk w;
+  w.options = options;
+  w.wanted = [&](const std::string&, torch::nn::Module& m, bool entry) {
     if (!classes.empty())
       return std::find(classes.begin(), classes.end(), tandem::nn::module_type_name(m)) !=
              classes.end();
@@ -472,13 +455,14 @@ int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::str
     auto* h = tandem::nn::hookable(m);
     return h != nullptr && !h->standard_layer();
   };
-  int count = 0;
-  std::set<std::string> found;
-  std::vector<std::string> unreachable;
-  visit_blocks(model, "", wanted, options, count, found, unreachable);
+  walk(model, "", w);
+  const auto& unreachable = w.unreachable;
+  const auto& found = w.found;
+  const int count = static_cast<int>(w.made.size()) + w.hooked;
   if (!unreachable.empty())
     throw std::invalid_argument(
-        "activation checkpointing: " + unreachable.front() +
+        "activation checkpointing: " + unreachable.front().first + " (" +
+        unreachable.front().second + ")" +
         " is of a class fsdp_transformer_layer_cls_to_wrap names, but its parent calls it "
         "directly, where no wrapper reaches it; declare its type with TANDEM_MODULE(Name) instead "
         "of TORCH_MODULE(Name) (tandem/nn/module.h), or hold it in a torch::nn::Sequential");

@@ -9,26 +9,35 @@ namespace tandem::parallel {
 
 void ShardedImpl::adopt() { detail::adopt_members(*this, *inner_.ptr()); }
 
-torch::Tensor ShardedImpl::forward(torch::Tensor input) {
-  if (!hooks_) return inner_.forward(std::move(input));
-  auto hooks = hooks_;
+namespace detail {
+
+std::vector<at::Tensor> run_unit(const std::shared_ptr<ShardedHooks>& hooks,
+                                 const std::function<std::vector<at::Tensor>()>& forward) {
   hooks->before_forward();
-  torch::Tensor out;
+  std::vector<at::Tensor> out;
   try {
-    out = inner_.forward(std::move(input));
+    out = forward();
   } catch (...) {
     hooks->after_forward();
     throw;
   }
-  // The unit's backward needs its parameters again: gathered when the gradient of its output
-  // arrives, before any of the unit's own backward runs.
-  if (out.requires_grad())
-    out.register_hook([hooks](torch::Tensor grad) {
-      hooks->before_backward();
-      return grad;
-    });
+  for (auto& o : out)
+    if (o.defined() && o.requires_grad())
+      o.register_hook([hooks](at::Tensor grad) {
+        hooks->before_backward();
+        return grad;
+      });
   hooks->after_forward();
   return out;
+}
+
+}  // namespace detail
+
+torch::Tensor ShardedImpl::forward(torch::Tensor input) {
+  if (!hooks_) return inner_.forward(std::move(input));
+  return detail::run_unit(hooks_, [&] {
+           return std::vector<at::Tensor>{inner_.forward(std::move(input))};
+         }).front();
 }
 
 namespace {

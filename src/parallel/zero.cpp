@@ -354,22 +354,7 @@ class ZeroStrategy : public Strategy {
     hooks->pg = ctx_.pg.get();
     h->hooks().add("zero-3 unit", tandem::nn::order::kShard,
                    [hooks](const std::vector<at::Tensor>& in, const tandem::nn::TensorFunction& next) {
-                     hooks->before_forward();
-                     std::vector<at::Tensor> out;
-                     try {
-                       out = next(in);
-                     } catch (...) {
-                       hooks->after_forward();
-                       throw;
-                     }
-                     for (auto& o : out)
-                       if (o.defined() && o.requires_grad())
-                         o.register_hook([hooks](at::Tensor grad) {
-                           hooks->before_backward();
-                           return grad;
-                         });
-                     hooks->after_forward();
-                     return out;
+                     return detail::run_unit(hooks, [&] { return next(in); });
                    });
     (void)path;
     units_.push_back(m);

@@ -260,13 +260,12 @@ struct ForwardSignature<Impl, std::void_t<decltype(&Impl::forward)>> {
   using type = typename MemberSignature<decltype(&Impl::forward)>::type;
 };
 
+/// "ns::BlockImpl<T>" -> "Block": the class name as a user declares it (module_type_name's rule).
+std::string trim_type_name(std::string demangled);
+
 template <class Impl>
 std::string declared_name() {
-  auto n = c10::demangle(typeid(Impl).name());
-  if (auto lt = n.find('<'); lt != std::string::npos) n = n.substr(0, lt);
-  if (auto colon = n.rfind("::"); colon != std::string::npos) n = n.substr(colon + 2);
-  if (n.size() > 4 && n.compare(n.size() - 4, 4, "Impl") == 0) n.resize(n.size() - 4);
-  return n;
+  return trim_type_name(c10::demangle(typeid(Impl).name()));
 }
 
 template <class Impl>

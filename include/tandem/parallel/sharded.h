@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <memory>
+#include <vector>
 
 namespace tandem::parallel {
 
@@ -22,6 +23,14 @@ class ShardedHooks {
   virtual void after_forward() = 0;    ///< free them again
   virtual void before_backward() = 0;  ///< gather them for the unit's backward
 };
+
+/// Note [A ZeRO-3 unit's forward]: runs `forward` (the unit's own call) between
+/// hooks->before_forward() and after_forward() (after_forward also when it throws); every output
+/// that requires grad gathers the unit again (before_backward) when its gradient arrives, before
+/// any of the unit's own backward runs. Both kinds of unit, Sharded wrappers and hooked modules
+/// (Note [ZeRO-3 units on hooks]), run their forward through it.
+std::vector<at::Tensor> run_unit(const std::shared_ptr<ShardedHooks>& hooks,
+                                 const std::function<std::vector<at::Tensor>()>& forward);
 }  // namespace detail
 
 /// A module whose parameters form one ZeRO-3 unit. The inner module's children, parameters and
