@@ -15,6 +15,7 @@
 #include <iostream>
 
 #include "tandem/checkpoint/model_io.h"
+#include "tandem/host_allocator.h"
 #include "tandem/tandem.h"
 #include "timed_steps.h"
 
@@ -32,12 +33,25 @@ torch::nn::Sequential make_model() {
   return net;
 }
 
-int64_t rss_peak_kb() {
+int64_t status_kb(const char* key) {
   std::ifstream status("/proc/self/status");
   std::string line;
   while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6));
+    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(std::string(key).size()));
   return 0;
+}
+
+int64_t rss_peak_kb() { return status_kb("VmHWM:"); }
+
+// --phases: where the resident memory stands after each phase of the run (this process).
+bool g_phases = false;
+void phase(const char* what, int rank = 0) {
+  if (!g_phases || rank != 0) return;
+  const auto h = tandem::host_allocator_stats();
+  std::cout << "PHASE " << what << " rss_kb=" << status_kb("VmRSS:") << " hwm_kb=" << rss_peak_kb()
+            << " tensor_bytes=" << tandem::track::cpu_memory_stats().current_bytes
+            << " host_mapped=" << h.mapped_bytes << " cached=" << h.cached_bytes
+            << " maps=" << h.maps << " reuses=" << h.reuses << " unmaps=" << h.unmaps << std::endl;
 }
 
 }  // namespace
@@ -51,8 +65,16 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup);
   std::string save_dir;
   app.add_option("--save_model", save_dir, "plain: write the model here (for estimate-memory)");
+  app.add_flag("--phases", g_phases, "print the resident memory after each phase (rank 0)");
+  double host_cache_mb = -1;
+  app.add_option("--host_cache_mb", host_cache_mb, "plain: install tandem's host allocator with this cache");
   CLI11_PARSE(app, argc, argv);
   tandem::track::install_counting_cpu_allocator();
+  if (host_cache_mb >= 0) {
+    tandem::HostAllocatorOptions o;
+    o.cache_bytes = static_cast<size_t>(host_cache_mb * (1 << 20));
+    tandem::install_host_allocator(o);
+  }
   torch::set_num_threads(1);
   auto batch = [](int64_t i) {
     auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(i + 1));
@@ -74,17 +96,23 @@ int main(int argc, char** argv) {
     return 0;
   }
   tandem::Accelerator acc(tandem::AcceleratorOptions().bucket_cap_mb(8).first_bucket_cap_mb(8));
+  const int rank = acc.process_index();
+  phase("accelerator", rank);
   auto net = make_model();
+  phase("model built", rank);
   auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::AdamW>(
                                            net->parameters(), torch::optim::AdamWOptions(1e-4)));
+  phase("prepared", rank);
   const double s = bench::timed_steps(
       warmup, steps,
       [&](int i) {
         auto scope = acc.accumulate();
         acc.backward(
             model->forward(batch(i * acc.num_processes() + acc.process_index())).pow(2).mean());
+        phase("backward", i == 0 ? rank : 1);
         opt.step();
         opt.zero_grad();
+        phase(("step " + std::to_string(i)).c_str(), i < 3 ? rank : 1);
       },
       [&] { acc.wait_for_everyone(); });
   auto peak = torch::tensor({static_cast<double>(tandem::track::cpu_memory_stats().peak_bytes),

@@ -4,12 +4,14 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <set>
 #include <stdexcept>
 
 #include "tandem/config/run_config.h"
+#include "tandem/host_allocator.h"
 #include "tandem/launch/resolve.h"
 #include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/tensor_parallel.h"
@@ -64,6 +66,18 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
       .comm_hook(run.comm_hook);
   if (run.debug && state_.rank == 0) std::cerr << config::describe(run);
   device_ = select_device(state_, run.cpu);
+  // Note [Resident memory and large blocks]: before the model is built, so that its weights
+  // and everything after come from it.
+  if (run.host_allocator) {
+    HostAllocatorOptions host;
+    host.cache_bytes = static_cast<size_t>(run.host_cache_mb * (1 << 20));
+    install_host_allocator(host);
+  } else if (host_allocator_installed()) {  // an earlier Accelerator of this process: hand over
+    HostAllocatorOptions host;
+    host.threshold = SIZE_MAX;
+    host.cache_bytes = 0;
+    install_host_allocator(host);
+  }
   accumulation_steps_ = run.gradient_accumulation_steps;
   if (run.num_threads) torch::set_num_threads(*run.num_threads);
   // Refuses impossible modes before joining the job.
@@ -200,6 +214,7 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
   parallel::broadcast_module_state(*model, *topology_->data_parallel(), true, true);
   strategy_->prepare_model(model);
   models_.push_back(model);
+  trim_host_cache();  // the flattening's sizes do not come again
   return model;
 }
 
@@ -291,6 +306,7 @@ AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimize
   optimizers_.push_back(optimizer);
   // A sharding strategy makes the optimizer step its shards (fp32 ones for master weights).
   precision_->register_optimizer(*optimizer, strategy_->prepare_optimizer(*optimizer));
+  trim_host_cache();
   return AcceleratedOptimizer(std::move(optimizer), self_);
 }
 

@@ -14,6 +14,7 @@
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/checkpoint/training_state.h"
+#include "tandem/host_allocator.h"
 
 namespace tandem {
 namespace {
@@ -228,6 +229,7 @@ void Accelerator::load_state(const std::string& dir_arg) {
                                "; save one with save_state() first, or pass a directory");
   }
   checkpoint::load_training_state(*pg_, dir, checkpoint_parts());
+  trim_host_cache();  // the files' buffers do not come again
 }
 
 }  // namespace tandem

@@ -289,6 +289,20 @@ FaultInjection fault_injection_from_env(const EnvMap& env) {
 
 FaultInjection fault_injection() { return fault_injection_from_env(current_environment()); }
 
+// Under AddressSanitizer the host allocator is off unless asked for: ASan checks every tensor's
+// memory only where malloc hands it out.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
 RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& map) {
   RunConfig c;
   c.process = ProcessState::from_env(map);
@@ -390,6 +404,13 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
         options.activation_checkpointing().value_or(activation_checkpointing_of(map, env));
     c.timeline_dir =
         options.timeline_dir().empty() ? env.get(var::kTimeline).value_or("") : options.timeline_dir();
+    c.host_allocator = options.host_allocator().value_or(
+        env.boolean(var::kHostAllocator).value_or(!kAddressSanitizer));
+    c.host_cache_mb =
+        options.host_cache_mb().value_or(env.non_negative(var::kHostCacheMb).value_or(32.0));
+    if (c.host_cache_mb < 0)
+      throw std::invalid_argument("host_cache_mb is " + std::to_string(c.host_cache_mb) +
+                                  " (AcceleratorOptions().host_cache_mb); it must be 0 or more");
     c.debug = env.boolean(var::kDebug).value_or(false);
     c.num_machines = env.positive_int(var::kNumMachines).value_or(1);
     if (c.distributed_type == parallel::DistributedType::kDeepSpeed) {
@@ -425,6 +446,8 @@ std::string describe(const RunConfig& c) {
   os << "  mesh: " << c.mesh_shape.to_string() << "\n";
   os << "  activation_checkpointing: " << yes(c.activation_checkpointing) << "\n";
   os << "  timeline_dir: " << (c.timeline_dir.empty() ? "none" : c.timeline_dir) << "\n";
+  os << "  host_allocator: " << yes(c.host_allocator) << ", host_cache_mb: " << c.host_cache_mb
+     << "\n";
   os << "  from the environment:";
   if (c.from_environment.empty()) os << " nothing";
   for (const auto& [k, v] : c.from_environment) os << " " << k << "=" << v;

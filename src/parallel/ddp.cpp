@@ -375,11 +375,16 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool pa
     for (auto& p : module.parameters()) add(p);
   if (buffers)
     for (auto& b : module.buffers()) add(b);
-  // One flat broadcast per (dtype, device).
+  // Note [Bounded broadcasts]: small tensors travel together, in flat chunks of at most
+  // kChunkBytes per (dtype, device), and a large contiguous tensor that Gloo carries as it is
+  // travels in place. A flat copy of the whole model (what one broadcast per dtype needs) would
+  // be a second model in every rank's resident memory at `prepare`.
+  constexpr int64_t kChunkBytes = int64_t{16} << 20;
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
   for (auto& t : tensors) groups[{static_cast<int>(t.scalar_type()), t.device().str()}].push_back(t);
   at::NoGradGuard no_grad;
-  for (auto& [key, ts] : groups) {
+  auto send = [&pg](const std::vector<at::Tensor>& ts) {
+    if (ts.empty()) return;
     std::vector<at::Tensor> flat_parts;
     for (auto& t : ts) flat_parts.push_back(t.detach().reshape({-1}));
     auto flat = at::cat(flat_parts);
@@ -390,6 +395,26 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool pa
       t.detach().copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
       off += t.numel();
     }
+  };
+  for (auto& [key, ts] : groups) {
+    std::vector<at::Tensor> chunk;
+    int64_t chunk_bytes = 0;
+    for (auto& t : ts) {
+      const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+      if (bytes >= kChunkBytes / 4 && t.is_contiguous() && wire_dtype(t) == t.scalar_type()) {
+        auto in_place = t.detach();
+        pg.broadcast(in_place, 0);
+        continue;
+      }
+      if (chunk_bytes + bytes > kChunkBytes) {
+        send(chunk);
+        chunk.clear();
+        chunk_bytes = 0;
+      }
+      chunk.push_back(t);
+      chunk_bytes += bytes;
+    }
+    send(chunk);
   }
 }
 

@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "../compat/allocator.h"
+#include "detail/counting.h"
 
 namespace tandem::track {
 namespace {
@@ -42,7 +43,7 @@ class CountingAllocator final : public compat::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
   c10::DataPtr allocate_bytes(size_t n) const override {
-    c10::DataPtr dp = base_->allocate(n);
+    c10::DataPtr dp = base_.load()->allocate(n);
     void* data = dp.get();
     const auto device = dp.device();
     if (!data) return dp;  // zero bytes: nothing to count
@@ -58,24 +59,39 @@ class CountingAllocator final : public compat::Allocator {
     return c10::DataPtr(data, data, &release, device);
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  c10::Allocator* base() const { return base_.load(); }
+  void set_base(c10::Allocator* base) { base_.store(base); }
 
  private:
-  c10::Allocator* base_;
+  std::atomic<c10::Allocator*> base_;
 };
 
 std::once_flag g_once;
 std::atomic<bool> g_installed{false};
+CountingAllocator* g_counting = nullptr;
 
 }  // namespace
 
 void install_counting_cpu_allocator() {
   std::call_once(g_once, [] {
     // Never destroyed: tensors freed at exit still call back into it.
-    static auto* counting = new CountingAllocator(c10::GetAllocator(c10::DeviceType::CPU));
-    c10::SetAllocator(c10::DeviceType::CPU, counting, /*priority=*/100);
+    g_counting = new CountingAllocator(c10::GetAllocator(c10::DeviceType::CPU));
+    c10::SetAllocator(c10::DeviceType::CPU, g_counting, /*priority=*/100);
     g_installed = true;
   });
 }
+
+namespace detail {
+
+c10::Allocator* counting_allocator_base() {
+  return g_installed.load() ? g_counting->base() : nullptr;
+}
+
+void set_counting_allocator_base(c10::Allocator* base) {
+  if (g_installed.load()) g_counting->set_base(base);
+}
+
+}  // namespace detail
 
 bool counting_cpu_allocator_installed() { return g_installed.load(); }
 

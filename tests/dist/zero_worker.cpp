@@ -155,6 +155,15 @@ int train(const Args& a) {
   return 0;
 }
 
+// A field of /proc/self/status in kB ("VmRSS:", "VmHWM:").
+int64_t status_kb(const char* key) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(std::string(key).size()));
+  return -1;
+}
+
 // The memory test's model: 24 layers of 1024 x 1024 (25.2M parameters), AdamW, buckets of 8 MiB.
 // Peak CPU tensor bytes over two steps after the first (Adam's state exists by then), beside the
 // model-state formula of the strategy (docs/sharding.md): fp32 weights 4N, gradients 4N, Adam
@@ -166,6 +175,8 @@ int memory(const Args&) {
   tandem::track::install_counting_cpu_allocator();
   const double bucket_mb = 8;
   tandem::Accelerator acc(tandem::AcceleratorOptions().bucket_cap_mb(bucket_mb).first_bucket_cap_mb(bucket_mb));
+  // The library's baseline: the process's resident memory before any tensor (LibTorch, Gloo).
+  const int64_t baseline_kb = status_kb("VmRSS:");
   torch::manual_seed(1);
   const int64_t width = 1024, layers = 24, rows = 16;
   torch::nn::Sequential net;
@@ -228,13 +239,16 @@ int memory(const Args&) {
     formula = 16 * shard + 8 * 4 * largest;
   // Activations: each layer keeps its input and its ReLU output for backward.
   const int64_t activations = 2 * layers * rows * width * 4;
-  std::ifstream status("/proc/self/status");
-  std::string line, hwm;
-  while (std::getline(status, line))
-    if (line.rfind("VmHWM:", 0) == 0) hwm = line.substr(6);
+  // Resident memory over the whole run, the model's construction and prepare included (VmHWM),
+  // above the baseline; the host allocator's cache of freed blocks is part of it.
   std::cout << "memory rank=" << acc.process_index() << " strategy=" << name << " world=" << world
             << " N=" << n << " peak_bytes=" << stats.peak_bytes << " formula_bytes=" << formula
-            << " activation_bytes=" << activations << " rss_peak=" << hwm << std::endl;
+            << " activation_bytes=" << activations << " rss_peak_kb=" << status_kb("VmHWM:")
+            << " rss_baseline_kb=" << baseline_kb
+            << " host_cache_bytes=" << (acc.run_config().host_allocator
+                                            ? static_cast<int64_t>(acc.run_config().host_cache_mb * (1 << 20))
+                                            : -1)
+            << std::endl;
   return 0;
 }
 

@@ -68,6 +68,12 @@ struct RunConfig {
   /// a ZeRO stage, and dp_replicate above 1 with one (hybrid sharding), are refused.
   comm::MeshShape mesh_shape;
   bool activation_checkpointing = false;
+  /// Note [Resident memory and large blocks]: tandem's host allocator serves large CPU blocks
+  /// (AcceleratorOptions::host_allocator, else TANDEM_HOST_ALLOCATOR; default true, false in a
+  /// build with AddressSanitizer, which checks tensors only where malloc hands them out), keeping
+  /// at most host_cache_mb of freed ones for reuse (TANDEM_HOST_CACHE_MB; default 32).
+  bool host_allocator = true;
+  double host_cache_mb = 32;
   /// Per-rank timeline folder: AcceleratorOptions::timeline_dir, else TANDEM_TIMELINE; empty: none.
   std::string timeline_dir;
   /// TANDEM_DEBUG: the main process prints describe() at start.

@@ -1,0 +1,111 @@
+// The host allocator (Note [Resident memory and large blocks]): large blocks are mapped and given
+// back to the operating system, a bounded cache of freed blocks serves the same size again, the
+// oldest cached blocks make room for newer ones, small blocks stay with malloc, and tandem's
+// counting allocator keeps counting every byte above it.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <string>
+
+#include "tandem/host_allocator.h"
+#include "tandem/track/cpu_memory.h"
+
+namespace {
+
+int64_t rss_kb() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+  return -1;
+}
+
+constexpr int64_t kMiB = 1 << 20;
+
+tandem::HostAllocatorOptions cache_of(int64_t mb) {
+  tandem::HostAllocatorOptions o;
+  o.cache_bytes = static_cast<size_t>(mb * kMiB);
+  return o;
+}
+
+TEST(HostAllocator, LargeBlocksAreMappedCachedAndGivenBack) {
+  tandem::install_host_allocator(cache_of(16));
+  ASSERT_TRUE(tandem::host_allocator_installed());
+  const auto before = tandem::host_allocator_stats();
+  {
+    auto t = torch::ones({8 * kMiB / 4});  // 8 MiB
+    EXPECT_EQ(t.sum().item<double>(), 8.0 * kMiB / 4);
+    const auto mapped = tandem::host_allocator_stats();
+    EXPECT_EQ(mapped.maps, before.maps + 1);
+    EXPECT_EQ(mapped.mapped_bytes, before.mapped_bytes + 8 * kMiB);
+  }
+  // Freed into the cache; the same size again takes it back without a new mapping.
+  auto cached = tandem::host_allocator_stats();
+  EXPECT_EQ(cached.cached_bytes, 8 * kMiB);
+  {
+    auto t = torch::zeros({8 * kMiB / 4});
+    EXPECT_EQ(t.max().item<double>(), 0.0);  // a reused block holds what it is given
+    EXPECT_EQ(t.min().item<double>(), 0.0);
+    const auto again = tandem::host_allocator_stats();
+    EXPECT_EQ(again.maps, cached.maps);
+    EXPECT_EQ(again.reuses, cached.reuses + 1);
+  }
+  // A block larger than the cache goes back to the operating system at once, and so do the
+  // cached ones on trim: the process's resident memory falls by them.
+  const int64_t rss_before = rss_kb();
+  {
+    auto big = torch::ones({64 * kMiB / 4});
+    EXPECT_GE(rss_kb() - rss_before, 60 * 1024);
+  }
+  EXPECT_LE(rss_kb() - rss_before, 8 * 1024);
+  tandem::trim_host_cache();
+  EXPECT_EQ(tandem::host_allocator_stats().cached_bytes, 0);
+  // Small blocks are malloc's.
+  const auto small_before = tandem::host_allocator_stats();
+  auto small = torch::ones({1024});
+  EXPECT_EQ(tandem::host_allocator_stats().maps, small_before.maps);
+}
+
+TEST(HostAllocator, TheOldestCachedBlocksMakeRoom) {
+  tandem::install_host_allocator(cache_of(8));
+  tandem::trim_host_cache();
+  {
+    auto a = torch::empty({2 * kMiB / 4}), b = torch::empty({2 * kMiB / 4});
+    auto c = torch::empty({2 * kMiB / 4}), d = torch::empty({2 * kMiB / 4});
+  }
+  EXPECT_EQ(tandem::host_allocator_stats().cached_bytes, 8 * kMiB);  // four 2 MiB blocks
+  // A freed 4 MiB block evicts the two oldest 2 MiB ones, so a phase with other sizes than the
+  // last finds its own blocks cached, not the last phase's.
+  { auto e = torch::empty({4 * kMiB / 4}); }
+  EXPECT_EQ(tandem::host_allocator_stats().cached_bytes, 8 * kMiB);
+  const auto s = tandem::host_allocator_stats();
+  { auto e = torch::empty({4 * kMiB / 4}); }
+  EXPECT_EQ(tandem::host_allocator_stats().reuses, s.reuses + 1);
+  EXPECT_EQ(tandem::host_allocator_stats().maps, s.maps);
+}
+
+TEST(HostAllocator, TheCountingAllocatorCountsAboveIt) {
+  tandem::track::install_counting_cpu_allocator();
+  tandem::install_host_allocator(cache_of(0));
+  const auto counted = tandem::track::cpu_memory_stats().current_bytes;
+  const auto maps = tandem::host_allocator_stats().maps;
+  {
+    auto t = torch::ones({16 * kMiB / 4});
+    EXPECT_EQ(tandem::track::cpu_memory_stats().current_bytes, counted + 16 * kMiB);
+    EXPECT_EQ(tandem::host_allocator_stats().maps, maps + 1);
+    // raw_allocate/raw_deallocate (what oneDNN uses) through the same chain.
+    auto* alloc = c10::GetAllocator(c10::DeviceType::CPU);
+    void* p = alloc->raw_allocate(4 * kMiB);
+    ASSERT_NE(p, nullptr);
+    static_cast<char*>(p)[4 * kMiB - 1] = 1;
+    alloc->raw_deallocate(p);
+    void* q = alloc->raw_allocate(100);
+    ASSERT_NE(q, nullptr);
+    alloc->raw_deallocate(q);
+  }
+  EXPECT_EQ(tandem::track::cpu_memory_stats().current_bytes, counted);
+  EXPECT_EQ(tandem::host_allocator_stats().cached_bytes, 0);  // cache 0: every block unmapped
+}
+
+}  // namespace
