@@ -255,6 +255,16 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
       impl->gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", impl->store), st.rank,
                              st.world_size, impl->gloo_device, options);
   } catch (const std::exception& e) {
+    // Note [Secondary failures]: a peer that closed its end while the mesh was connecting
+    // (it exited, or failed first) is the cause; this rank's failure follows from it.
+    const std::string what = e.what();
+    if (!st.error_file.empty() && (what.find("closed by peer") != std::string::npos ||
+                                   what.find("reset by peer") != std::string::npos)) {
+      if (FILE* f = std::fopen(st.error_file.c_str(), "w")) {
+        std::fprintf(f, "peer connect\n");
+        std::fclose(f);
+      }
+    }
     throw std::runtime_error(st.prefix() + " could not connect the Gloo process group of " +
                              std::to_string(st.world_size) + " ranks (store at " + where + "): " +
                              first_line(e.what()));
