@@ -97,12 +97,11 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
     for (const auto& w : {reference_blas_warning(runtime), blas_kernels_warning(runtime)})
       if (!w.empty()) std::cerr << w << std::endl;
   }
-  pg_ = ProcessGroup::create(state_, ProcessGroupOptions().timeout(options_.timeout()));
   const comm::MeshShape& shape = run.mesh_shape;  // resolved against the world
   // Note [Pipelines and ZeRO]: refused here, before any training, so that a program that
   // never reaches prepare_pipeline cannot run a pipeline layout under ZeRO either; and before
-  // the topology is built, since the refusal needs no peer: a rank that refused after building
-  // it could end rank 0's store while a slower rank still connected its subgroups.
+  // the process group is built, since the refusal needs no peer: a rank that refused after
+  // joining could end rank 0's store while a slower rank still connected.
   if (shape.pp > 1 && options_.sharding() && options_.sharding()->stage() > 0)
     throw std::invalid_argument(
         state_.prefix() + " ZeRO stage " + std::to_string(options_.sharding()->stage()) +
@@ -110,6 +109,7 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
         " (tandem launch --pp_size, or AcceleratorOptions().parallelism) with ZeRO (--use_deepspeed "
         "--zero_stage, --use_fsdp, or AcceleratorOptions().sharding); the pipeline averages each "
         "stage's gradients itself. Drop one of the two (ZeRO combines with --tp_size)");
+  pg_ = ProcessGroup::create(state_, ProcessGroupOptions().timeout(options_.timeout()));
   // Note [A topology always built]: every run, sizes of 1 included; its groups say where each
   // kind of work runs.
   topology_ = std::make_unique<parallel::Topology>(pg_, shape, state_.local_world_size);
