@@ -19,20 +19,13 @@
 #include <vector>
 
 #include "tandem/checkpoint/model_io.h"
+#include "tandem/track/cpu_memory.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-int64_t status_kib(const char* field) {
-  std::ifstream in("/proc/self/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind(field, 0) == 0) return std::stoll(line.substr(std::string(field).size()));
-  return -1;
-}
 
 void drop_page_cache_of(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY);
@@ -65,10 +58,10 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "--sharded-load") {
     // A fresh process: the model (its bytes, as a user's process has them), then the load.
     auto model = make_model(std::atoll(argv[2]));
-    const int64_t before = status_kib("VmRSS:");
+    const int64_t before = (tandem::track::resident_memory().current_bytes / 1024);
     tandem::checkpoint::load_model(*model, argv[3]);
     std::printf("RESULT checkpoint rss_model_mb=%.1f peak_rss_mb=%.1f\n", before / 1024.0,
-                status_kib("VmHWM:") / 1024.0);
+                (tandem::track::resident_memory().peak_bytes / 1024) / 1024.0);
     return 0;
   }
   const int64_t layers = argc > 1 ? std::atoll(argv[1]) : 16;  // 16 x 4096 x 4096 fp32 = 1.07 GB

@@ -33,22 +33,15 @@ torch::nn::Sequential make_model() {
   return net;
 }
 
-int64_t status_kb(const char* key) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(std::string(key).size()));
-  return 0;
-}
-
-int64_t rss_peak_kb() { return status_kb("VmHWM:"); }
+int64_t rss_peak_kb() { return tandem::track::resident_memory().peak_bytes / 1024; }
+int64_t rss_kb() { return tandem::track::resident_memory().current_bytes / 1024; }
 
 // --phases: where the resident memory stands after each phase of the run (this process).
 bool g_phases = false;
 void phase(const char* what, int rank = 0) {
   if (!g_phases || rank != 0) return;
   const auto h = tandem::host_allocator_stats();
-  std::cout << "PHASE " << what << " rss_kb=" << status_kb("VmRSS:") << " hwm_kb=" << rss_peak_kb()
+  std::cout << "PHASE " << what << " rss_kb=" << rss_kb() << " hwm_kb=" << rss_peak_kb()
             << " tensor_bytes=" << tandem::track::cpu_memory_stats().current_bytes
             << " host_mapped=" << h.mapped_bytes << " cached=" << h.cached_bytes
             << " maps=" << h.maps << " reuses=" << h.reuses << " unmaps=" << h.unmaps << std::endl;

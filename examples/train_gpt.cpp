@@ -97,7 +97,9 @@ int main(int argc, char** argv) {
                         : acc.prepare_pipeline(examples::gpt_sequential(cfg), loss, popts);
       trained = pipeline->module();
     } else {
-      model = examples::GPT(cfg);
+      // Under ZeRO-3 each block is sharded as it is built: no rank holds the dense model.
+      // Tensor parallel splits the dense layers, so it builds them whole.
+      model = tp > 1 ? examples::GPT(cfg) : acc.build([&] { return examples::GPT(cfg); });
       if (tp > 1) acc.parallelize(*model, examples::gpt_tensor_parallel_plan());
       model = acc.prepare(model);
       trained = model.ptr();
@@ -172,6 +174,16 @@ int main(int argc, char** argv) {
     }
     bar.close();
     acc.print("loss fell from", first_loss, "to", last_loss);
+    // What the operating system saw: each rank's peak resident memory over the whole run.
+    const auto peaks = tandem::comm::gather_object(
+        *acc.topology().barrier(), std::to_string(tandem::track::resident_memory().peak_bytes));
+    std::string line;
+    for (size_t r = 0; r < peaks.size(); ++r) {
+      char gb[32];
+      std::snprintf(gb, sizeof gb, "%.2f", std::stod(peaks[r]) / 1e9);
+      line += (r ? ", " : "") + std::string("rank ") + std::to_string(r) + " " + gb + " GB";
+    }
+    acc.print("peak resident memory per rank:", line);
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;
     return 1;

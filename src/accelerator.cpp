@@ -1,5 +1,6 @@
 // The Accelerator (see accelerator.h).
 #include "tandem/accelerator.h"
+#include "tandem/nn/module.h"
 
 #include <torch/torch.h>
 
@@ -7,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <set>
 #include <stdexcept>
 
@@ -216,6 +218,33 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
   models_.push_back(model);
   trim_host_cache();  // the flattening's sizes do not come again
   return model;
+}
+
+std::shared_ptr<nn::detail::BuildScope> Accelerator::begin_build(bool root_hookable) {
+  if (!strategy_->shards_construction()) return nullptr;
+  TORCH_CHECK(topology_->tp() == 1, state_.prefix(),
+              " build: this run is tensor parallel (tp_size ", topology_->tp(),
+              "), and parallelize splits the dense layers, which a model sharded while it is "
+              "built no longer has; construct the model directly (GPT(cfg) instead of "
+              "acc.build(...)) and parallelize it before prepare");
+  // Note [Sharded construction]: the outermost hookable modules under the model are the
+  // candidates (the model itself when hookable is not: prepare's policy never makes the root a
+  // unit); each is brought to where prepare would bring it, then sharded.
+  auto on_built = [this](torch::nn::Module& m, bool explicit_unit) {
+    if (!strategy_->unit_at_construction(m, explicit_unit)) return;
+    m.to(device_);
+    precision_->cast_model(m);
+    parallel::broadcast_module_state(m, *topology_->data_parallel(), true, true);
+    strategy_->shard_built(m);
+    trim_host_cache();  // the dense block's memory goes back now, before the next is built
+  };
+  return std::make_shared<nn::detail::BuildScope>(root_hookable ? 1 : 0, on_built);
+}
+
+void Accelerator::end_build(const std::shared_ptr<nn::detail::BuildScope>& scope) {
+  if (!scope) return;
+  scope->finish();
+  trim_host_cache();
 }
 
 void Accelerator::parallelize(torch::nn::Module& model, const parallel::TensorParallelPlan& plan) {

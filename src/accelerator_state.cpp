@@ -56,6 +56,22 @@ std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
   return topology_->gather_model_state(strategy_->model_state(model), model);
 }
 
+checkpoint::LoadReport Accelerator::load_model(torch::nn::Module& model, const std::string& path,
+                                               const checkpoint::LoadOptions& options) {
+  TORCH_CHECK(topology_->tp() == 1 && topology_->pp() == 1, state_.prefix(),
+              " load_model: this run is tensor or pipeline parallel (", topology_->summary(),
+              "), whose modules hold parts of the dense tensors; load the dense weights into the "
+              "dense model (checkpoint::load_model) before acc.parallelize / prepare_pipeline, "
+              "or resume a training checkpoint with load_state");
+  TORCH_CHECK(!precision_->has_master_weights(), state_.prefix(),
+              " load_model: an optimizer steps fp32 master copies of this model's half "
+              "weights already, which loading would leave behind; load the weights before "
+              "prepare(optimizer), or resume a training checkpoint with load_state");
+  auto report = strategy_->load_model_state(model, path, options);
+  trim_host_cache();
+  return report;
+}
+
 void Accelerator::save_model(const torch::nn::Module& model, const std::string& dir,
                              const std::string& max_shard_size) {
   std::string error;

@@ -1,6 +1,8 @@
 // The host allocator (see host_allocator.h, Note [Resident memory and large blocks]).
 #include "tandem/host_allocator.h"
 
+#include <malloc.h>
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -204,6 +206,10 @@ void trim_host_cache() {
     h.cached = 0;
   }
   for (const auto& [bytes, p] : cache) unmap_block(p, bytes);
+  // Small blocks live in malloc's heap, where a freed block between live ones stays resident;
+  // malloc_trim hands such free pages back (a model built or flattened block by block frees
+  // many of them among the small tensors it keeps).
+  malloc_trim(0);
 }
 
 }  // namespace tandem

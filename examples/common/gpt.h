@@ -165,16 +165,25 @@ struct TiedHeadImpl : torch::nn::Module {
 TANDEM_MODULE(TiedHead);
 
 struct GPTImpl : torch::nn::Module {
+  // GPT-2's initialisation (N(0, 0.02) for weights and embeddings) is given to each module as
+  // it is built, not by a pass over the finished model: under Accelerator::build (ZeRO-3) a
+  // block is cut into shards as soon as the next one starts, and the weights are the same.
   explicit GPTImpl(const GPTConfig& c) : config(c) {
     wte = register_module("wte", tandem::nn::Embedding(c.vocab, c.width));
+    init_matrices(*wte);
     wpe = register_module("wpe", torch::nn::Embedding(c.context, c.width));
-    for (int64_t i = 0; i < c.layers; ++i)
-      blocks.push_back(register_module("h" + std::to_string(i), Block(c)));
+    init_matrices(*wpe);
+    for (int64_t i = 0; i < c.layers; ++i) {
+      Block b(c);
+      init_matrices(*b);
+      blocks.push_back(register_module("h" + std::to_string(i), b));
+    }
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.width})));
     head = register_module("head", TiedHead(wte->weight));
-    // GPT-2's initialisation: N(0, 0.02) for weights and embeddings.
+  }
+  static void init_matrices(torch::nn::Module& m) {
     torch::NoGradGuard no_grad;
-    for (auto& p : named_parameters())
+    for (auto& p : m.named_parameters())
       if (p.key().find("weight") != std::string::npos && p.value().dim() == 2)
         p.value().normal_(0.0, 0.02);
   }

@@ -41,6 +41,13 @@
 #include "tandem/track/timeline.h"
 #include "tandem/track/trackers.h"
 
+namespace tandem::nn {
+class Hookable;
+namespace detail {
+class BuildScope;
+}
+}  // namespace tandem::nn
+
 namespace tandem {
 
 namespace parallel {
@@ -60,6 +67,12 @@ struct is_module_holder<T, std::void_t<typename T::ContainedType>>
     : std::is_base_of<torch::nn::ModuleHolder<typename T::ContainedType>, T> {};
 template <class T>
 inline constexpr bool is_module_holder_v = is_module_holder<T>::value;
+template <class T>
+struct is_shared_ptr : std::false_type {};
+template <class T>
+struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
+template <class T>
+inline constexpr bool is_shared_ptr_v = is_shared_ptr<T>::value;
 }  // namespace detail
 
 /// Options of the Accelerator. Unset options come from the launcher's environment (TANDEM_*
@@ -195,6 +208,27 @@ class Accelerator {
   /// pipeline parallel). Gradients are averaged, loaders sharded and metrics gathered over it.
   ProcessGroup& data_parallel_group() { return *topology_->data_parallel(); }
   int gradient_accumulation_steps() const { return accumulation_steps_; }
+
+  // ---- build -----------------------------------------------------------------------------------
+  /// Builds a model with `make` (a function returning it: `[&] { return GPT(cfg); }`). Under
+  /// ZeRO-3 the model's units are sharded while it is built (Note [Sharded construction],
+  /// DeepSpeed's zero.Init): each block, once its constructor is done, is moved to the device,
+  /// cast, given rank 0's values and cut down to this rank's chunk, so that no rank ever holds
+  /// the dense model. The units are the Sharded wrappers and the hookable modules
+  /// (TANDEM_MODULE types) the auto-wrap policy picks, as prepare picks them; the weights are
+  /// those of a dense construction with the same seed. Until prepare(model) and
+  /// prepare(optimizer), a built unit's parameters have no storage: initialise each block in
+  /// its own constructor, not by a pass over the whole model afterwards. Under any other
+  /// strategy `make()` and nothing more. Refused with tensor parallel (which splits the dense
+  /// layers).
+  template <class F>
+  auto build(F&& make) -> decltype(make()) {
+    using Built = std::decay_t<decltype(make())>;
+    auto scope = begin_build(root_is_hookable<Built>());
+    auto model = make();
+    end_build(scope);
+    return model;
+  }
 
   // ---- prepare --------------------------------------------------------------------------------
   /// Moves the model to the device, broadcasts rank 0's parameters and buffers, and installs
@@ -454,6 +488,13 @@ class Accelerator {
   /// stage's tensors are gathered, so the main process gets the whole model under its dense
   /// names (pass each rank's own module: its stage, parallelized); every rank must call it.
   std::vector<std::pair<std::string, at::Tensor>> get_state_dict(torch::nn::Module& model);
+  /// Loads weights (a .safetensors file, an index, or a directory holding either: transformers'
+  /// layout, or what save_model wrote) into a prepared model, as checkpoint::load_model does,
+  /// with its checks and report. Under ZeRO-3 each rank reads only the byte ranges of its own
+  /// shards (Note [Loading into shards]): no rank ever holds the whole model. Call it after
+  /// prepare(model) (before prepare(optimizer) when a -true precision keeps fp32 masters).
+  checkpoint::LoadReport load_model(torch::nn::Module& model, const std::string& path,
+                                    const checkpoint::LoadOptions& options = {});
   /// Writes the model's weights as safetensors (sharded past max_shard_size, with an index) from
   /// the main process; every rank returns when the files are complete.
   void save_model(const torch::nn::Module& model, const std::string& dir,
@@ -491,6 +532,17 @@ class Accelerator {
 
  private:
   friend class AcceleratedOptimizer;
+  template <class T>
+  static constexpr bool root_is_hookable() {
+    if constexpr (detail::is_module_holder_v<T>)
+      return std::is_base_of_v<nn::Hookable, typename T::ContainedType>;
+    else if constexpr (detail::is_shared_ptr_v<T>)
+      return std::is_base_of_v<nn::Hookable, typename T::element_type>;
+    else
+      return false;
+  }
+  std::shared_ptr<nn::detail::BuildScope> begin_build(bool root_hookable);
+  void end_build(const std::shared_ptr<nn::detail::BuildScope>& scope);
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
   void after_optimizer_step();
   void clip_before_step(torch::optim::Optimizer& optimizer);  // gradient_clipping

@@ -335,6 +335,11 @@ std::string LoadReport::to_string() const {
 
 LoadReport load_model(torch::nn::Module& module, const std::string& path,
                       const LoadOptions& options) {
+  return load_model(module, path, options, SliceMap());
+}
+
+LoadReport load_model(torch::nn::Module& module, const std::string& path,
+                      const LoadOptions& options, const SliceMap& slices) {
   CheckpointFiles files = resolve(path);
   std::map<std::string, Entry> entries = read_headers(files);
   NamedTensors targets = model_tensors(module);
@@ -389,6 +394,10 @@ LoadReport load_model(torch::nn::Module& module, const std::string& path,
     for (const auto& name : f.names()) {
       if (!loadable.count(name)) continue;
       at::Tensor dst = *by_name.at(name);
+      if (auto parts = slices ? slices(dst) : std::nullopt) {
+        for (auto& part : *parts) f.read_range_into(name, part.begin, part.dst);
+        continue;
+      }
       f.read_into(name, dst);
     }
   }

@@ -316,15 +316,43 @@ void SafetensorsFile::read_into(const std::string& name, at::Tensor& dst) const 
         (dst.defined() ? c10::str(dst.sizes()) : std::string("(undefined)")) +
         " (expected equal shapes)");
   }
+  read_elements(name, 0, dst);
+}
+
+void SafetensorsFile::read_range_into(const std::string& name, int64_t begin,
+                                      at::Tensor& dst) const {
+  const TensorInfo& i = info(name);
+  int64_t numel = 1;
+  for (auto d : i.shape) numel *= d;
+  if (!dst.defined() || begin < 0 || begin + dst.numel() > numel)
+    throw std::invalid_argument(
+        "safetensors file '" + path_ + "': tensor '" + name + "' has " + std::to_string(numel) +
+        " elements; elements [" + std::to_string(begin) + ", " +
+        std::to_string(begin + (dst.defined() ? dst.numel() : 0)) + ") are not among them");
+  read_elements(name, begin, dst);
+}
+
+void SafetensorsFile::read_elements(const std::string& name, int64_t begin,
+                                    at::Tensor& dst) const {
+  const TensorInfo& i = info(name);
+  if (dst.numel() == 0) return;
   bool direct = dst.device().is_cpu() && dst.is_contiguous() && dst.layout() == c10::kStrided &&
                 !dst.is_conj() && !dst.is_neg() && dtype_supported(i.dtype) &&
                 to_scalar_type(i.dtype) == dst.scalar_type();
+  const uint64_t element = i.nbytes() / std::max<uint64_t>(1, [&] {
+    uint64_t n = 1;
+    for (auto d : i.shape) n *= static_cast<uint64_t>(d);
+    return n;
+  }());
+  const uint64_t first = static_cast<uint64_t>(begin) * element;
+  const uint64_t bytes = static_cast<uint64_t>(dst.numel()) * element;
   if (direct) {
     // Note [Reading into parameters]: pread copies from the page cache into the parameter once;
     // a memcpy out of the mapping costs a page fault per 4 KiB and leaves the pages resident.
+    // A range (a shard of a tensor) reads only its own bytes.
     char* out = static_cast<char*>(dst.data_ptr());
-    uint64_t offset = header_.data_offset() + i.begin;
-    uint64_t left = i.nbytes();
+    uint64_t offset = header_.data_offset() + i.begin + first;
+    uint64_t left = bytes;
     while (left > 0) {
       const size_t chunk = static_cast<size_t>(std::min<uint64_t>(left, 1u << 30));
       ssize_t got = ::pread(fd_, out, chunk, static_cast<off_t>(offset));
@@ -340,7 +368,17 @@ void SafetensorsFile::read_into(const std::string& name, at::Tensor& dst) const 
     if (!dst.is_inference()) dst.unsafeGetTensorImpl()->bump_version();
     return;
   }
-  dst.copy_(tensor(name));
+  c10::ScalarType type;
+  try {
+    type = to_scalar_type(i.dtype);
+  } catch (const std::invalid_argument& e) {
+    throw std::runtime_error("safetensors file '" + path_ + "': tensor '" + name +
+                             "': " + e.what());
+  }
+  // Converted (or moved) through a copy of the range alone.
+  at::Tensor part = at::empty({dst.numel()}, at::TensorOptions().dtype(type));
+  std::memcpy(part.data_ptr(), static_cast<const char*>(data_of(i)) + first, bytes);
+  dst.copy_(part.view(dst.sizes()));
 }
 
 }  // namespace tandem::checkpoint

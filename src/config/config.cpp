@@ -708,7 +708,6 @@ std::vector<std::string> not_acted_on(const LaunchConfig& c) {
     const std::vector<std::pair<std::string, std::string>> fsdp = {
         {"fsdp_forward_prefetch", "false"},           // units are gathered when called
         {"fsdp_backward_prefetch", "NO_PREFETCH"},    // nor prefetched in backward
-        {"fsdp_cpu_ram_efficient_loading", "false"},  // every rank loads the whole model
         {"fsdp_sync_module_states", "true"},          // rank 0's parameters are broadcast
         {"fsdp_use_orig_params", "true"},             // the original parameters are kept
         {"fsdp_reshard_after_forward", "true"},       // fsdp_sharding_strategy decides

@@ -55,6 +55,73 @@ std::vector<at::Tensor> ForwardHooks::run(const std::vector<at::Tensor>& inputs,
   return chain(inputs);
 }
 
+Hookable::Hookable() {
+  if (auto* s = detail::BuildScope::current()) s->ended(this);
+}
+
+Hookable::~Hookable() {
+  if (auto* s = detail::BuildScope::current()) s->forget(this);
+}
+
+namespace detail {
+namespace {
+thread_local BuildScope* open_scope = nullptr;
+}
+
+BuildScope::BuildScope(int unit_depth, OnBuilt on_built)
+    : unit_depth_(unit_depth), on_built_(std::move(on_built)), outer_(open_scope) {
+  open_scope = this;
+}
+
+BuildScope::~BuildScope() { open_scope = outer_; }
+
+BuildScope* BuildScope::current() { return open_scope; }
+
+void BuildScope::finish() { flush(); }
+
+void BuildScope::started(const void* mark) {
+  flush();
+  marks_.push_back(mark);
+}
+
+void BuildScope::aborted(const void* mark) {
+  if (!marks_.empty() && marks_.back() == mark) marks_.pop_back();
+}
+
+void BuildScope::ended(Hookable* module) {
+  if (!marks_.empty()) marks_.pop_back();
+  // What ended before this module's end (its members among them) is complete now; this module
+  // is complete once its own constructor returns, so it waits for the next event.
+  flush();
+  if (static_cast<int>(marks_.size()) == unit_depth_) pending_.push_back(module);
+}
+
+void BuildScope::forget(Hookable* module) {
+  pending_.erase(std::remove(pending_.begin(), pending_.end(), module), pending_.end());
+}
+
+void BuildScope::report_unit(torch::nn::Module& module) {
+  flush();
+  on_built_(module, true);
+}
+
+void BuildScope::flush() {
+  if (flushing_ || pending_.empty()) return;
+  flushing_ = true;  // what on_built builds or destroys does not re-enter
+  auto ready = std::move(pending_);
+  pending_.clear();
+  try {
+    for (auto* h : ready)
+      if (auto* m = dynamic_cast<torch::nn::Module*>(h)) on_built_(*m, false);
+  } catch (...) {
+    flushing_ = false;
+    throw;
+  }
+  flushing_ = false;
+}
+
+}  // namespace detail
+
 void Hookable::register_forward_pre_hook(const std::string& name,
                                          std::function<void(const std::vector<at::Tensor>&)> pre) {
   hooks().add(name, order::kUser,

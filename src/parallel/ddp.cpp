@@ -368,8 +368,12 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool pa
   if (pg.size() == 1) return;
   std::vector<at::Tensor> tensors;
   std::unordered_set<const void*> seen;
+  // A tensor whose storage was released (a unit sharded while it was built, Note [Sharded
+  // construction]) holds no values to send: its unit was broadcast before it was cut.
   auto add = [&](const at::Tensor& t) {
-    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) tensors.push_back(t);
+    if (t.defined() && !(t.numel() > 0 && t.storage().nbytes() == 0) &&
+        seen.insert(t.unsafeGetTensorImpl()).second)
+      tensors.push_back(t);
   };
   if (parameters)
     for (auto& p : module.parameters()) add(p);

@@ -4,10 +4,15 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "detail/adopt.h"
+#include "tandem/nn/module.h"
 
 namespace tandem::parallel {
 
-void ShardedImpl::adopt() { detail::adopt_members(*this, *inner_.ptr()); }
+void ShardedImpl::adopt() {
+  detail::adopt_members(*this, *inner_.ptr());
+  // Under Accelerator::build, a Sharded wrapper is a unit as soon as it is made.
+  if (auto* scope = tandem::nn::detail::BuildScope::current()) scope->report_unit(*this);
+}
 
 namespace detail {
 

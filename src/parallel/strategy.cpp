@@ -85,8 +85,10 @@ std::vector<std::pair<std::string, at::Tensor>> Strategy::model_state(torch::nn:
   return out;
 }
 
-void Strategy::load_model_state(torch::nn::Module& model, const std::string& path) {
-  checkpoint::load_model(model, path);
+checkpoint::LoadReport Strategy::load_model_state(torch::nn::Module& model,
+                                                  const std::string& path,
+                                                  const checkpoint::LoadOptions& options) {
+  return checkpoint::load_model(model, path, options);
 }
 
 checkpoint::OptimizerState Strategy::optimizer_shard_state(const torch::optim::Optimizer&) const {

@@ -108,6 +108,50 @@ void release_unit(Unit& u) {
   u.gathered = false;
 }
 
+// Note [Sharded construction] (tandem/nn/module.h): a module built under Accelerator::build
+// that is a unit is flattened once complete, padded to a multiple of the group's size as a
+// unit is, and only this rank's chunk is kept: its parameters become views of a flat buffer
+// whose storage is released at once, so that every rank holds one dense block at most while
+// the model is built. prepare_optimizer adopts the chunk as the unit's shard when the unit
+// holds exactly these parameters in this order (one parameter group, one dtype), and otherwise
+// gathers the built unit once to cut the optimizer's units from it.
+struct BuiltUnit {
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> offsets;
+  int64_t numel = 0;
+  int64_t padded = 0;
+  ShardInfo shard;
+  at::Tensor flat;   // storage released, except while gathered
+  at::Tensor chunk;  // this rank's elements
+  bool gathered = false;
+  size_t moved = 0;  // parameters that prepare_optimizer placed in units of their own
+};
+
+// A tensor of `sizes` at `offset` of `flat`'s storage, made without giving the storage its bytes
+// (set_ would: a released storage has none): what a released unit's parameter is.
+at::Tensor released_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
+  at::Tensor t = at::empty({0}, flat.options());
+  t.set_(flat.storage());  // zero elements of the (empty) storage
+  auto* impl = t.unsafeGetTensorImpl();
+  impl->set_storage_offset(flat.storage_offset() + offset);
+  impl->set_sizes_contiguous(sizes);
+  return t;
+}
+
+void gather_built(BuiltUnit& b, ProcessGroup& pg) {
+  if (b.gathered) return;
+  auto* storage = b.flat.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(b.padded) * b.flat.element_size();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+  at::NoGradGuard no_grad;
+  if (pg.size() > 1)
+    pg.all_gather_into(b.chunk, b.flat);
+  else
+    b.flat.copy_(b.chunk);
+  b.gathered = true;
+}
+
 // Stage 3: what a Sharded module does around its forward and backward, for its units (one per
 // parameter group and dtype, of every optimizer it belongs to).
 struct UnitHooks : detail::ShardedHooks {
@@ -313,6 +357,24 @@ class ZeroStrategy : public Strategy {
     for (const auto& s : sharded_) out.push_back(s->reducer.get());
     return out;
   }
+  bool shards_construction() const override { return options_.stage() == 3; }
+  // The auto-wrap policy of prepare_model, seen from one module at a time: Sharded wrappers,
+  // the named classes, or (the BuildScope already chose the outermost hookable modules) those
+  // with enough parameters, tandem::nn's standard layers only under SIZE_BASED_WRAP.
+  bool unit_at_construction(torch::nn::Module& m, bool explicit_unit) override {
+    if (options_.stage() != 3) return false;
+    if (explicit_unit) return true;
+    const auto& policy = options_.auto_wrap_policy();
+    if (policy == "NO_WRAP") return false;
+    auto* h = tandem::nn::hookable(m);
+    if (!h) return false;
+    const auto& classes = options_.transformer_layer_cls_to_wrap();
+    if (!classes.empty() && policy == "TRANSFORMER_BASED_WRAP")
+      return std::find(classes.begin(), classes.end(), h->type_name()) != classes.end();
+    return (policy == "SIZE_BASED_WRAP" || !h->standard_layer()) &&
+           parameter_count(m) >= std::max<int64_t>(1, options_.min_num_params());
+  }
+  void shard_built(torch::nn::Module& m) override;
 
  private:
   ShardedOptimizer* find(const torch::optim::Optimizer& o) const {
@@ -411,7 +473,8 @@ class ZeroStrategy : public Strategy {
     }
   }
   std::vector<std::pair<std::string, at::Tensor>> model_state(torch::nn::Module& model) override;
-  void load_model_state(torch::nn::Module& model, const std::string& path) override;
+  checkpoint::LoadReport load_model_state(torch::nn::Module& model, const std::string& path,
+                                          const checkpoint::LoadOptions& options) override;
 
   ShardingOptions options_;
   StrategyContext ctx_;
@@ -420,7 +483,70 @@ class ZeroStrategy : public Strategy {
   std::vector<std::shared_ptr<UnitHooks>> hooks_;          // of units_, in the same order
   std::vector<std::unique_ptr<ShardedOptimizer>> sharded_;
   bool sync_ = true;
+  // Note [Sharded construction]: units built under Accelerator::build, until prepare_optimizer
+  // places their parameters.
+  std::vector<std::unique_ptr<BuiltUnit>> built_;
+  std::map<const void*, BuiltUnit*> built_of_;
+  BuiltUnit* built_of(const at::Tensor& p) const {
+    auto it = built_of_.find(p.unsafeGetTensorImpl());
+    return it == built_of_.end() ? nullptr : it->second;
+  }
+  // A built unit whose parameters all moved (or that is kept whole) is forgotten; its
+  // parameters keep whatever storage they now have.
+  void forget_built(BuiltUnit* b) {
+    for (const auto& p : b->params) built_of_.erase(p.unsafeGetTensorImpl());
+    built_.erase(std::remove_if(built_.begin(), built_.end(),
+                                [b](const std::unique_ptr<BuiltUnit>& x) { return x.get() == b; }),
+                 built_.end());
+  }
 };
+
+void ZeroStrategy::shard_built(torch::nn::Module& m) {
+  at::NoGradGuard no_grad;
+  auto& pg = *ctx_.pg;
+  // The module's parameters not yet sharded (a Sharded wrapper around a built block has the
+  // block's), one flat buffer per dtype, in registration order.
+  std::vector<std::pair<c10::ScalarType, std::vector<at::Tensor>>> by_dtype;
+  std::set<const void*> seen;
+  for (const auto& p : m.parameters()) {
+    if (!p.requires_grad() || p.numel() == 0 || built_of(p) ||
+        !seen.insert(p.unsafeGetTensorImpl()).second)
+      continue;
+    auto it = std::find_if(by_dtype.begin(), by_dtype.end(),
+                           [&](const auto& e) { return e.first == p.scalar_type(); });
+    if (it == by_dtype.end()) {
+      by_dtype.push_back({p.scalar_type(), {}});
+      it = std::prev(by_dtype.end());
+    }
+    it->second.push_back(p);
+  }
+  for (auto& [dtype, params] : by_dtype) {
+    auto b = std::make_unique<BuiltUnit>();
+    for (const auto& p : params) {
+      b->offsets.push_back(b->numel);
+      b->numel += p.numel();
+    }
+    b->shard = shard_of(b->numel, pg.size(), pg.rank());
+    b->padded = b->shard.numel * pg.size();
+    const auto opts = params.front().options().requires_grad(false);
+    // This rank's elements straight from the parameters (padding: zeros), and a flat buffer
+    // that never has storage until it is gathered: nothing of the unit is copied whole.
+    b->chunk = at::zeros({b->shard.numel}, opts);
+    b->flat = released_alias(at::empty({0}, opts), 0, {b->padded});
+    for (size_t k = 0; k < params.size(); ++k) {
+      auto& p = const_cast<at::Tensor&>(params[k]);
+      const int64_t begin = std::max(b->offsets[k], b->shard.offset);
+      const int64_t end = std::min(b->offsets[k] + p.numel(), b->shard.offset + b->shard.numel);
+      if (begin < end)
+        b->chunk.narrow(0, begin - b->shard.offset, end - begin)
+            .copy_(p.detach().reshape({-1}).narrow(0, begin - b->offsets[k], end - begin));
+      p.set_data(released_alias(b->flat, b->offsets[k], p.sizes()));  // the dense storage goes
+    }
+    b->params = params;
+    for (const auto& p : params) built_of_[p.unsafeGetTensorImpl()] = b.get();
+    built_.push_back(std::move(b));
+  }
+}
 
 bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
   auto& pg = *ctx_.pg;
@@ -536,20 +662,38 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
     u.bucket = b;
     u.group = group_of.at(first.unsafeGetTensorImpl());
     u.padded = s->reducer->bucket_numel(b);
-    u.flat = at::zeros({u.padded}, first.options().requires_grad(false));
+    u.resident = owner_of_bucket.empty() || owner_of_bucket[b] < 0;
+    // Note [Sharded construction]: a unit built already sharded, exactly as this one, is taken
+    // over with its chunk; the members of other built units are gathered to be copied.
+    BuiltUnit* adopted = built_of(first);
+    if (adopted && (u.resident || adopted->params.size() != members.size() ||
+                    adopted->padded != u.padded))
+      adopted = nullptr;
+    for (size_t j = 0; adopted && j < members.size(); ++j)
+      if (!params[members[j]].is_same(adopted->params[j]) ||
+          s->reducer->offset_in_bucket(members[j]) != adopted->offsets[j])
+        adopted = nullptr;
+    if (!adopted)
+      for (size_t i : members)
+        if (auto* built = built_of(params[i])) gather_built(*built, pg);
+    u.flat = adopted ? adopted->flat : at::zeros({u.padded}, first.options().requires_grad(false));
+    u.gathered = !adopted;
     for (size_t i : members) {
       const auto& p = params[i];
       const int64_t off = s->reducer->offset_in_bucket(i);
-      u.flat.narrow(0, off, p.numel()).copy_(p.detach().reshape({-1}));
-      // The parameter's storage becomes its slot of the unit (same dtype: set_data keeps its
-      // identity for the optimizer, hooks and the model).
-      const_cast<at::Tensor&>(p).set_data(flat_alias(u.flat, off, p.sizes()));
+      if (!adopted) {
+        u.flat.narrow(0, off, p.numel()).copy_(p.detach().reshape({-1}));
+        // The parameter's storage becomes its slot of the unit (same dtype: set_data keeps its
+        // identity for the optimizer, hooks and the model).
+        const_cast<at::Tensor&>(p).set_data(flat_alias(u.flat, off, p.sizes()));
+        if (auto* built = built_of(p); built && ++built->moved == built->params.size())
+          forget_built(built);
+      }
       u.numel += p.numel();
       u.names.push_back(names[i]);
       u.params.push_back(p);
       u.offsets.push_back(off);
     }
-    u.resident = owner_of_bucket.empty() || owner_of_bucket[b] < 0;
     u.shard = shard_of(u.numel, pg.size(), pg.rank());
     TORCH_INTERNAL_ASSERT(u.shard.numel * pg.size() == u.padded, "unit padding mismatch");
     const bool fp32_copy = ctx_.master_weights && precision::is_half(first.scalar_type());
@@ -562,8 +706,11 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
       auto opts = u.flat.options();
       if (fp32_copy) opts = opts.dtype(at::kFloat);
       if (host_copy) opts = opts.device(at::kCPU);
-      u.shard_param = u.flat.narrow(0, u.shard.offset, u.shard.numel).to(opts, false, true);
+      const at::Tensor mine =
+          adopted ? adopted->chunk : u.flat.narrow(0, u.shard.offset, u.shard.numel);
+      u.shard_param = mine.to(opts, false, /*copy=*/!adopted);
     }
+    if (adopted) forget_built(adopted);
     u.shard_param.set_requires_grad(true);
     s->unit_of_bucket.push_back(s->units.size());
     s->units.push_back(std::move(u));
@@ -572,6 +719,13 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
       hooks_[static_cast<size_t>(owner_of_bucket[b])]->units.push_back(&placed);
       release_unit(placed);
     }
+  }
+  // Built units this optimizer does not step (parameters it leaves out) are made whole again:
+  // nothing else would gather them.
+  while (!built_.empty()) {
+    BuiltUnit* b = built_.front().get();
+    gather_built(*b, pg);
+    forget_built(b);
   }
   // The optimizer steps this rank's chunks, one tensor per unit, in its own groups.
   for (size_t g = 0; g < param_groups.size(); ++g) {
@@ -796,25 +950,53 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroStrategy::model_state(
   return out;
 }
 
-// Every released unit of the model is given its storage back (no communication), the whole
-// model is loaded, and each rank keeps its chunks.
-void ZeroStrategy::load_model_state(torch::nn::Module& model, const std::string& path) {
+// Note [Loading into shards]: a released unit's parameters are read only where this rank's
+// chunk covers them (the safetensors headers give each tensor's offsets, so each rank reads its
+// byte ranges and no rank holds the whole model); resident units are loaded whole. The checks
+// of load_model (names, shapes, dtypes, strict) see every parameter as it is in the model.
+checkpoint::LoadReport ZeroStrategy::load_model_state(torch::nn::Module& model,
+                                                      const std::string& path,
+                                                      const checkpoint::LoadOptions& options) {
   std::set<const void*> in_model;
   for (const auto& p : model.parameters()) in_model.insert(p.unsafeGetTensorImpl());
-  std::vector<Unit*> materialized;
+  std::map<const void*, std::vector<checkpoint::TensorSlice>> slices;
+  // The parameters laid end to end at `offsets`, of which this rank holds `chunk`, elements
+  // [shard.offset, shard.offset + shard.numel).
+  auto add_slices = [&](const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
+                        const ShardInfo& shard, const at::Tensor& chunk) {
+    for (size_t k = 0; k < params.size(); ++k) {
+      auto& parts = slices[params[k].unsafeGetTensorImpl()];  // present even when empty
+      const int64_t begin = std::max(offsets[k], shard.offset);
+      const int64_t end = std::min(offsets[k] + params[k].numel(), shard.offset + shard.numel);
+      if (begin < end)
+        parts.push_back({begin - offsets[k], chunk.detach().narrow(0, begin - shard.offset, end - begin)});
+    }
+  };
+  std::vector<Unit*> resident_copies;
   for (auto& s : sharded_)
     for (auto& u : s->units) {
-      if (u.gathered || !in_model.count(u.params.front().unsafeGetTensorImpl())) continue;
-      materialize_unit(u);
-      u.flat.zero_();
-      materialized.push_back(&u);
+      if (!in_model.count(u.params.front().unsafeGetTensorImpl())) continue;
+      if (u.resident || u.gathered) {
+        if (!u.alias) resident_copies.push_back(&u);
+        continue;
+      }
+      add_slices(u.params, u.offsets, u.shard, u.shard_param);
     }
-  checkpoint::load_model(model, path);
+  // Units sharded while the model was built, before prepare(optimizer) made them its units.
+  for (auto& b : built_)
+    if (!b->gathered && in_model.count(b->params.front().unsafeGetTensorImpl()))
+      add_slices(b->params, b->offsets, b->shard, b->chunk);
+  auto report = checkpoint::load_model(model, path, options,
+                         [&](const at::Tensor& t) -> std::optional<std::vector<checkpoint::TensorSlice>> {
+                           auto it = slices.find(t.unsafeGetTensorImpl());
+                           if (it == slices.end()) return std::nullopt;
+                           return it->second;
+                         });
+  // fp32 or host copies of resident units follow the loaded weights.
   at::NoGradGuard no_grad;
-  for (auto* u : materialized) {
+  for (auto* u : resident_copies)
     u->shard_param.copy_(u->flat.narrow(0, u->shard.offset, u->shard.numel));
-    release_unit(*u);
-  }
+  return report;
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 #include "tandem/track/cpu_memory.h"
 
 #include <atomic>
+#include <fstream>
+#include <string>
 #include <mutex>
 #include <unordered_map>
 
@@ -100,5 +102,20 @@ CpuMemoryStats cpu_memory_stats() {
 }
 
 void reset_peak_cpu_memory() { g_peak.store(g_current.load()); }
+
+ResidentMemory resident_memory() {
+  ResidentMemory m;
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  auto field = [&line](const char* key) -> int64_t {
+    const std::string k(key);
+    return line.rfind(k, 0) == 0 ? std::stoll(line.substr(k.size())) * 1024 : -1;  // kB
+  };
+  while (std::getline(status, line)) {
+    if (auto v = field("VmRSS:"); v >= 0) m.current_bytes = v;
+    if (auto v = field("VmHWM:"); v >= 0) m.peak_bytes = v;
+  }
+  return m;
+}
 
 }  // namespace tandem::track

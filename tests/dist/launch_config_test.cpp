@@ -329,7 +329,7 @@ TEST_F(ConfigCommand, SettingsNotActedOnAreNamed) {
   const std::string path = home_ + "/prefetch.yaml";
   std::ofstream(path) << "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\n"
                          "fsdp_config:\n  fsdp_forward_prefetch: true\n"
-                         "  fsdp_cpu_ram_efficient_loading: true\n";
+                         "  fsdp_use_orig_params: false\n";
   for (auto r : {tandem({"config", "validate", path}),
                  tandem({"launch", "--config_file", path, "--dry_run", "prog"})}) {
     EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -337,7 +337,7 @@ TEST_F(ConfigCommand, SettingsNotActedOnAreNamed) {
     EXPECT_TRUE(has(r.output, "does not act on them yet")) << r.output;
     EXPECT_TRUE(has(r.output,
                     "fsdp_config.fsdp_forward_prefetch: true, "
-                    "fsdp_config.fsdp_cpu_ram_efficient_loading: true"))
+                    "fsdp_config.fsdp_use_orig_params: false"))
         << r.output;
   }
   // Given on the command line, too.

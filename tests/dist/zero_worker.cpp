@@ -10,12 +10,16 @@
 //             with an error naming both layouts.
 //   memory    the memory-test model (~24M parameters) trained a few steps under a counting
 //             allocator; prints "peak_bytes=<n> model_state_bytes=<n>" per rank.
+//   build     the example GPT made by acc.build (--built) or directly, loaded (--resume), trained
+//             3 steps, saved (--save_dir); the parameters after prepare and at the end to --out,
+//             and each rank's resident memory growth over construction and prepare.
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include <fstream>
 #include <iostream>
 
+#include "../../examples/common/gpt.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/tandem.h"
 
@@ -25,7 +29,7 @@ struct Args {
   std::string mode = "train", out, save_dir, resume;
   int64_t steps = 10, accum = 2, save_at = -1;
   double clip = 0.05;
-  bool one_group = false, master_weights = false, loss_scaling = false;
+  bool one_group = false, master_weights = false, loss_scaling = false, built = false;
   int64_t global_batch = 12;
 };
 
@@ -114,7 +118,9 @@ void write_parameters(torch::nn::Module& model, const std::string& path);
 int train(const Args& a) {
   tandem::Accelerator acc(options(a));
   torch::manual_seed(7);
-  Net net;
+  // --built: sharded while it is built (Note [Sharded construction]): the Sharded wrappers,
+  // the tied weight and the three groups make prepare gather built units to cut its own.
+  Net net = a.built ? acc.build([] { return Net(); }) : Net();
   auto [model, opt] = acc.prepare(net, make_optimizer(net, a.one_group));
   if (!a.resume.empty()) acc.load_state(a.resume);
   if (std::getenv("ZW_DEBUG") && acc.is_main_process())
@@ -155,15 +161,6 @@ int train(const Args& a) {
   return 0;
 }
 
-// A field of /proc/self/status in kB ("VmRSS:", "VmHWM:").
-int64_t status_kb(const char* key) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line))
-    if (line.rfind(key, 0) == 0) return std::stoll(line.substr(std::string(key).size()));
-  return -1;
-}
-
 // The memory test's model: 24 layers of 1024 x 1024 (25.2M parameters), AdamW, buckets of 8 MiB.
 // Peak CPU tensor bytes over two steps after the first (Adam's state exists by then), beside the
 // model-state formula of the strategy (docs/sharding.md): fp32 weights 4N, gradients 4N, Adam
@@ -176,7 +173,7 @@ int memory(const Args&) {
   const double bucket_mb = 8;
   tandem::Accelerator acc(tandem::AcceleratorOptions().bucket_cap_mb(bucket_mb).first_bucket_cap_mb(bucket_mb));
   // The library's baseline: the process's resident memory before any tensor (LibTorch, Gloo).
-  const int64_t baseline_kb = status_kb("VmRSS:");
+  const int64_t baseline_kb = (tandem::track::resident_memory().current_bytes / 1024);
   torch::manual_seed(1);
   const int64_t width = 1024, layers = 24, rows = 16;
   torch::nn::Sequential net;
@@ -243,12 +240,66 @@ int memory(const Args&) {
   // above the baseline; the host allocator's cache of freed blocks is part of it.
   std::cout << "memory rank=" << acc.process_index() << " strategy=" << name << " world=" << world
             << " N=" << n << " peak_bytes=" << stats.peak_bytes << " formula_bytes=" << formula
-            << " activation_bytes=" << activations << " rss_peak_kb=" << status_kb("VmHWM:")
+            << " activation_bytes=" << activations << " rss_peak_kb=" << (tandem::track::resident_memory().peak_bytes / 1024)
             << " rss_baseline_kb=" << baseline_kb
             << " host_cache_bytes=" << (acc.run_config().host_allocator
                                             ? static_cast<int64_t>(acc.run_config().host_cache_mb * (1 << 20))
                                             : -1)
             << std::endl;
+  return 0;
+}
+
+// The example GPT (16 blocks of width 192, 7.2M parameters), built by acc.build (--built) or
+// directly, prepared with AdamW and trained 3 steps. Rank 0 writes the whole parameters
+// (get_state_dict, raw float32 in name order) after prepare and after the steps to --out; with
+// --resume a safetensors file to load (acc.load_model) before training. Every rank prints
+// "build rank=r built=b dense_bytes=D rss_growth_kb=K": K, the peak resident memory after
+// prepare above the resident memory before the model was made.
+int build(const Args& a) {
+  tandem::Accelerator acc;
+  examples::GPTConfig c;
+  c.vocab = 256;
+  c.context = 16;
+  c.layers = 16;
+  c.heads = 4;
+  c.width = 192;
+  {
+    // The library's baseline includes what Gloo keeps after its first large broadcast.
+    auto warm = torch::zeros({1 << 20});
+    acc.data_parallel_group().broadcast(warm, 0);
+  }
+  const int64_t before_kb = (tandem::track::resident_memory().current_bytes / 1024);
+  torch::manual_seed(11);
+  auto gpt = a.built ? acc.build([&] { return examples::GPT(c); }) : examples::GPT(c);
+  gpt = acc.prepare(gpt);
+  if (!a.resume.empty()) acc.load_model(*gpt, a.resume);
+  auto opt = acc.prepare(std::make_shared<torch::optim::AdamW>(
+      gpt->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.01)));
+  const int64_t growth_kb = (tandem::track::resident_memory().peak_bytes / 1024) - before_kb;
+  std::ofstream out;
+  if (acc.is_main_process() && !a.out.empty()) out.open(a.out, std::ios::binary);
+  auto dump = [&] {
+    auto state = acc.get_state_dict(*gpt);  // every rank: ZeRO-3 gathers
+    for (auto& [name, t] : state) {
+      auto f = t.to(torch::kFloat).contiguous();
+      if (out) out.write(static_cast<const char*>(f.data_ptr()), f.numel() * sizeof(float));
+    }
+  };
+  dump();
+  for (int64_t step = 0; step < 3; ++step) {
+    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(100 * step + acc.process_index() + 1));
+    auto x = torch::randint(0, c.vocab, {2, c.context}, gen);
+    auto y = torch::randint(0, c.vocab, {2, c.context}, gen);
+    acc.backward(gpt->loss_per_sample(x, y).mean());
+    opt.step();
+    opt.zero_grad();
+  }
+  dump();
+  if (!a.save_dir.empty()) acc.save_model(*gpt, a.save_dir);
+  std::cout << "build rank=" << acc.process_index() << " built=" << a.built
+            << " host_allocator=" << acc.run_config().host_allocator
+            << " dense_bytes=" << examples::gpt_parameter_count(c, true) * 4
+            << " rss_growth_kb=" << growth_kb << std::endl;
   return 0;
 }
 
@@ -294,12 +345,14 @@ int main(int argc, char** argv) {
   app.add_flag("--one_group", a.one_group);
   app.add_flag("--master_weights", a.master_weights);
   app.add_flag("--loss_scaling", a.loss_scaling);
+  app.add_flag("--built", a.built);
   CLI11_PARSE(app, argc, argv);
   try {
     if (a.mode == "train") return train(a);
     if (a.mode == "mismatch") return mismatch(a);
     if (a.mode == "memory") return memory(a);
     if (a.mode == "load") return load(a);
+    if (a.mode == "build") return build(a);
     std::cerr << "unknown mode " << a.mode << std::endl;
     return 2;
   } catch (const std::exception& e) {

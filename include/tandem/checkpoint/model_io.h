@@ -7,6 +7,8 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -112,5 +114,20 @@ struct LoadReport {
 /// Malformed files throw SafetensorsError; an inconsistent index throws std::runtime_error.
 LoadReport load_model(torch::nn::Module& module, const std::string& path,
                       const LoadOptions& options = {});
+
+/// A part of a tensor that load_model reads instead of the whole: elements [begin, begin +
+/// dst.numel()) of the checkpoint tensor, flattened in row-major order, into `dst`.
+struct TensorSlice {
+  int64_t begin = 0;
+  at::Tensor dst;
+};
+/// For a module tensor, the slices to read in its place; nullopt: the tensor is read whole.
+using SliceMap = std::function<std::optional<std::vector<TensorSlice>>(const at::Tensor& target)>;
+/// load_model, where `slices` names the module tensors that are only partly here (a ZeRO-3
+/// rank's shards: their storage is released, their shapes are the whole parameter's): their
+/// names, shapes and dtypes are checked as any others', and only the slices' bytes are read
+/// (SafetensorsFile::read_range_into).
+LoadReport load_model(torch::nn::Module& module, const std::string& path,
+                      const LoadOptions& options, const SliceMap& slices);
 
 }  // namespace tandem::checkpoint

@@ -83,8 +83,14 @@ class SafetensorsFile {
   /// faults on a mapping, nothing resident beyond `dst`). Throws std::invalid_argument when the
   /// shapes differ, std::runtime_error when reading fails.
   void read_into(const std::string& name, at::Tensor& dst) const;
+  /// Copies elements [begin, begin + dst.numel()) of `name`, flattened in row-major order, into
+  /// `dst` (any shape with that many elements): only those bytes are read (a ZeRO-3 rank's
+  /// shard of a parameter). Conversions as read_into. Throws std::invalid_argument when the range
+  /// is not inside the tensor.
+  void read_range_into(const std::string& name, int64_t begin, at::Tensor& dst) const;
 
  private:
+  void read_elements(const std::string& name, int64_t begin, at::Tensor& dst) const;
   const void* data_of(const TensorInfo& info) const;
   void close_file() noexcept;
 

@@ -94,10 +94,17 @@ class ForwardHooks {
   std::string redirect_what_;
 };
 
+namespace detail {
+class BuildScope;
+}
+
 /// What every hookable module is, besides its torch::nn::Module implementation.
 class Hookable {
  public:
-  virtual ~Hookable() = default;
+  /// Runs once the module's own constructor is done (Hookable is the last base of Hooked): a
+  /// BuildScope on this thread hears of the module (Note [Sharded construction]).
+  Hookable();
+  virtual ~Hookable();
   /// The module's hooks (made on first use).
   ForwardHooks& hooks() {
     if (!hooks_) hooks_ = std::make_unique<ForwardHooks>();
@@ -129,6 +136,59 @@ class Hookable {
  protected:
   std::unique_ptr<ForwardHooks> hooks_;
 };
+
+namespace detail {
+
+/// Note [Sharded construction]: while a BuildScope is open on a thread (Accelerator::build
+/// opens one under ZeRO-3), every hookable module's construction is seen: BuildMark, the first
+/// base of Hooked, marks its start; Hookable, the last, its end. A module that ends at depth
+/// `unit_depth` (the number of hookable modules still under construction around it) is a
+/// candidate unit; it is handed to `on_built` as soon as it is complete, that is at the next
+/// construction that starts or ends, or when the scope finishes: so a model's blocks are
+/// sharded one by one while the model is built, and no rank ever holds more than one dense
+/// block. A Sharded wrapper reports itself directly (report_unit). The scope only reports;
+/// what to do with a module is `on_built`'s.
+class BuildScope {
+ public:
+  using OnBuilt = std::function<void(torch::nn::Module&, bool explicit_unit)>;
+  BuildScope(int unit_depth, OnBuilt on_built);
+  ~BuildScope();
+  BuildScope(const BuildScope&) = delete;
+  BuildScope& operator=(const BuildScope&) = delete;
+  /// Hands over the modules still pending; call when the model is built (before it is used).
+  void finish();
+  /// The scope open on this thread, or nullptr.
+  static BuildScope* current();
+
+  // Called by BuildMark, Hookable and ShardedImpl.
+  void started(const void* mark);
+  void aborted(const void* mark);
+  void ended(Hookable* module);
+  void forget(Hookable* module);
+  void report_unit(torch::nn::Module& module);
+
+ private:
+  void flush();
+  int unit_depth_;
+  OnBuilt on_built_;
+  std::vector<const void*> marks_;  // constructions under way, innermost last
+  std::vector<Hookable*> pending_;  // candidates not yet complete when they ended
+  BuildScope* outer_;
+  bool flushing_ = false;
+};
+
+/// The first base of every Hooked module: tells the open BuildScope a construction starts.
+class BuildMark {
+ public:
+  BuildMark() {
+    if (auto* s = BuildScope::current()) s->started(this);
+  }
+  ~BuildMark() {
+    if (auto* s = BuildScope::current()) s->aborted(this);  // a constructor that threw
+  }
+};
+
+}  // namespace detail
 
 /// `module` as a Hookable, or nullptr when it was not declared hookable.
 inline Hookable* hookable(torch::nn::Module& module) { return dynamic_cast<Hookable*>(&module); }
@@ -283,7 +343,7 @@ template <class Impl, class Signature = typename detail::ForwardSignature<Impl>:
 class Hooked;
 
 template <class Impl, class R, class... A>
-class Hooked<Impl, R(A...)> : public Impl, public Hookable {
+class Hooked<Impl, R(A...)> : private detail::BuildMark, public Impl, public Hookable {
  public:
   using Impl::Impl;
   R forward(A... a) {
@@ -303,7 +363,7 @@ class Hooked<Impl, R(A...)> : public Impl, public Hookable {
 };
 
 template <class Impl>
-class Hooked<Impl, void> : public Impl, public Hookable {
+class Hooked<Impl, void> : private detail::BuildMark, public Impl, public Hookable {
  public:
   using Impl::Impl;
   template <class... B>

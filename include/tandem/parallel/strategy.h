@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/checkpoint/model_io.h"
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/ddp.h"
@@ -157,14 +158,26 @@ class Strategy {
   /// for a checkpoint. Every rank calls it: under ZeRO-3 the units are gathered one at a time and
   /// only the main process keeps copies (the other ranks get an empty list).
   virtual std::vector<std::pair<std::string, at::Tensor>> model_state(torch::nn::Module& model);
-  /// Loads weights written from model_state (checkpoint::load_model's `path`) into `model`.
-  virtual void load_model_state(torch::nn::Module& model, const std::string& path);
+  /// Loads weights written from model_state, or any safetensors file or index with the model's
+  /// names (checkpoint::load_model's `path` and `options`), into `model`. Under ZeRO-3 each rank
+  /// reads only its shards' byte ranges (Note [Loading into shards]).
+  virtual checkpoint::LoadReport load_model_state(torch::nn::Module& model,
+                                                  const std::string& path,
+                                                  const checkpoint::LoadOptions& options = {});
   /// The gradient reducers (for timelines and tests).
   virtual std::vector<const GradientReducer*> reducers() const = 0;
   /// Stage 3: gathers every unit's parameters (gather_units) until release_units; elsewhere
   /// nothing (the parameters are always whole).
   virtual void gather_units() {}
   virtual void release_units() {}
+  /// Note [Sharded construction]: whether Accelerator::build shards a model's units as they
+  /// are built (ZeRO-3), whether `module` (complete; `explicit_unit`: a Sharded wrapper) is one
+  /// of them, and its sharding: it is on the run's device, cast, and holds rank 0's values.
+  virtual bool shards_construction() const { return false; }
+  virtual bool unit_at_construction(torch::nn::Module& /*module*/, bool /*explicit_unit*/) {
+    return false;
+  }
+  virtual void shard_built(torch::nn::Module& /*module*/) {}
 
   /// The checkpoint's "models" and "optimizers" parts for the models and optimizers this
   /// strategy runs, laid out for `topology` (Note [Model-parallel checkpoints]: which file each

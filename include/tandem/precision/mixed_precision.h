@@ -93,6 +93,8 @@ class MixedPrecision {
   void zero_grad(torch::optim::Optimizer& optimizer);
   /// Whether the last step was skipped.
   bool step_was_skipped() const { return step_skipped_; }
+  /// Whether an optimizer steps fp32 masters of half parameters (installed by this component).
+  bool has_master_weights() const { return !master_of_.empty(); }
   /// The tensors whose gradients clipping acts on: masters where they exist, each tensor once.
   std::vector<at::Tensor> grads_to_clip(const std::vector<at::Tensor>& parameters) const;
 
