@@ -173,7 +173,7 @@ int main(int argc, char** argv) {
       }
     }
     bar.close();
-    acc.print("loss fell from", first_loss, "to", last_loss);
+    acc.print("loss", last_loss < first_loss ? "fell" : "rose", "from", first_loss, "to", last_loss);
     // What the operating system saw: each rank's peak resident memory over the whole run.
     const auto peaks = tandem::comm::gather_object(
         *acc.topology().barrier(), std::to_string(tandem::track::resident_memory().peak_bytes));

@@ -11,6 +11,7 @@ build=$1
 cli=$2
 export OMP_NUM_THREADS=1
 steps=${LARGEST_STEPS:-4}
+lr=${LARGEST_LR:-1e-5}  # the example's 3e-3 (sized for its small default GPT) makes a 1B model's loss climb
 # run LABEL LAYERS LAUNCH-FLAGS...: one training run, its summary as a table row.
 run() {
   local label=$1 layers=$2; shift 2
@@ -20,7 +21,7 @@ run() {
   start=$(date +%s.%N)
   if ! "$cli" launch -q --num_processes 4 --cpu --num_cpu_threads_per_process 1 "$@" \
        "$build/examples/train_gpt" --layers "$layers" --width 2048 --heads 16 --context 64 \
-       --batch-size 1 --steps "$steps" --eval-every 1000000 --eval-batches 1 > "$log" 2>&1; then
+       --batch-size 1 --steps "$steps" --lr "$lr" --eval-every 1000000 --eval-batches 1 > "$log" 2>&1; then
     echo "| $label | $layers x 2048 | failed: $(grep -m1 -i -E 'error|killed|signal' "$log" | tr '|' ' ' | cut -c1-120) | | | |"
     rm -f "$log"
     return
@@ -29,8 +30,8 @@ run() {
   local params peaks first last tps
   params=$(sed -n 's/.*GPT with \([0-9]*\) parameters.*/\1/p' "$log" | head -1)
   peaks=$(sed -n 's/.*peak resident memory per rank: //p' "$log" | head -1)
-  first=$(sed -n 's/.*loss fell from \([0-9.e+-]*\) to \([0-9.e+-]*\).*/\1/p' "$log" | head -1)
-  last=$(sed -n 's/.*loss fell from \([0-9.e+-]*\) to \([0-9.e+-]*\).*/\2/p' "$log" | head -1)
+  first=$(sed -n 's/.*loss [a-z]* from \([0-9.e+-]*\) to \([0-9.e+-]*\).*/\1/p' "$log" | head -1)
+  last=$(sed -n 's/.*loss [a-z]* from \([0-9.e+-]*\) to \([0-9.e+-]*\).*/\2/p' "$log" | head -1)
   tps=$(sed -n 's/.*, \([0-9]*\) tokens\/s.*/\1/p' "$log" | tail -1)
   awk -v l="$label" -v L="$layers" -v p="$params" -v pk="$peaks" -v f="$first" -v s="$last" \
       -v t="$tps" -v w="$(echo "$end - $start" | bc)" -v n="$steps" \
@@ -40,7 +41,7 @@ run() {
 echo
 echo "## The largest model each strategy trains here (4 ranks, example GPT, fp32 AdamW)"
 echo
-echo "Command: \`bench/sections/45-largest-model.sh\`: \`tandem launch --num_processes 4 --cpu [--use_fsdp] train_gpt --layers L --width 2048 --heads 16 --context 64 --batch-size 1 --steps $steps\` (ZeRO-3 builds the model with \`acc.build\`: no rank holds it whole). Peak resident memory: each rank's VmHWM over the whole run, as train_gpt prints it. Tokens/s: train_gpt's own figure over the run (the first steps included)."
+echo "Command: \`bench/sections/45-largest-model.sh\`: \`tandem launch --num_processes 4 --cpu [--use_fsdp] train_gpt --layers L --width 2048 --heads 16 --context 64 --batch-size 1 --steps $steps --lr $lr\` (ZeRO-3 builds the model with \`acc.build\`: no rank holds it whole). Peak resident memory: each rank's VmHWM over the whole run, as train_gpt prints it. Tokens/s: train_gpt's own figure over the run (the first steps included)."
 echo
 echo "| strategy | blocks x width | parameters | peak resident memory per rank | loss | speed |"
 echo "|---|---|---|---|---|---|"
