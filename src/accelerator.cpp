@@ -138,6 +138,7 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
                            : options_.logging_dir())
           .timeline_dir(run.timeline_dir),
       loader_state_.get());
+  strategy_->record_comm_spans(recorder_->timeline().enabled());
   if (options_.seed()) set_seed(*options_.seed());
   // A log always says what ran.
   if (is_main_process()) std::cerr << layout_line() << std::endl;
@@ -372,6 +373,11 @@ void Accelerator::backward(const at::Tensor& loss) {
   }
   strategy_->after_backward();
   recorder_->record_backward(begin, track::Timeline::Clock::now(), strategy_->reducers());
+  // ZeRO-3's all-gathers since the last backward, its forward's included (Note [Prefetching
+  // units]): on a track of their own, and the computation's waits for them on its own.
+  for (const auto& span : strategy_->take_comm_spans())
+    recorder_->timeline().record(span.name, span.wait ? "wait" : "comm", span.start, span.end,
+                                 span.wait ? -1 : 2);
 }
 
 Accelerator::AccumulateScope Accelerator::accumulate() {

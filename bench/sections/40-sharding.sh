@@ -37,6 +37,9 @@ for ((r = 1; r <= reps; ++r)); do
     for s in 1 2 3; do
       one z$s$n "${L[@]}" --use_deepspeed --zero_stage $s "$build/bench/sharding_bench" tandem
     done
+    # ZeRO-3 with FSDP's prefetching (Note [Prefetching units]).
+    one z3p$n "${L[@]}" --use_fsdp --fsdp_forward_prefetch true --fsdp_backward_prefetch BACKWARD_PRE \
+      "$build/bench/sharding_bench" tandem
     one pddp$n "${L[@]}" "$py2" "$root/bench/zero_peer.py" ddp
     one pz1$n "${L[@]}" "$py2" "$root/bench/zero_peer.py" zero1
     one pfsdp$n "${L[@]}" "$py2" "$root/bench/zero_peer.py" fsdp
@@ -55,9 +58,9 @@ echo "|---|---|---|---|---|---|---|---|---|"
 for n in 2 4; do
   json=$("$cli" estimate-memory "$work/model/model.safetensors" --num_processes $n --json)
   est() { echo "$json" | "$py2" -c "import json,sys; d=json.load(sys.stdin); print([z['bytes_per_device'] for z in d['tandem_fp32'] if z['id']=='$1'][0])"; }
-  for row in "ddp ddp DDP pddp DistributedDataParallel" "z1 zero1 ZeRO-1 pz1 ZeroRedundancyOptimizer" "z2 zero2 ZeRO-2 - -" "z3 zero3 ZeRO-3 pfsdp FSDP2_fully_shard"; do
+  for row in "ddp ddp DDP pddp DistributedDataParallel" "z1 zero1 ZeRO-1 pz1 ZeroRedundancyOptimizer" "z2 zero2 ZeRO-2 - -" "z3 zero3 ZeRO-3 pfsdp FSDP2_fully_shard" "z3p zero3 ZeRO-3_prefetch_(forward,_BACKWARD_PRE) - -"; do
     set -- $row
-    k=$1; id=$2; label=$3; peer=$4; peer_label=${5//_/ }
+    k=$1; id=$2; label=${3//_/ }; peer=$4; peer_label=${5//_/ }
     if [ "$peer" = - ]; then ps="-"; pr="-"; else ps=$(median $peer$n.samples_per_s); pr=$(mb "$(median $peer$n.rss_peak_kb)" 1e3); fi
     echo "| $n | $label | $(median $k$n.samples_per_s) | $(mb "$(median $k$n.peak_bytes)" 1e6) | $(mb "$(est $id)" 1e6) | $(mb "$(median $k$n.rss_peak_kb)" 1e3) | $peer_label | $ps | $pr |"
   done

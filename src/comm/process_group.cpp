@@ -432,15 +432,38 @@ Work ProcessGroup::reduce_scatter_async(const at::Tensor& input, at::Tensor outp
 }
 
 void ProcessGroup::all_gather_into(const at::Tensor& shard, at::Tensor& output) {
+  all_gather_into_async(shard, output).wait();
+}
+
+Work ProcessGroup::all_gather_into_async(const at::Tensor& shard, at::Tensor output) {
   const int n = impl_->size;
   TORCH_CHECK(output.numel() == shard.numel() * n, prefix(), " all_gather_into: the output holds ",
               output.numel(), " elements, expected ", n, " x ", shard.numel());
   TORCH_CHECK(shard.numel() > 0, prefix(), " all_gather_into: empty shards cannot travel over "
               "Gloo; pad them to at least one element (ProcessGroup::shard_numel)");
+  if (n == 1) {
+    output.view({-1}).copy_(shard.reshape({-1}));
+    return Work();
+  }
   // LibTorch 1.13's Gloo has no _allgather_base: the list form, then one copy per rank.
-  auto parts = allgather(shard.reshape({-1}));
-  auto flat = output.view({n, shard.numel()});
-  for (int k = 0; k < n; ++k) flat[k].copy_(parts[static_cast<size_t>(k)]);
+  const auto dtype = shard.scalar_type();
+  std::vector<at::Tensor> in{as_movable(shard.contiguous().reshape({-1}))};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < n; ++r) out[0].push_back(at::empty_like(in[0]));
+  c10d::AllgatherOptions o;
+  o.timeout = impl_->options.timeout();
+  auto parts = out[0];  // the same storages, filled by the collective
+  Work work = impl_->wrap(impl_->backend_for(in[0]).allgather(out, in, o), "all-gather",
+                          {in[0]}, 1.0);  // keeps the input alive while in flight
+  const int64_t numel = shard.numel();
+  work.impl_->then = [parts, output, dtype, n, numel]() mutable {
+    auto flat = output.view({n, numel});
+    for (int k = 0; k < n; ++k) {
+      const auto& part = parts[static_cast<size_t>(k)];
+      flat[k].copy_(part.scalar_type() != dtype ? part.view(dtype) : part);
+    }
+  };
+  return work;
 }
 
 void ProcessGroup::barrier() {

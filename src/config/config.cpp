@@ -706,15 +706,15 @@ std::vector<std::string> not_acted_on(const LaunchConfig& c) {
   if (c.distributed_type == "FSDP") {
     // The value in each pair is what tandem does; any other value asks for something else.
     const std::vector<std::pair<std::string, std::string>> fsdp = {
-        {"fsdp_forward_prefetch", "false"},           // units are gathered when called
-        {"fsdp_backward_prefetch", "NO_PREFETCH"},    // nor prefetched in backward
         {"fsdp_sync_module_states", "true"},          // rank 0's parameters are broadcast
         {"fsdp_use_orig_params", "true"},             // the original parameters are kept
-        {"fsdp_reshard_after_forward", "true"},       // fsdp_sharding_strategy decides
+        {"fsdp_reshard_after_forward", "true"},       // a strategy name: fsdp_sharding_strategy decides
         {"fsdp_state_dict_type", "FULL_STATE_DICT"},  // checkpoints hold the whole model
     };
     for (const auto& [k, does] : fsdp) {
       const std::string v = value(c.fsdp_config, k);
+      // FSDP2's reshard_after_forward: false keeps gathered units until their backward.
+      if (k == "fsdp_reshard_after_forward" && v == "false") continue;
       if (!v.empty() && v != does) out.push_back("fsdp_config." + k + ": " + v);
     }
     // fsdp_transformer_layer_cls_to_wrap takes effect (ShardingOptions, Note [ZeRO-3 units on

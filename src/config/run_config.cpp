@@ -190,14 +190,22 @@ std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
     // fsdp_activation_checkpointing is the Accelerator's (activation_checkpointing_from_env);
     // it is only checked here.
     for (const char* b : {"TANDEM_FSDP_ACTIVATION_CHECKPOINTING", "TANDEM_FSDP_SYNC_MODULE_STATES",
-                          "TANDEM_FSDP_USE_ORIG_PARAMS", "TANDEM_FSDP_FORWARD_PREFETCH",
-                          "TANDEM_FSDP_CPU_RAM_EFFICIENT_LOADING"})
+                          "TANDEM_FSDP_USE_ORIG_PARAMS", "TANDEM_FSDP_CPU_RAM_EFFICIENT_LOADING"})
       env.boolean(b);
+    // Note [Prefetching units]: stage 3's all-gathers ahead of use.
+    if (auto f = env.boolean("TANDEM_FSDP_FORWARD_PREFETCH")) o.forward_prefetch(*f);
     if (auto v = env.get("TANDEM_FSDP_BACKWARD_PREFETCH")) {
       const auto t = upper(*v);
       if (t != "BACKWARD_PRE" && t != "BACKWARD_POST" && t != "NO_PREFETCH" && t != "NONE")
         throw bad("TANDEM_FSDP_BACKWARD_PREFETCH", *v,
                   "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH");
+      o.backward_prefetch(t == "NONE" ? "NO_PREFETCH" : t);
+    }
+    if (auto v = env.get("TANDEM_FSDP_RESHARD_AFTER_FORWARD")) {
+      // FSDP2's boolean; an FSDP1 strategy name here is left to fsdp_sharding_strategy.
+      const auto l = lower(*v);
+      if (l == "true" || l == "1" || l == "yes") o.reshard_after_forward(true);
+      if (l == "false" || l == "0" || l == "no") o.reshard_after_forward(false);
     }
   }
   if (auto v = env.get(var::kReduceScatter)) {

@@ -70,6 +70,24 @@ struct Unit {
   // units of the root (parameters of no Sharded module, tied ones) stay resident.
   bool resident = true;
   bool gathered = true;
+  // Note [Prefetching units]: an all-gather issued ahead of use, not yet waited on, and the
+  // unit's module hooks (for BACKWARD_POST).
+  Work gathering;
+  bool in_flight = false;
+  bool prefetched = false;  // issued ahead of its use
+  std::chrono::steady_clock::time_point issued;
+  struct UnitHooks* hooks = nullptr;
+};
+
+// The timeline's view of stage 3's all-gathers (Strategy::take_comm_spans).
+struct CommLog {
+  bool record = false;
+  std::vector<CommSpan> spans;
+  void add(std::string name, std::chrono::steady_clock::time_point start,
+           std::chrono::steady_clock::time_point end, bool wait) {
+    // Bounded: a run that never calls backward (evaluation only) is not drained.
+    if (record && spans.size() < (size_t{1} << 16)) spans.push_back({std::move(name), start, end, wait});
+  }
 };
 
 // Note [Freeing a unit]: the parameters of a released unit keep their TensorImpls (the
@@ -87,20 +105,49 @@ void materialize_unit(Unit& u) {
   u.gathered = true;
 }
 
-void gather_unit(Unit& u, ProcessGroup& pg) {
+// Note [Prefetching units]: start_gather gives the unit its storage and issues its all-gather;
+// finish_gather waits for it. Whatever reads or frees a unit's storage finishes its gather
+// first, so a prefetched unit is never freed (nor read) while the all-gather writes into it.
+void start_gather(Unit& u, ProcessGroup& pg) {
   if (u.gathered) return;
   materialize_unit(u);
   at::NoGradGuard no_grad;
   at::Tensor src = u.shard_param.detach();
   if (src.scalar_type() != u.flat.scalar_type() || src.device() != u.flat.device())
     src = src.to(u.flat.options());
-  if (pg.size() > 1)
-    pg.all_gather_into(src, u.flat);
-  else
+  if (pg.size() > 1) {
+    u.gathering = pg.all_gather_into_async(src, u.flat);
+    u.in_flight = true;
+    u.prefetched = false;
+    u.issued = std::chrono::steady_clock::now();
+  } else {
     u.flat.copy_(src);
+  }
+}
+
+void finish_gather(Unit& u, CommLog* log = nullptr, const char* what = "all-gather") {
+  if (!u.in_flight) return;
+  const auto begin = std::chrono::steady_clock::now();
+  const bool done_before = u.gathering.completed();
+  u.gathering.wait();
+  u.gathering = Work();  // the collective's buffers (the list form's parts) go with it
+  u.in_flight = false;
+  const auto end = std::chrono::steady_clock::now();
+  if (log) {
+    log->add(std::string(what) + " unit " + std::to_string(u.bucket) +
+                 (u.prefetched ? " (prefetched)" : ""),
+             u.issued, done_before ? begin : end, false);
+    if (!done_before) log->add("wait for all-gather", begin, end, true);
+  }
+}
+
+void gather_unit(Unit& u, ProcessGroup& pg, CommLog* log = nullptr) {
+  start_gather(u, pg);
+  finish_gather(u, log);
 }
 
 void release_unit(Unit& u) {
+  finish_gather(u);
   if (u.resident || !u.gathered) return;
   auto* storage = u.flat.storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(storage->allocator()->allocate(0));
@@ -152,18 +199,71 @@ void gather_built(BuiltUnit& b, ProcessGroup& pg) {
   b.gathered = true;
 }
 
+// Note [Prefetching units]: the order in which the units' forwards ran in the first step
+// (recorded until the first backward starts), and the prefetches it allows: in forward, the
+// next unit's all-gather is issued when a unit's forward starts; in backward, the unit that
+// runs next (the one before it in forward order) when a unit's backward starts (BACKWARD_PRE)
+// or once its gradients are reduced (BACKWARD_POST). At most one unit is gathered ahead of the
+// one computing, so at most two are gathered at a time (FSDP's limit_all_gathers). Every rank
+// records the same order and issues the same all-gathers in it.
+struct UnitHooks;
+struct Prefetch {
+  bool forward = false;
+  std::string backward = "NO_PREFETCH";
+  bool reshard_after_forward = true;
+  std::vector<UnitHooks*> order;
+  bool frozen = false;
+  int64_t issued = 0;  // prefetches issued (tests, timeline)
+  UnitHooks* after(UnitHooks* h, int step) const {
+    auto it = std::find(order.begin(), order.end(), h);
+    if (it == order.end()) return nullptr;
+    const auto pos = (it - order.begin()) + step;
+    return pos >= 0 && pos < static_cast<std::ptrdiff_t>(order.size()) ? order[pos] : nullptr;
+  }
+};
+
 // Stage 3: what a Sharded module does around its forward and backward, for its units (one per
 // parameter group and dtype, of every optimizer it belongs to).
 struct UnitHooks : detail::ShardedHooks {
   std::vector<Unit*> units;
   ProcessGroup* pg = nullptr;
+  Prefetch* prefetch = nullptr;
+  CommLog* log = nullptr;
+  void start() {
+    bool any = false;
+    for (auto* u : units)
+      if (!u->gathered) {
+        start_gather(*u, *pg);
+        u->prefetched = true;
+        any = true;
+      }
+    if (any) ++prefetch->issued;
+  }
   void before_forward() override {
-    for (auto* u : units) gather_unit(*u, *pg);
+    for (auto* u : units) gather_unit(*u, *pg, log);
+    if (!prefetch->frozen) {
+      if (std::find(prefetch->order.begin(), prefetch->order.end(), this) == prefetch->order.end())
+        prefetch->order.push_back(this);
+    } else if (prefetch->forward) {
+      if (auto* next = prefetch->after(this, 1)) next->start();
+    }
   }
   void after_forward() override {
+    // Kept until its backward (reshard_after_forward false), unless no backward comes.
+    if (!prefetch->reshard_after_forward && at::GradMode::is_enabled()) return;
     for (auto* u : units) release_unit(*u);
   }
-  void before_backward() override { before_forward(); }
+  void before_backward() override {
+    prefetch->frozen = true;  // the forward order is known from here on
+    for (auto* u : units) gather_unit(*u, *pg, log);
+    if (prefetch->backward == "BACKWARD_PRE")
+      if (auto* next = prefetch->after(this, -1)) next->start();
+  }
+  // A unit's gradients are reduced (and its parameters freed).
+  void after_reduction() {
+    if (prefetch->backward == "BACKWARD_POST")
+      if (auto* next = prefetch->after(this, -1)) next->start();
+  }
 };
 
 struct ShardedOptimizer;
@@ -215,6 +315,7 @@ void ZeroHook::finish(GradBucket& b, Work& w) {
   u.reduced = at::Tensor();
   // Stage 3: the unit's backward is over (all of its gradients are in): free its parameters.
   release_unit(u);
+  if (u.hooks) u.hooks->after_reduction();
   // No rank used this unit: its gradient stays as it was (undefined after zero_grad, so the
   // optimizer leaves the unit alone), as data parallel leaves unused parameters' .grad.
   if (b.all_unused) return;
@@ -246,6 +347,9 @@ class ZeroStrategy : public Strategy {
  public:
   ZeroStrategy(ShardingOptions options, StrategyContext ctx)
       : options_(std::move(options)), ctx_(std::move(ctx)) {
+    prefetch_.forward = options_.forward_prefetch();
+    prefetch_.backward = options_.backward_prefetch();
+    prefetch_.reshard_after_forward = options_.reshard_after_forward();
     if ((options_.offload_optimizer() || options_.offload_params()) && ctx_.device.is_cpu() &&
         ctx_.pg->rank() == 0)
       std::cerr << ctx_.pg->prefix() << " " << options_.origin()
@@ -358,6 +462,12 @@ class ZeroStrategy : public Strategy {
     return out;
   }
   bool shards_construction() const override { return options_.stage() == 3; }
+  std::vector<CommSpan> take_comm_spans() override {
+    std::vector<CommSpan> out;
+    out.swap(comm_log_.spans);
+    return out;
+  }
+  void record_comm_spans(bool record) override { comm_log_.record = record; }
   // The auto-wrap policy of prepare_model, seen from one module at a time: Sharded wrappers,
   // the named classes, or (the BuildScope already chose the outermost hookable modules) those
   // with enough parameters, tandem::nn's standard layers only under SIZE_BASED_WRAP.
@@ -397,11 +507,17 @@ class ZeroStrategy : public Strategy {
         return true;
     return false;
   }
+  std::shared_ptr<UnitHooks> make_hooks() {
+    auto hooks = std::make_shared<UnitHooks>();
+    hooks->pg = ctx_.pg.get();
+    hooks->prefetch = &prefetch_;
+    hooks->log = &comm_log_;
+    return hooks;
+  }
   void add_wrapper(const std::shared_ptr<ShardedImpl>& w) {
     for (const auto& known : units_)
       if (known.get() == w.get()) return;
-    auto hooks = std::make_shared<UnitHooks>();
-    hooks->pg = ctx_.pg.get();
+    auto hooks = make_hooks();
     w->set_hooks(hooks);
     units_.push_back(w);
     hooks_.push_back(hooks);
@@ -412,8 +528,7 @@ class ZeroStrategy : public Strategy {
     for (const auto& known : units_)
       if (known.get() == m.get()) return;
     auto* h = tandem::nn::hookable(*m);
-    auto hooks = std::make_shared<UnitHooks>();
-    hooks->pg = ctx_.pg.get();
+    auto hooks = make_hooks();
     h->hooks().add("zero-3 unit", tandem::nn::order::kShard,
                    [hooks](const std::vector<at::Tensor>& in, const tandem::nn::TensorFunction& next) {
                      return detail::run_unit(hooks, [&] { return next(in); });
@@ -487,6 +602,8 @@ class ZeroStrategy : public Strategy {
   // places their parameters.
   std::vector<std::unique_ptr<BuiltUnit>> built_;
   std::map<const void*, BuiltUnit*> built_of_;
+  Prefetch prefetch_;  // Note [Prefetching units]
+  CommLog comm_log_;
   BuiltUnit* built_of(const at::Tensor& p) const {
     auto it = built_of_.find(p.unsafeGetTensorImpl());
     return it == built_of_.end() ? nullptr : it->second;
@@ -716,7 +833,8 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
     s->units.push_back(std::move(u));
     Unit& placed = s->units.back();
     if (!placed.resident) {
-      hooks_[static_cast<size_t>(owner_of_bucket[b])]->units.push_back(&placed);
+      placed.hooks = hooks_[static_cast<size_t>(owner_of_bucket[b])].get();
+      placed.hooks->units.push_back(&placed);
       release_unit(placed);
     }
   }
@@ -959,6 +1077,8 @@ checkpoint::LoadReport ZeroStrategy::load_model_state(torch::nn::Module& model,
                                                       const checkpoint::LoadOptions& options) {
   std::set<const void*> in_model;
   for (const auto& p : model.parameters()) in_model.insert(p.unsafeGetTensorImpl());
+  for (auto& s : sharded_)
+    for (auto& u : s->units) finish_gather(u);  // no all-gather writes while the file is read
   std::map<const void*, std::vector<checkpoint::TensorSlice>> slices;
   // The parameters laid end to end at `offsets`, of which this rank holds `chunk`, elements
   // [shard.offset, shard.offset + shard.numel).

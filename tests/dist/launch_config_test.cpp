@@ -328,7 +328,7 @@ TEST_F(ConfigCommand, ValidateAndLaunchAgreeOnOtherDevices) {
 TEST_F(ConfigCommand, SettingsNotActedOnAreNamed) {
   const std::string path = home_ + "/prefetch.yaml";
   std::ofstream(path) << "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\n"
-                         "fsdp_config:\n  fsdp_forward_prefetch: true\n"
+                         "fsdp_config:\n  fsdp_sync_module_states: false\n"
                          "  fsdp_use_orig_params: false\n";
   for (auto r : {tandem({"config", "validate", path}),
                  tandem({"launch", "--config_file", path, "--dry_run", "prog"})}) {
@@ -336,15 +336,15 @@ TEST_F(ConfigCommand, SettingsNotActedOnAreNamed) {
     EXPECT_EQ(count_of(r.output, "warning"), 1) << r.output;
     EXPECT_TRUE(has(r.output, "does not act on them yet")) << r.output;
     EXPECT_TRUE(has(r.output,
-                    "fsdp_config.fsdp_forward_prefetch: true, "
+                    "fsdp_config.fsdp_sync_module_states: false, "
                     "fsdp_config.fsdp_use_orig_params: false"))
         << r.output;
   }
   // Given on the command line, too.
   auto r = tandem({"launch", "--use_fsdp", "--num_processes", "2", "--cpu",
-                   "--fsdp_backward_prefetch", "BACKWARD_POST", "--dry_run", "prog"});
+                   "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--dry_run", "prog"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(has(r.output, "fsdp_config.fsdp_backward_prefetch: BACKWARD_POST")) << r.output;
+  EXPECT_TRUE(has(r.output, "fsdp_config.fsdp_state_dict_type: SHARDED_STATE_DICT")) << r.output;
   // A typo inside a section is refused by both, naming the closest key.
   std::ofstream(path) << "distributed_type: DEEPSPEED\nnum_processes: 2\nuse_cpu: true\n"
                          "deepspeed_config:\n  zero_stgae: 3\n";

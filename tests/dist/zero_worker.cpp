@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <iostream>
 
 #include "../../examples/common/gpt.h"
@@ -26,7 +27,7 @@
 namespace {
 
 struct Args {
-  std::string mode = "train", out, save_dir, resume;
+  std::string mode = "train", out, save_dir, resume, timeline_dir;
   int64_t steps = 10, accum = 2, save_at = -1;
   double clip = 0.05;
   bool one_group = false, master_weights = false, loss_scaling = false, built = false;
@@ -105,6 +106,7 @@ std::shared_ptr<torch::optim::AdamW> make_optimizer(Net& net, bool one_group) {
 tandem::AcceleratorOptions options(const Args& a) {
   // Small buckets: several units, some holding several parameters.
   return tandem::AcceleratorOptions()
+      .timeline_dir(a.timeline_dir)
       .gradient_accumulation_steps(static_cast<int>(a.accum))
       .bucket_cap_mb(300.0 / (1 << 20))
       .first_bucket_cap_mb(100.0 / (1 << 20))
@@ -148,6 +150,42 @@ int train(const Args& a) {
   }
   std::cout << "rank " << rank << " strategy " << acc.strategy().name() << " trained to step "
             << acc.step() << std::endl;
+  if (!a.timeline_dir.empty()) {
+    // Note [Prefetching units]: the all-gathers this rank's timeline shows, those issued ahead
+    // of use, and those of them that ran while a forward or backward computed.
+    acc.end_training();
+    std::ifstream f(a.timeline_dir + "/timeline_rank" + std::to_string(rank) + ".json");
+    TORCH_CHECK(static_cast<bool>(f), "no timeline in ", a.timeline_dir);
+    auto doc = nlohmann::json::parse(f);
+    std::vector<std::pair<double, double>> compute;
+    int64_t gathers = 0, prefetched = 0, overlapped = 0, waits = 0;
+    double gather_us = 0, wait_us = 0;
+    for (const auto& e : doc["traceEvents"])
+      if (e.value("ph", "") == "X" && (e["name"] == "forward" || e["name"] == "backward"))
+        compute.emplace_back(e["ts"].get<double>(), e["ts"].get<double>() + e["dur"].get<double>());
+    for (const auto& e : doc["traceEvents"]) {
+      if (e.value("ph", "") != "X") continue;
+      const std::string name = e["name"];
+      if (name == "wait for all-gather") {
+        ++waits;
+        wait_us += e["dur"].get<double>();
+      }
+      if (name.rfind("all-gather unit", 0) != 0) continue;
+      ++gathers;
+      gather_us += e["dur"].get<double>();
+      if (name.find("(prefetched)") == std::string::npos) continue;
+      ++prefetched;
+      const double start = e["ts"].get<double>();
+      for (const auto& [b, end] : compute)
+        if (start >= b && start < end) {
+          ++overlapped;
+          break;
+        }
+    }
+    std::cout << "gathers rank=" << rank << " all=" << gathers << " prefetched=" << prefetched
+              << " overlapped=" << overlapped << " waits=" << waits
+              << " gather_ms=" << gather_us / 1000 << " wait_ms=" << wait_us / 1000 << std::endl;
+  }
   auto state = acc.get_state_dict(*model);  // every rank: ZeRO-3 gathers
   if (acc.is_main_process() && !a.out.empty()) {
     std::ofstream out(a.out, std::ios::binary);
@@ -346,6 +384,7 @@ int main(int argc, char** argv) {
   app.add_flag("--master_weights", a.master_weights);
   app.add_flag("--loss_scaling", a.loss_scaling);
   app.add_flag("--built", a.built);
+  app.add_option("--timeline_dir", a.timeline_dir);
   CLI11_PARSE(app, argc, argv);
   try {
     if (a.mode == "train") return train(a);

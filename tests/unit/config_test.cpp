@@ -365,14 +365,18 @@ TEST(ConfigFile, SettingsNotActedOnGiveOneWarningNamingThem) {
   auto c = parse_config(
       "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_forward_prefetch: true\n"
       "  fsdp_backward_prefetch: BACKWARD_PRE\n  fsdp_cpu_ram_efficient_loading: true\n"
-      "  fsdp_sharding_strategy: FULL_SHARD\n  fsdp_offload_params: false\n");
+      "  fsdp_sharding_strategy: FULL_SHARD\n  fsdp_offload_params: false\n"
+      "  fsdp_use_orig_params: false\n  fsdp_state_dict_type: SHARDED_STATE_DICT\n"
+      "  fsdp_reshard_after_forward: false\n");
   auto w = not_acted_on_warning(c);
-  for (const char* k : {"fsdp_config.fsdp_forward_prefetch: true",
-                        "fsdp_config.fsdp_backward_prefetch: BACKWARD_PRE",
+  for (const char* k : {"fsdp_config.fsdp_use_orig_params: false",
+                        "fsdp_config.fsdp_state_dict_type: SHARDED_STATE_DICT",
                         "does not act on"})
     EXPECT_TRUE(contains(w, k)) << k << " in " << w;
   EXPECT_FALSE(contains(w, "fsdp_sharding_strategy")) << w;  // acted on
   EXPECT_FALSE(contains(w, "fsdp_cpu_ram_efficient_loading")) << w;  // ZeRO-3 loads by ranges
+  EXPECT_FALSE(contains(w, "prefetch")) << w;  // Note [Prefetching units]
+  EXPECT_FALSE(contains(w, "fsdp_reshard_after_forward")) << w;
   EXPECT_FALSE(contains(w, "fsdp_offload_params")) << w;
   EXPECT_FALSE(contains(w, "\n")) << "one warning, one line: " << w;
   EXPECT_EQ(not_acted_on_warning(parse_config(

@@ -139,6 +139,9 @@ class ProcessGroup {
   /// All-gather into one flat tensor: `output` (size() x shard.numel() elements) gets every
   /// rank's `shard` in rank order.
   void all_gather_into(const at::Tensor& shard, at::Tensor& output);
+  /// all_gather_into() started asynchronously: `output` holds every rank's shard once the
+  /// returned work was waited on (LibTorch 1.13's list form copies into it in wait()).
+  Work all_gather_into_async(const at::Tensor& shard, at::Tensor output);
   /// Elements per rank when `numel` elements are split into size() equal, padded chunks: at
   /// least 1, so that no rank's chunk is empty.
   int64_t shard_numel(int64_t numel) const;

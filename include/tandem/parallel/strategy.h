@@ -7,6 +7,7 @@
 #include <torch/arg.h>
 
 #include <array>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -79,6 +80,19 @@ struct ShardingOptions {
   /// through a Sharded wrapper). Empty: every Sequential entry and every outermost hookable
   /// module a user declared (Note [ZeRO-3 units on hooks]).
   TORCH_ARG(std::vector<std::string>, transformer_layer_cls_to_wrap);
+  /// Stage 3 (Note [Prefetching units]): all-gather the next unit while the current one runs
+  /// its forward (FSDP's forward_prefetch), from the second step on (the first records the
+  /// order in which the units run).
+  TORCH_ARG(bool, forward_prefetch) = false;
+  /// Stage 3, in backward: "BACKWARD_PRE" all-gathers the unit that runs next in backward when
+  /// the current one's backward starts, "BACKWARD_POST" once the current one's gradients are
+  /// reduced, "NO_PREFETCH" gathers each unit when its backward needs it (FSDP's
+  /// backward_prefetch; Accelerate's default is NO_PREFETCH).
+  TORCH_ARG(std::string, backward_prefetch) = "NO_PREFETCH";
+  /// Stage 3: false keeps a unit's gathered parameters from its forward until its backward is
+  /// done (FSDP2's reshard_after_forward=False: fewer all-gathers, more memory); forwards
+  /// without gradients (evaluation) free them anyway.
+  TORCH_ARG(bool, reshard_after_forward) = true;
   /// Where the options came from, for messages ("deepspeed_config", "fsdp_config", ...).
   TORCH_ARG(std::string, origin) = "AcceleratorOptions::sharding";
 };
@@ -90,6 +104,15 @@ struct ShardingOptions {
 /// either. nullopt for the other types. Throws std::invalid_argument naming the variable, its
 /// value and what is accepted, for every value tandem cannot honour.
 std::optional<ShardingOptions> sharding_from_environment(const EnvMap& env);
+
+/// A collective a strategy ran outside the gradient reducer, for the timeline: an all-gather of
+/// a ZeRO-3 unit from when it was issued to when it was seen complete (`prefetch`: issued ahead
+/// of its use), or the time the computation waited for one (`wait`).
+struct CommSpan {
+  std::string name;
+  std::chrono::steady_clock::time_point start, end;
+  bool wait = false;
+};
 
 /// What a strategy needs to know of the run: its group and the run's precision.
 struct StrategyContext {
@@ -178,6 +201,10 @@ class Strategy {
     return false;
   }
   virtual void shard_built(torch::nn::Module& /*module*/) {}
+  /// The all-gathers (and waits for them) since the last call, for the timeline; none unless
+  /// `record` was set (the Accelerator sets it when it writes a timeline).
+  virtual std::vector<CommSpan> take_comm_spans() { return {}; }
+  virtual void record_comm_spans(bool /*record*/) {}
 
   /// The checkpoint's "models" and "optimizers" parts for the models and optimizers this
   /// strategy runs, laid out for `topology` (Note [Model-parallel checkpoints]: which file each
