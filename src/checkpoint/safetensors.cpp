@@ -293,15 +293,20 @@ const void* SafetensorsFile::data_of(const TensorInfo& info) const {
   return static_cast<const char*>(map_) + header_.data_offset() + info.begin;
 }
 
-at::Tensor SafetensorsFile::tensor(const std::string& name) const {
-  const TensorInfo& i = info(name);
-  c10::ScalarType type;
+// The LibTorch dtype of `name`, or an error naming the file and the tensor (F8 before 2.1).
+c10::ScalarType SafetensorsFile::scalar_type_of(const std::string& name,
+                                                const TensorInfo& i) const {
   try {
-    type = to_scalar_type(i.dtype);
+    return to_scalar_type(i.dtype);
   } catch (const std::invalid_argument& e) {
     throw std::runtime_error("safetensors file '" + path_ + "': tensor '" + name +
                              "': " + e.what());
   }
+}
+
+at::Tensor SafetensorsFile::tensor(const std::string& name) const {
+  const TensorInfo& i = info(name);
+  const c10::ScalarType type = scalar_type_of(name, i);
   at::Tensor t = at::empty(i.shape, at::TensorOptions().dtype(type));
   if (i.nbytes() > 0) std::memcpy(t.data_ptr(), data_of(i), i.nbytes());
   return t;
@@ -368,13 +373,7 @@ void SafetensorsFile::read_elements(const std::string& name, int64_t begin,
     if (!dst.is_inference()) dst.unsafeGetTensorImpl()->bump_version();
     return;
   }
-  c10::ScalarType type;
-  try {
-    type = to_scalar_type(i.dtype);
-  } catch (const std::invalid_argument& e) {
-    throw std::runtime_error("safetensors file '" + path_ + "': tensor '" + name +
-                             "': " + e.what());
-  }
+  const c10::ScalarType type = scalar_type_of(name, i);
   // Converted (or moved) through a copy of the range alone.
   at::Tensor part = at::empty({dst.numel()}, at::TensorOptions().dtype(type));
   std::memcpy(part.data_ptr(), static_cast<const char*>(data_of(i)) + first, bytes);

@@ -96,12 +96,17 @@ struct CommLog {
 // again and all-gathers the chunks into it, so every tensor that aliases it, saved ones
 // included, sees the parameters again. Nothing reads a released unit's parameters: a Sharded
 // module gathers before its forward and before its backward.
-// Gives a released unit its storage back (contents undefined).
-void materialize_unit(Unit& u) {
-  auto* storage = u.flat.storage().unsafeGetStorageImpl();
-  const size_t nbytes = static_cast<size_t>(u.padded) * u.flat.element_size();
+// Gives `flat`'s storage `numel` elements again (contents undefined), or (0) takes its bytes.
+void set_storage_numel(const at::Tensor& flat, int64_t numel) {
+  auto* storage = flat.storage().unsafeGetStorageImpl();
+  const size_t nbytes = static_cast<size_t>(numel) * flat.element_size();
   storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
   storage->set_nbytes(nbytes);
+}
+
+// Gives a released unit its storage back (contents undefined).
+void materialize_unit(Unit& u) {
+  set_storage_numel(u.flat, u.padded);
   u.gathered = true;
 }
 
@@ -125,7 +130,7 @@ void start_gather(Unit& u, ProcessGroup& pg) {
   }
 }
 
-void finish_gather(Unit& u, CommLog* log = nullptr, const char* what = "all-gather") {
+void finish_gather(Unit& u, CommLog* log = nullptr) {
   if (!u.in_flight) return;
   const auto begin = std::chrono::steady_clock::now();
   const bool done_before = u.gathering.completed();
@@ -134,7 +139,7 @@ void finish_gather(Unit& u, CommLog* log = nullptr, const char* what = "all-gath
   u.in_flight = false;
   const auto end = std::chrono::steady_clock::now();
   if (log) {
-    log->add(std::string(what) + " unit " + std::to_string(u.bucket) +
+    log->add("all-gather unit " + std::to_string(u.bucket) +
                  (u.prefetched ? " (prefetched)" : ""),
              u.issued, done_before ? begin : end, false);
     if (!done_before) log->add("wait for all-gather", begin, end, true);
@@ -149,9 +154,7 @@ void gather_unit(Unit& u, ProcessGroup& pg, CommLog* log = nullptr) {
 void release_unit(Unit& u) {
   finish_gather(u);
   if (u.resident || !u.gathered) return;
-  auto* storage = u.flat.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(0));
-  storage->set_nbytes(0);
+  set_storage_numel(u.flat, 0);
   u.gathered = false;
 }
 
@@ -187,10 +190,7 @@ at::Tensor released_alias(const at::Tensor& flat, int64_t offset, at::IntArrayRe
 
 void gather_built(BuiltUnit& b, ProcessGroup& pg) {
   if (b.gathered) return;
-  auto* storage = b.flat.storage().unsafeGetStorageImpl();
-  const size_t nbytes = static_cast<size_t>(b.padded) * b.flat.element_size();
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
-  storage->set_nbytes(nbytes);
+  set_storage_numel(b.flat, b.padded);
   at::NoGradGuard no_grad;
   if (pg.size() > 1)
     pg.all_gather_into(b.chunk, b.flat);
@@ -213,7 +213,6 @@ struct Prefetch {
   bool reshard_after_forward = true;
   std::vector<UnitHooks*> order;
   bool frozen = false;
-  int64_t issued = 0;  // prefetches issued (tests, timeline)
   UnitHooks* after(UnitHooks* h, int step) const {
     auto it = std::find(order.begin(), order.end(), h);
     if (it == order.end()) return nullptr;
@@ -230,14 +229,11 @@ struct UnitHooks : detail::ShardedHooks {
   Prefetch* prefetch = nullptr;
   CommLog* log = nullptr;
   void start() {
-    bool any = false;
     for (auto* u : units)
       if (!u->gathered) {
         start_gather(*u, *pg);
         u->prefetched = true;
-        any = true;
       }
-    if (any) ++prefetch->issued;
   }
   void before_forward() override {
     for (auto* u : units) gather_unit(*u, *pg, log);

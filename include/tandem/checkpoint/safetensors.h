@@ -91,6 +91,7 @@ class SafetensorsFile {
 
  private:
   void read_elements(const std::string& name, int64_t begin, at::Tensor& dst) const;
+  c10::ScalarType scalar_type_of(const std::string& name, const TensorInfo& info) const;
   const void* data_of(const TensorInfo& info) const;
   void close_file() noexcept;
 
