@@ -118,6 +118,7 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   parallel::StrategyContext ctx;
   ctx.pg = topology_->data_parallel();
   ctx.shard_pg = topology_->sharding();
+  ctx.replicate_pg = topology_->group("dp_replicate");
   ctx.device = device_;
   ctx.master_weights = precision_->policy().master_weights;
   ctx.reducer = parallel::ReducerOptions()
@@ -148,7 +149,12 @@ std::string Accelerator::layout_line() const {
   os << "tandem: " << state_.world_size << (state_.world_size == 1 ? " process" : " processes")
      << " on " << device_.str() << "; strategy " << strategy_->name();
   if (options_.sharding() && options_.sharding()->stage() > 0)
-    os << " (ZeRO stage " << options_.sharding()->stage() << ")";
+    os << " (ZeRO stage " << options_.sharding()->stage()
+       << (topology_->dp_replicate() > 1
+               ? ", hybrid: shards over dp_shard " + std::to_string(topology_->dp_shard()) +
+                     ", replicas over dp_replicate " + std::to_string(topology_->dp_replicate())
+               : std::string())
+       << ")";
   os << "; mesh " << topology_->summary() << "; precision " << precision_->policy().name() << "; gradient accumulation "
      << accumulation_steps_ << "; activation checkpointing "
      << (activation_checkpointing_ ? "on" : "off");

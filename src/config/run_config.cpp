@@ -141,14 +141,9 @@ std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
       throw bad(strategy_var, s,
                 "expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or "
                 "HYBRID_SHARD_ZERO2 (or 1-5)");
-    if (s.rfind("HYBRID", 0) == 0) {
-      auto machines = env.get(var::kNumMachines).value_or("1");
-      if (machines != "1")
-        throw bad(strategy_var, s,
-                  "hybrid sharding (shards within a machine, replicas across machines) is not "
-                  "implemented for several machines (" + env_value_origin(var::kNumMachines, machines) +
-                  "); use FULL_SHARD or SHARD_GRAD_OP");
-    }
+    // Note [Hybrid sharding]: shards within a machine, replicas across machines (the mesh is
+    // resolved below: dp_replicate = the number of machines unless the sizes are given).
+    o.hybrid(s.rfind("HYBRID", 0) == 0);
     if (env.boolean("TANDEM_FSDP_OFFLOAD_PARAMS").value_or(false)) {
       o.offload_optimizer(true);  // FSDP's CPU offload moves the step to the host as well
       o.offload_params(o.stage() == 3);
@@ -384,6 +379,12 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
   });
   try {
     c.mesh_shape = options.parallelism() ? *options.parallelism() : mesh_shape_of(env);
+    // Note [Hybrid sharding]: HYBRID_SHARD shards over the ranks of one machine and replicates
+    // across machines, as FSDP's; explicit dp sizes decide instead.
+    if (c.sharding && c.sharding->hybrid() && c.mesh_shape.dp_replicate == 0 &&
+        c.mesh_shape.dp_shard == 0 && c.process.local_world_size > 0 &&
+        c.process.world_size % c.process.local_world_size == 0)
+      c.mesh_shape.dp_replicate = c.process.world_size / c.process.local_world_size;
     c.mesh_shape = c.mesh_shape.resolve(c.process.world_size, c.process.local_world_size,
                                         c.sharding && c.sharding->stage() > 0);
   } catch (const std::invalid_argument& e) {
@@ -400,13 +401,6 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
         " ranks, but this run has no sharding strategy, so it would train as plain data parallel. "
         "Add one (--use_fsdp, or --use_deepspeed --zero_stage 1-3), or set dp_replicate_size "
         "instead of dp_shard_size");
-  if (stage > 0 && c.mesh_shape.dp_replicate > 1)
-    throw std::invalid_argument(
-        prefix + "parallelism: dp_replicate_size " + std::to_string(c.mesh_shape.dp_replicate) +
-        " with ZeRO stage " + std::to_string(stage) + " (" + c.sharding->origin() +
-        ") asks for hybrid sharding (shard within dp_shard, replicate across dp_replicate), "
-        "which tandem does not run yet. Leave dp_replicate_size unset (or 1) so that ZeRO shards "
-        "over every data-parallel rank, or drop the sharding strategy for plain data parallel");
   with_prefix([&] {
     c.activation_checkpointing =
         options.activation_checkpointing().value_or(activation_checkpointing_of(map, env));

@@ -10,6 +10,8 @@
 // optimizer.rank<r> shards reload on any number of ranks.
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
 #include <stdexcept>
 
 #include "tandem/checkpoint/optimizer_state.h"
@@ -74,8 +76,20 @@ void load_optimizers(Strategy& strategy, const Layout& layout, precision::MixedP
       // Each rank wrote its shards under its global rank. Under model parallel the shards of
       // this rank's (tp, pp) coordinate are those of its sharding group (the same mesh: checked
       // first); otherwise every rank of the saving run wrote a part, on any world size.
+      // Note [Hybrid sharding]: the first replica wrote them; its sharding group's size is in
+      // each shard's "zero" entry (the saving run's world size before hybrid runs existed).
       const auto group = topo.sharding();
-      const int parts = layout.per_rank() ? group->size() : r.saved_world_size();
+      int parts = group->size();
+      if (!layout.per_rank()) {
+        parts = r.saved_world_size();
+        try {
+          auto doc = nlohmann::json::parse(r.read_bytes(stem + ".rank0.json"));
+          if (doc.contains("zero") && doc["zero"].contains("world"))
+            parts = doc["zero"]["world"].get<int>();
+        } catch (const nlohmann::json::exception&) {
+          // load_optimizer_shards names the damage
+        }
+      }
       const auto rank_stem = [&](int k) {
         return stem + ".rank" + std::to_string(layout.per_rank() ? group->global_rank(k) : k);
       };
@@ -126,6 +140,10 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                      for (size_t i = 0; i < optimizers.size(); ++i) {
                        auto& opt = *optimizers[i];
                        if (shards_optimizer(opt)) {  // every rank its shards
+                         // Note [Hybrid sharding]: the other replicas hold the same ones.
+                         if (!layout.per_rank() &&
+                             layout.topology.coordinate("dp_replicate") != 0)
+                           continue;
                          auto st = optimizer_shard_state(opt);
                          const auto stem =
                              indexed("optimizer", i) + ".rank" + std::to_string(w.rank());

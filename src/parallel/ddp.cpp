@@ -46,8 +46,9 @@ GradientReducer::GradientReducer(
     std::shared_ptr<ProcessGroup> pg, ReducerOptions options)
     : pg_(std::move(pg)), options_(options),
       hook_(options.comm_hook() ? options.comm_hook() : allreduce_hook()),
-      inv_world_(hook_->reducer_divides() && pg_->size() > 1
-                     ? at::native::wrapped_scalar_tensor(1.0 / pg_->size())
+      average_pg_(options.average_over() ? options.average_over() : pg_),
+      inv_world_(hook_->reducer_divides() && average_pg_->size() > 1
+                     ? at::native::wrapped_scalar_tensor(1.0 / average_pg_->size())
                      : at::Tensor()) {
   TORCH_CHECK(options_.groups().empty() || options_.groups().size() == named_parameters.size(),
               pg_->prefix(), " ReducerOptions::groups has ", options_.groups().size(),
@@ -226,7 +227,7 @@ void GradientReducer::copy_into_bucket(at::Tensor& slot, const at::Tensor& grad)
   } else {
     // bf16 gradients in an fp32 bucket: divide in fp32, not in the gradient's dtype.
     slot.copy_(grad);
-    slot.div_(static_cast<double>(pg_->size()));
+    slot.div_(static_cast<double>(average_pg_->size()));
   }
 }
 
@@ -345,7 +346,8 @@ void GradientReducer::finalize() {
     }
     used_anywhere_ = used;  // set first: no bucket is finished early from here on
     launch_ready_buckets();
-    pg_->allreduce_async({used_anywhere_}, ReduceOp::kSum, "unused-parameter map allreduce").wait();
+    average_pg_->allreduce_async({used_anywhere_}, ReduceOp::kSum, "unused-parameter map allreduce")
+        .wait();
   }
   // Wait for every bucket and write the averages back.
   try {

@@ -124,6 +124,7 @@ std::unique_ptr<Strategy> make_strategy(DistributedType type,
   if (!sharding || sharding->stage() == 0) return std::make_unique<DdpStrategy>(std::move(context));
   auto msg = unsupported_sharding_message(*sharding);
   if (!msg.empty()) throw std::invalid_argument(context.pg->prefix() + " " + msg);
+  context.dp_pg = context.pg;
   if (context.shard_pg) context.pg = context.shard_pg;  // ZeRO runs over dp_shard
   return detail::make_zero_strategy(*sharding, std::move(context));
 }

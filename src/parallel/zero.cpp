@@ -262,6 +262,16 @@ struct UnitHooks : detail::ShardedHooks {
   }
 };
 
+// Note [Hybrid sharding]: with dp_replicate above 1 (FSDP's HYBRID_SHARD and
+// HYBRID_SHARD_ZERO2: one replica per machine), ZeRO's group is the ranks of one replica
+// ("dp_shard"): its all-gathers and reduce-scatters stay inside a machine. Each gradient is
+// divided by the whole data-parallel size on its way into its bucket, reduced over the replica,
+// and this rank's reduced chunk is then allreduced over its replicas ("dp_replicate": the ranks
+// of the other machines that hold the same chunk), so that every replica steps the same shards
+// with the average of every rank's gradients, as data parallel does. What crosses machines per
+// step is the shards' gradients (2 (R-1)/R of the shard per rank), never parameters. The
+// unused-parameter map spans every data-parallel rank; the gradient norm sums over one replica
+// (the others hold the same chunks); checkpoints hold the first replica's shards.
 struct ShardedOptimizer;
 
 // The reduction of one unit's gradient bucket. Stage 1, and stage 2 with kAllreduceSlice:
@@ -293,6 +303,7 @@ struct ShardedOptimizer {
   std::vector<Unit> units;
   std::vector<size_t> unit_of_bucket;
   std::shared_ptr<ProcessGroup> pg;
+  std::shared_ptr<ProcessGroup> replicas;  // Note [Hybrid sharding]; null without replicas
 };
 
 Work ZeroHook::start(ProcessGroup& pg, GradBucket& b) {
@@ -313,8 +324,16 @@ void ZeroHook::finish(GradBucket& b, Work& w) {
   release_unit(u);
   if (u.hooks) u.hooks->after_reduction();
   // No rank used this unit: its gradient stays as it was (undefined after zero_grad, so the
-  // optimizer leaves the unit alone), as data parallel leaves unused parameters' .grad.
+  // optimizer leaves the unit alone), as data parallel leaves unused parameters' .grad. (The
+  // unused map spans the replicas too, so every rank returns here alike.)
   if (b.all_unused) return;
+  // Note [Hybrid sharding]: the shard holds its machine's sum; the replicas' shards add up to
+  // every rank's, each gradient divided by the whole data-parallel size on its way in.
+  if (owner_->replicas)
+    owner_->replicas->allreduce_async({mine}, ReduceOp::kSum,
+                                      "ZeRO gradient allreduce across replicas (unit " +
+                                          std::to_string(b.index) + ")")
+        .wait();
   auto& g = u.shard_param.mutable_grad();
   // A half parameter's gradient is half, as its .grad is under data parallel, even where the
   // bucket travelled in fp32 (bf16 on Gloo before LibTorch 2.1) and the shard steps fp32 masters.
@@ -754,8 +773,10 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
   auto s = std::make_unique<ShardedOptimizer>();
   s->optimizer = &optimizer;
   s->pg = ctx_.pg;
+  if (ctx_.replicate_pg && ctx_.replicate_pg->size() > 1) s->replicas = ctx_.replicate_pg;
   const int stage = options_.stage();
   ReducerOptions ro = ctx_.reducer;
+  if (s->replicas) ro.average_over(ctx_.dp_pg);
   ro.groups(groups)
       .bucket_multiple(pg.size())
       .write_back(false)
@@ -1038,7 +1059,8 @@ void ZeroStrategy::load_optimizer_shards(
 // beyond its shards.
 std::vector<std::pair<std::string, at::Tensor>> ZeroStrategy::model_state(
     torch::nn::Module& model) {
-  const bool main = ctx_.pg->rank() == 0;
+  // The first replica's first rank (its replicas hold the same shards).
+  const bool main = ctx_.pg->rank() == 0 && (!ctx_.replicate_pg || ctx_.replicate_pg->rank() == 0);
   std::map<const void*, at::Tensor> copies;
   std::set<const void*> in_model;
   for (const auto& p : model.parameters()) in_model.insert(p.unsafeGetTensorImpl());

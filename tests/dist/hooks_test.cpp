@@ -40,9 +40,9 @@ double figure(const std::string& out, const std::string& key) {
 }
 
 // Every step's loss and every gathered parameter within 1e-5 of the dense process.
-void expect_dense(const tandem::testing::RunResult& r, const std::string& what) {
+void expect_dense(const tandem::testing::RunResult& r, const std::string& what, int ranks = 2) {
   ASSERT_EQ(r.exit_code, 0) << what << "\n" << r.output;
-  EXPECT_EQ(count_of(r.output, "hooks trained rank"), 2) << what << "\n" << r.output;
+  EXPECT_EQ(count_of(r.output, "hooks trained rank"), ranks) << what << "\n" << r.output;
   EXPECT_LE(figure(r.output, "loss relative "), 1e-5) << what << "\n" << r.output;
   const auto at = r.output.find("params ");
   ASSERT_NE(at, std::string::npos) << r.output;
@@ -176,9 +176,12 @@ TEST(Topology, AlwaysBuiltAndItsSizesTakeEffect) {
   EXPECT_GE(count_of(r.output, "dp_shard_size 2 (--dp_shard_size"), 1) << r.output;
   EXPECT_GE(count_of(r.output, "--use_fsdp"), 1) << r.output;
   EXPECT_EQ(count_of(r.output, "topology pp"), 0) << r.output;
-  r = run(4, {"--use_fsdp", "--dp_replicate_size", "2"}, "topology");
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_GE(count_of(r.output, "hybrid sharding"), 1) << r.output;
+  // dp_replicate_size with a ZeRO stage is hybrid sharding (Note [Hybrid sharding]): ZeRO-3
+  // over each pair of ranks, the pairs' shards averaged, trains as one dense process.
+  r = run(4, {"--use_fsdp", "--dp_replicate_size", "2"}, "train");
+  expect_dense(r, "fsdp --dp_replicate_size 2", 4);
+  EXPECT_EQ(count_of(r.output, "hybrid: shards over dp_shard 2, replicas over dp_replicate 2"), 1)
+      << r.output;
 }
 
 }  // namespace

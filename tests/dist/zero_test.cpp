@@ -31,8 +31,10 @@ std::string temp_path(const std::string& name) {
 // The launcher's flags for ZeRO `stage` (< 0: data parallel) in `precision`, the reduce-scatter
 // in TANDEM_REDUCE_SCATTER; one thread per rank, 240 s per job.
 LaunchOptions zero_flags(int stage, const std::string& reduce_scatter = "alltoall",
-                         const std::string& precision = "no") {
+                         const std::string& precision = "no",
+                         const std::vector<std::string>& more = {}) {
   std::vector<std::string> flags{"--mixed_precision", precision};
+  flags.insert(flags.end(), more.begin(), more.end());
   if (stage >= 0)
     flags.insert(flags.end(), {"--use_deepspeed", "--zero_stage", std::to_string(stage)});
   return LaunchOptions()
@@ -42,12 +44,13 @@ LaunchOptions zero_flags(int stage, const std::string& reduce_scatter = "alltoal
 }
 
 std::vector<float> train(int n, int stage, const std::string& reduce_scatter = "alltoall",
-                         std::vector<std::string> extra = {}, const std::string& precision = "no") {
+                         std::vector<std::string> extra = {}, const std::string& precision = "no",
+                         const std::vector<std::string>& launch_flags = {}) {
   const auto out = temp_path("params-" + std::to_string(n) + "-" + std::to_string(stage) + "-" +
                              reduce_scatter + ".bin");
   std::vector<std::string> args{"train", "--out", out};
   args.insert(args.end(), extra.begin(), extra.end());
-  auto r = launch(n, kWorker, args, zero_flags(stage, reduce_scatter, precision));
+  auto r = launch(n, kWorker, args, zero_flags(stage, reduce_scatter, precision, launch_flags));
   std::string what = "stage " + std::to_string(stage) + ", " + precision + ", " + reduce_scatter;
   for (const auto& a : args) what += " " + a;
   EXPECT_EQ(r.exit_code, 0) << what << "\n" << r.output;
@@ -151,6 +154,29 @@ TEST(Zero, ShardedCheckpointResumesOnAnotherNumberOfRanks) {
       EXPECT_LE(max_rel_diff(resumed, full), n == 4 ? 0.0 : 1e-5)
           << "stage " << stage << ", saved on 4 ranks, resumed on " << n;
     }
+    std::system(("rm -rf " + dir).c_str());
+  }
+}
+
+// Note [Hybrid sharding] on one machine (dp_replicate 2 x dp_shard 2): stage 2 and 3 equal data
+// parallel; a hybrid checkpoint (the first replica's shards) resumes on the same layout bit for
+// bit and on 2 ranks without replicas.
+TEST(Zero, HybridShardingEqualsDataParallelAndItsCheckpointResumes) {
+  const std::vector<std::string> hybrid{"--dp_replicate_size", "2"};
+  const auto ddp = train(4, -1);
+  for (int stage : {2, 3}) {
+    const auto dir = temp_path("hybrid-ckpt-" + std::to_string(stage));
+    const auto full =
+        train(4, stage, "alltoall", {"--save_at", "5", "--save_dir", dir}, "no", hybrid);
+    EXPECT_LE(max_rel_diff(full, ddp), 1e-6) << "stage " << stage;
+    int shards = 0;
+    for (int r = 0; r < 4; ++r)
+      shards += std::ifstream(dir + "/optimizer.rank" + std::to_string(r) + ".json").good();
+    EXPECT_EQ(shards, 2) << "one replica's shards";
+    EXPECT_EQ(max_rel_diff(train(4, stage, "alltoall", {"--resume", dir}, "no", hybrid), full), 0.0)
+        << "stage " << stage << " resumed hybrid";
+    EXPECT_LE(max_rel_diff(train(2, stage, "alltoall", {"--resume", dir}), full), 1e-5)
+        << "stage " << stage << " resumed on 2 ranks";
     std::system(("rm -rf " + dir).c_str());
   }
 }

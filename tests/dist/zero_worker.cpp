@@ -12,10 +12,13 @@
 //             allocator; prints "peak_bytes=<n> model_state_bytes=<n>" per rank.
 //   build     the example GPT made by acc.build (--built) or directly, loaded (--resume), trained
 //             3 steps, saved (--save_dir); the parameters after prepare and at the end to --out,
-//             and each rank's resident memory growth over construction and prepare.
+//             and each rank's resident memory growth over construction and prepare; with
+//             --net, the bytes this machine's network interfaces (all but lo) sent during the
+//             3 steps, printed by each machine's first rank.
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <iostream>
@@ -30,7 +33,7 @@ struct Args {
   std::string mode = "train", out, save_dir, resume, timeline_dir;
   int64_t steps = 10, accum = 2, save_at = -1;
   double clip = 0.05;
-  bool one_group = false, master_weights = false, loss_scaling = false, built = false;
+  bool one_group = false, master_weights = false, loss_scaling = false, built = false, net = false;
   int64_t global_batch = 12;
 };
 
@@ -116,6 +119,18 @@ tandem::AcceleratorOptions options(const Args& a) {
 }
 
 void write_parameters(torch::nn::Module& model, const std::string& path);
+
+// Bytes sent by this network namespace's interfaces but the loopback.
+int64_t interface_tx_bytes() {
+  int64_t total = 0;
+  for (const auto& dev : std::filesystem::directory_iterator("/sys/class/net")) {
+    if (dev.path().filename() == "lo") continue;
+    std::ifstream in(dev.path() / "statistics" / "tx_bytes");
+    int64_t v = 0;
+    if (in >> v) total += v;
+  }
+  return total;
+}
 
 int train(const Args& a) {
   tandem::Accelerator acc(options(a));
@@ -324,6 +339,8 @@ int build(const Args& a) {
     }
   };
   dump();
+  acc.wait_for_everyone();
+  const int64_t tx_before = a.net ? interface_tx_bytes() : 0;
   for (int64_t step = 0; step < 3; ++step) {
     auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(100 * step + acc.process_index() + 1));
     auto x = torch::randint(0, c.vocab, {2, c.context}, gen);
@@ -332,6 +349,10 @@ int build(const Args& a) {
     opt.step();
     opt.zero_grad();
   }
+  acc.wait_for_everyone();
+  if (a.net && acc.local_process_index() == 0)
+    std::cout << "net rank=" << acc.process_index() << " tx_bytes=" << interface_tx_bytes() - tx_before
+              << " dense_bytes=" << examples::gpt_parameter_count(c, true) * 4 << std::endl;
   dump();
   if (!a.save_dir.empty()) acc.save_model(*gpt, a.save_dir);
   std::cout << "build rank=" << acc.process_index() << " built=" << a.built
@@ -384,6 +405,7 @@ int main(int argc, char** argv) {
   app.add_flag("--master_weights", a.master_weights);
   app.add_flag("--loss_scaling", a.loss_scaling);
   app.add_flag("--built", a.built);
+  app.add_flag("--net", a.net);
   app.add_option("--timeline_dir", a.timeline_dir);
   CLI11_PARSE(app, argc, argv);
   try {

@@ -257,10 +257,22 @@ TEST(RunConfig, DataParallelSizesFollowTheStrategy) {
   auto e = resolve_error(AcceleratorOptions(), with(world(4), {{var::kDpShardSize, "2"}}));
   EXPECT_TRUE(contains(e, "dp_shard_size 2 (--dp_shard_size")) << e;
   EXPECT_TRUE(contains(e, "--use_fsdp")) << e;
-  // dp_replicate with a ZeRO stage is hybrid sharding: refused.
-  e = resolve_error(zero3, with(world(4), {{var::kDpReplicateSize, "2"}}));
-  EXPECT_TRUE(contains(e, "dp_replicate_size 2 with ZeRO stage 3")) << e;
-  EXPECT_TRUE(contains(e, "hybrid sharding")) << e;
+  // dp_replicate with a ZeRO stage is hybrid sharding: shards over dp_shard.
+  c = resolve_run_config(zero3, with(world(4), {{var::kDpReplicateSize, "2"}}));
+  EXPECT_EQ(c.mesh_shape.dp_replicate, 2);
+  EXPECT_EQ(c.mesh_shape.dp_shard, 2);
+  // HYBRID_SHARD: one replica per machine (2 machines of 2 ranks), FULL_SHARD on one machine.
+  const EnvMap fsdp = {{var::kDistributedType, "FSDP"},
+                       {"TANDEM_FSDP_SHARDING_STRATEGY", "HYBRID_SHARD"}};
+  auto two_machines = with(with(world(4), fsdp), {{"LOCAL_WORLD_SIZE", "2"}, {var::kNumMachines, "2"}});
+  c = resolve_run_config(AcceleratorOptions(), two_machines);
+  EXPECT_EQ(c.sharding->stage(), 3);
+  EXPECT_TRUE(c.sharding->hybrid());
+  EXPECT_EQ(c.mesh_shape.dp_replicate, 2);
+  EXPECT_EQ(c.mesh_shape.dp_shard, 2);
+  c = resolve_run_config(AcceleratorOptions(), with(world(4), fsdp));
+  EXPECT_EQ(c.mesh_shape.dp_replicate, 1);
+  EXPECT_EQ(c.mesh_shape.dp_shard, 4);
   // Both set to what the strategy does: accepted.
   c = resolve_run_config(zero3, with(world(4), {{var::kDpShardSize, "4"}}));
   EXPECT_EQ(c.mesh_shape.dp_shard, 4);

@@ -61,6 +61,11 @@ struct ReducerOptions {
   /// Explicit buckets, in launch order, as indices into the named parameters given (which must
   /// then all need gradients and be distinct, each in exactly one bucket). Empty: by size.
   TORCH_ARG(std::vector<std::vector<size_t>>, buckets) = {};
+  /// Note [Hybrid sharding]: the ranks the gradients are averaged over when they are more than
+  /// the reducer's group (its replicas too): each gradient is divided by this group's size and
+  /// the unused-parameter map spans it; the hook reduces across the replicas itself. Null: the
+  /// reducer's group.
+  TORCH_ARG(std::shared_ptr<ProcessGroup>, average_over) = nullptr;
 };
 
 /// When each bucket's allreduce started and ended in the last synchronised backward, and when
@@ -145,6 +150,7 @@ class GradientReducer {
   std::vector<char> ready_;
   std::vector<char> view_;  // param -> .grad is a view into its bucket
   std::shared_ptr<CommHook> hook_;
+  std::shared_ptr<ProcessGroup> average_pg_;  // ReducerOptions::average_over, or pg_
   // Note [Division on the way in]: 1 / world size as a wrapped scalar (made once, not per
   // gradient); undefined when the hook divides itself or the world is one process.
   at::Tensor inv_world_;

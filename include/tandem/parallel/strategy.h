@@ -93,6 +93,11 @@ struct ShardingOptions {
   /// done (FSDP2's reshard_after_forward=False: fewer all-gathers, more memory); forwards
   /// without gradients (evaluation) free them anyway.
   TORCH_ARG(bool, reshard_after_forward) = true;
+  /// FSDP's HYBRID_SHARD and HYBRID_SHARD_ZERO2 (Note [Hybrid sharding]): the run's mesh gets
+  /// dp_replicate = the number of machines (unless its sizes are given), so ZeRO shards over the
+  /// ranks of one machine ("dp_shard") and the shards' gradients are averaged across machines
+  /// ("dp_replicate"). Any run with dp_replicate above 1 under ZeRO is hybrid this way.
+  TORCH_ARG(bool, hybrid) = false;
   /// Where the options came from, for messages ("deepspeed_config", "fsdp_config", ...).
   TORCH_ARG(std::string, origin) = "AcceleratorOptions::sharding";
 };
@@ -120,6 +125,11 @@ struct StrategyContext {
   std::shared_ptr<ProcessGroup> pg;
   /// The group ZeRO shards over (the topology's "dp_shard"); unset: `pg`.
   std::shared_ptr<ProcessGroup> shard_pg;
+  /// This rank's replicas under hybrid sharding (the topology's "dp_replicate"); unset or of
+  /// size 1: none. The data-parallel group `pg` is dp_replicate x dp_shard.
+  std::shared_ptr<ProcessGroup> replicate_pg;
+  /// The whole data-parallel group ("dp"), kept when make_strategy points `pg` at `shard_pg`.
+  std::shared_ptr<ProcessGroup> dp_pg;
   c10::Device device = c10::Device(c10::kCPU);
   /// The optimizer steps fp32 copies of half parameters (the -true modes with master weights).
   bool master_weights = false;
