@@ -501,7 +501,10 @@ void AcceleratedOptimizer::step() {
   {
     auto span = acc ? acc->timeline().scope("optimizer step", "compute") : track::Timeline::Scope();
     auto no_autocast = acc ? acc->autocast(false) : precision::AutocastGuard();
-    optimizer_->step();
+    if (acc)
+      acc->strategy_->step(*optimizer_);
+    else
+      optimizer_->step();
   }
   if (acc) {
     acc->precision_->after_step(*optimizer_);

@@ -25,6 +25,7 @@ std::tuple<double, double> betas(const json& j) { return {j.at(0).get<double>(),
 // Generic save/load over one optimizer type.
 template <class Options, class State>
 struct Codec {
+  using StateType = State;
   std::string name;
   std::function<json(const Options&)> to_json;
   std::function<void(Options&, const json&)> from_json;
@@ -252,6 +253,20 @@ void load_optimizer_state(optim::Optimizer& optimizer, const OptimizerState& sta
                                codec.name + ": build the same optimizer before load_state");
     codec.load(optimizer, doc, tensors);
   });
+}
+
+std::vector<std::pair<std::string, at::Tensor*>> optimizer_state_tensors(
+    optim::Optimizer& optimizer, const at::Tensor& param) {
+  std::vector<std::pair<std::string, at::Tensor*>> out;
+  with_codec(optimizer, [&](const auto& codec) {
+    auto it = optimizer.state().find(key_of(param));
+    if (it == optimizer.state().end()) return;
+    using State = typename std::decay_t<decltype(codec)>::StateType;
+    auto& st = static_cast<State&>(*it->second);
+    for (const auto& f : codec.fields)
+      if (at::Tensor* t = codec.field(st, f)) out.emplace_back(f, t);
+  });
+  return out;
 }
 
 std::string optimizer_param_key(size_t group, size_t index) {

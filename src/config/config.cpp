@@ -124,12 +124,13 @@ const std::set<std::string> kSections = {"fsdp_config", "deepspeed_config", "fp8
 const std::vector<std::string> kDeepSpeedKeys = {"zero_stage",
                                                  "offload_optimizer_device",
                                                  "offload_param_device",
+                                                 "offload_optimizer_nvme_path",
                                                  "gradient_accumulation_steps",
                                                  "gradient_clipping",
                                                  "zero3_init_flag",
                                                  "zero3_save_16bit_model"};
 const std::vector<std::string> kDeepSpeedIgnoredKeys = {
-    "deepspeed_config_file",        "offload_optimizer_nvme_path",  "offload_param_nvme_path",
+    "deepspeed_config_file",        "offload_param_nvme_path",
     "deepspeed_hostfile",           "deepspeed_exclusion_filter",   "deepspeed_inclusion_filter",
     "deepspeed_multinode_launcher", "deepspeed_moe_layer_cls_names"};
 // Every fsdp_config key Accelerate writes (FSDP1 and FSDP2), with its fsdp_ prefix.
@@ -247,6 +248,8 @@ void set_deepspeed(LaunchConfig& c, const std::string& key, const std::string& v
     v = std::to_string(parse_int(origin, value, 0, 3, "a ZeRO stage 0, 1, 2 or 3"));
   } else if (key == "offload_optimizer_device" || key == "offload_param_device") {
     v = one_of(origin, value, kOffloadDevices, false);
+  } else if (key == "offload_optimizer_nvme_path") {
+    if (v.empty()) bad(origin, value, "a directory for the optimizer state's files");
   } else if (key == "gradient_clipping") {
     char* end = nullptr;
     double d = std::strtod(v.c_str(), &end);

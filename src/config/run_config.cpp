@@ -104,9 +104,22 @@ std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
     o.stage(std::stoi(stage));
     for (const char* name : {var::kOffloadOptimizerDevice, var::kOffloadParamDevice}) {
       const auto v = lower(env.get(name).value_or("none"));
+      const bool optimizer = std::string(name) == var::kOffloadOptimizerDevice;
+      if (v == "nvme" && optimizer) {
+        // Note [Optimizer state on disk]
+        const auto path = env.get(var::kOffloadOptimizerNvmePath).value_or("");
+        if (path.empty())
+          throw bad(name, v, "the optimizer state goes to files in a directory: set "
+                    "offload_optimizer_nvme_path (" + env_origin(var::kOffloadOptimizerNvmePath) + ")");
+        if (o.stage() == 0)
+          throw bad(name, v, "ZeRO stage 0 shards no optimizer state to put on disk; use stage 1-3");
+        o.nvme_path(path);
+        continue;
+      }
       if (v != "none" && v != "cpu")
-        throw bad(name, v, v == "nvme" ? "offload to NVMe is not implemented; use cpu or none"
-                                       : "expected none or cpu");
+        throw bad(name, v, v == "nvme" ? "parameter offload to NVMe is not implemented; use cpu "
+                                         "or none (offload_optimizer_device takes nvme)"
+                                       : "expected none, cpu or nvme");
       if (v == "cpu") {
         if (std::string(name) == var::kOffloadOptimizerDevice)
           o.offload_optimizer(true);
@@ -114,6 +127,11 @@ std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
           o.offload_params(true);
       }
     }
+    if (auto p = env.get(var::kOffloadOptimizerNvmePath); p && !p->empty() && o.nvme_path().empty())
+      throw bad(var::kOffloadOptimizerNvmePath, *p,
+                "a directory for the optimizer state, but offload_optimizer_device is not nvme (" +
+                    env_origin(var::kOffloadOptimizerDevice) +
+                    "): set it to nvme, or drop the path");
     env.boolean(var::kZero3Save16bitModel);
   } else {
     o.origin("fsdp_config");

@@ -253,6 +253,8 @@ EnvMap program_environment(const ResolvedLaunch& r) {
     env[var::kZeroStage] = get("zero_stage", "2");  // Accelerate's default stage
     env[var::kOffloadOptimizerDevice] = get("offload_optimizer_device", "none");
     env[var::kOffloadParamDevice] = get("offload_param_device", "none");
+    if (auto p = get("offload_optimizer_nvme_path", "none"); p != "none" && !p.empty())
+      env[var::kOffloadOptimizerNvmePath] = p;
     for (const auto& [k, name] : {std::pair{"gradient_clipping", var::kGradientClipping},
                                   std::pair{"zero3_init_flag", var::kZero3InitFlag},
                                   std::pair{"zero3_save_16bit_model", var::kZero3Save16bitModel}})

@@ -101,7 +101,12 @@ void Strategy::load_optimizer_shards(torch::optim::Optimizer&, int,
   throw std::logic_error(name() + " does not shard optimizer state");
 }
 
+void Strategy::step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
+
 std::string unsupported_sharding_message(const ShardingOptions& o) {
+  if (!o.nvme_path().empty() && o.stage() == 0)
+    return o.origin() + ": the optimizer state on disk (nvme_path " + o.nvme_path() +
+           ") needs ZeRO stage 1-3, which shard the optimizer state; stage 0 has none to offload";
   if (o.stage() < 0 || o.stage() > 3)
     return o.origin() + ": stage " + std::to_string(o.stage()) + ": expected 0, 1, 2 or 3";
   if (o.offload_params() && o.stage() != 3)
@@ -121,6 +126,8 @@ std::unique_ptr<Strategy> make_strategy(DistributedType type,
         context.pg->prefix() + " distributed_type " + to_string(type) +
         " without sharding options: set them (tandem launch --zero_stage / --fsdp_sharding_strategy, "
         "the config file's deepspeed_config / fsdp_config, or AcceleratorOptions().sharding)");
+  if (sharding && sharding->stage() == 0 && !sharding->nvme_path().empty())
+    throw std::invalid_argument(context.pg->prefix() + " " + unsupported_sharding_message(*sharding));
   if (!sharding || sharding->stage() == 0) return std::make_unique<DdpStrategy>(std::move(context));
   auto msg = unsupported_sharding_message(*sharding);
   if (!msg.empty()) throw std::invalid_argument(context.pg->prefix() + " " + msg);

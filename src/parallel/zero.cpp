@@ -17,7 +17,9 @@
 
 #include "../compat/optimizer.h"
 #include "detail/flat_alias.h"
+#include "detail/state_on_disk.h"
 #include "detail/strategies.h"
+#include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/comm/collectives.h"
 #include "tandem/nn/module.h"
@@ -304,6 +306,7 @@ struct ShardedOptimizer {
   std::vector<size_t> unit_of_bucket;
   std::shared_ptr<ProcessGroup> pg;
   std::shared_ptr<ProcessGroup> replicas;  // Note [Hybrid sharding]; null without replicas
+  std::unique_ptr<StateOnDisk> disk;       // Note [Optimizer state on disk]; null: in memory
 };
 
 Work ZeroHook::start(ProcessGroup& pg, GradBucket& b) {
@@ -440,6 +443,7 @@ class ZeroStrategy : public Strategy {
     return true;
   }
   void after_step(torch::optim::Optimizer& optimizer) override;
+  void step(torch::optim::Optimizer& optimizer) override;
   void zero_grad(torch::optim::Optimizer& optimizer) override {
     auto* s = find(optimizer);
     if (!s) return;
@@ -831,8 +835,9 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
     u.shard = shard_of(u.numel, pg.size(), pg.rank());
     TORCH_INTERNAL_ASSERT(u.shard.numel * pg.size() == u.padded, "unit padding mismatch");
     const bool fp32_copy = ctx_.master_weights && precision::is_half(first.scalar_type());
-    const bool host_copy =
-        (options_.offload_optimizer() || options_.offload_params()) && !first.device().is_cpu();
+    const bool host_copy = (options_.offload_optimizer() || options_.offload_params() ||
+                            !options_.nvme_path().empty()) &&
+                           !first.device().is_cpu();
     u.alias = !fp32_copy && !host_copy && u.resident;
     if (u.alias) {
       u.shard_param = flat_alias(u.flat, u.shard.offset, {u.shard.numel});
@@ -870,8 +875,59 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
     param_groups[g].params() = shards;
   }
   check_same_layout(*s);
+  if (!options_.nvme_path().empty()) {
+    // Note [Optimizer state on disk]: refused now for an optimizer whose state tandem cannot
+    // name field by field.
+    if (!s->units.empty()) checkpoint::optimizer_state_tensors(optimizer, s->units.front().shard_param);
+    const int rank = ctx_.dp_pg ? ctx_.dp_pg->rank() : pg.rank();
+    s->disk = std::make_unique<StateOnDisk>(
+        options_.nvme_path(),
+        "rank" + std::to_string(rank) + "-optimizer" + std::to_string(sharded_.size()), pg.prefix());
+  }
   sharded_.push_back(std::move(s));
   return true;
+}
+
+// Note [Optimizer state on disk]: one unit at a time, the others' gradients set aside.
+void ZeroStrategy::step(torch::optim::Optimizer& optimizer) {
+  auto* s = find(optimizer);
+  if (!s || !s->disk) {
+    optimizer.step();  // returns the closure's loss, which the accelerated step does not use
+    return;
+  }
+  at::NoGradGuard no_grad;
+  auto& disk = *s->disk;
+  std::vector<at::Tensor> grads(s->units.size());
+  std::vector<size_t> order;
+  for (size_t k = 0; k < s->units.size(); ++k) {
+    auto& p = s->units[k].shard_param;
+    grads[k] = p.grad();
+    if (grads[k].defined()) order.push_back(k);
+    p.mutable_grad() = at::Tensor();
+  }
+  auto fields = [&](size_t k) {
+    return checkpoint::optimizer_state_tensors(optimizer, s->units[k].shard_param);
+  };
+  auto restore = [&] {
+    for (size_t k = 0; k < s->units.size(); ++k) s->units[k].shard_param.mutable_grad() = grads[k];
+  };
+  try {
+    if (!order.empty()) disk.prefetch(order.front());
+    for (size_t i = 0; i < order.size(); ++i) {
+      const size_t k = order[i];
+      auto& p = s->units[k].shard_param;
+      disk.load(k, fields(k));
+      if (i + 1 < order.size()) disk.prefetch(order[i + 1]);
+      p.mutable_grad() = grads[k];
+      optimizer.step();
+      p.mutable_grad() = at::Tensor();
+      disk.store(k, fields(k));  // the first step has just created the state
+    }
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
 }
 
 // Note [Same collectives everywhere]: every rank must issue the same reductions in the same
@@ -964,7 +1020,16 @@ checkpoint::OptimizerState ZeroStrategy::optimizer_shard_state(
     const torch::optim::Optimizer& optimizer) const {
   const auto* s = find(optimizer);
   TORCH_CHECK(s, "optimizer_shard_state: not a sharded optimizer");
+  // Note [Optimizer state on disk]: read for the save, and let go again after it.
+  auto& mutable_opt = const_cast<torch::optim::Optimizer&>(optimizer);
+  if (s->disk)
+    for (size_t k = 0; k < s->units.size(); ++k)
+      s->disk->load_copy(k, checkpoint::optimizer_state_tensors(mutable_opt, s->units[k].shard_param));
   auto st = checkpoint::optimizer_state(optimizer);
+  if (s->disk)
+    for (size_t k = 0; k < s->units.size(); ++k)
+      for (auto& [name, t] : checkpoint::optimizer_state_tensors(mutable_opt, s->units[k].shard_param))
+        if (s->disk->on_disk(k)) *t = at::Tensor();  // the copies live on in `st` alone
   auto doc = json::parse(st.json);
   json units = json::array();
   std::map<int, size_t> index_in_group;
@@ -1041,6 +1106,9 @@ void ZeroStrategy::load_optimizer_shards(
   doc.erase("zero");
   state.json = doc.dump();
   checkpoint::load_optimizer_state(optimizer, state);
+  if (s->disk)  // Note [Optimizer state on disk]: the loaded state goes to the file
+    for (size_t k = 0; k < s->units.size(); ++k)
+      s->disk->store(k, checkpoint::optimizer_state_tensors(optimizer, s->units[k].shard_param));
   // fp32 / host copies of the weights: restored exactly (the model file has them rounded).
   at::NoGradGuard no_grad;
   for (auto& [key, k] : unit_of_key) {

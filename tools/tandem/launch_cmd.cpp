@@ -113,6 +113,8 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
         shard);
   value("offload_optimizer_device", "deepspeed_config.offload_optimizer_device",
         "none, cpu or nvme", shard);
+  value("offload_optimizer_nvme_path", "deepspeed_config.offload_optimizer_nvme_path",
+        "The directory for the optimizer state's files (--offload_optimizer_device nvme)", shard);
   value("offload_param_device", "deepspeed_config.offload_param_device",
         "none, cpu or nvme (ZeRO stage 3)", shard);
   value("gradient_clipping", "deepspeed_config.gradient_clipping", "Clip gradients to this norm",

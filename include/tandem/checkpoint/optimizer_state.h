@@ -34,6 +34,13 @@ OptimizerState optimizer_state(const torch::optim::Optimizer& optimizer);
 /// of the same shapes (checked; an error names the first mismatch).
 void load_optimizer_state(torch::optim::Optimizer& optimizer, const OptimizerState& state);
 
+/// The state tensors of `param` in `optimizer` (SGD, Adam, AdamW, Adagrad, RMSprop), every
+/// field of its type by name ("exp_avg", ...) with a pointer into the optimizer's state, defined
+/// or not; empty while the parameter has no state (before its first step). Other optimizers:
+/// the error of optimizer_state.
+std::vector<std::pair<std::string, at::Tensor*>> optimizer_state_tensors(
+    torch::optim::Optimizer& optimizer, const at::Tensor& param);
+
 /// The step count of a LibTorch LR scheduler, and setting it back (the learning rates themselves
 /// live in the optimizer's hyper-parameters).
 unsigned scheduler_step_count(const torch::optim::LRScheduler& scheduler);

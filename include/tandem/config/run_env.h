@@ -30,6 +30,7 @@ inline constexpr const char kGpuIds[] = "TANDEM_GPU_IDS";
 inline constexpr const char kZeroStage[] = "TANDEM_ZERO_STAGE";
 inline constexpr const char kOffloadOptimizerDevice[] = "TANDEM_OFFLOAD_OPTIMIZER_DEVICE";
 inline constexpr const char kOffloadParamDevice[] = "TANDEM_OFFLOAD_PARAM_DEVICE";
+inline constexpr const char kOffloadOptimizerNvmePath[] = "TANDEM_OFFLOAD_OPTIMIZER_NVME_PATH";
 inline constexpr const char kGradientClipping[] = "TANDEM_GRADIENT_CLIPPING";
 inline constexpr const char kZero3InitFlag[] = "TANDEM_ZERO3_INIT_FLAG";
 inline constexpr const char kZero3Save16bitModel[] = "TANDEM_ZERO3_SAVE_16BIT_MODEL";

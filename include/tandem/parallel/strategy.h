@@ -63,6 +63,11 @@ struct ShardingOptions {
   /// Optimizer shards and their step on the host (DeepSpeed's offload_optimizer_device: cpu,
   /// FSDP's offload_params). A CPU run already has them there: accepted, said once.
   TORCH_ARG(bool, offload_optimizer) = false;
+  /// Non-empty (DeepSpeed's offload_optimizer_device: nvme with offload_optimizer_nvme_path):
+  /// the optimizer's state lives in files under this directory and is streamed in and out
+  /// around the step, one unit at a time, reading the next unit while one steps (Note
+  /// [Optimizer state on disk]).
+  TORCH_ARG(std::string, nvme_path) = "";
   /// Parameter shards on the host between uses (offload_param_device: cpu; stage 3 only).
   TORCH_ARG(bool, offload_params) = false;
   /// save_state() of sharded optimizer state: every rank writes its own shard
@@ -168,6 +173,9 @@ class Strategy {
   virtual void scale_gradients(double /*coef*/) {}
   /// Clamps the sharded gradients; false when nothing is sharded.
   virtual bool clip_grad_value(double /*clip_value*/) { return false; }
+  /// Steps `optimizer` (its own step; ZeRO with its state on disk streams it in and out around
+  /// a step per unit: Note [Optimizer state on disk]).
+  virtual void step(torch::optim::Optimizer& optimizer);
   /// After `optimizer` stepped: brings every rank's parameters up to date.
   virtual void after_step(torch::optim::Optimizer& /*optimizer*/) {}
   /// After `optimizer.zero_grad()`: clears the gradients the optimizer does not see.
