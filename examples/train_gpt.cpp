@@ -43,7 +43,8 @@ int main(int argc, char** argv) {
   app.add_option("--layers", cfg.layers, "Transformer blocks")->check(CLI::PositiveNumber);
   app.add_option("--heads", cfg.heads, "Attention heads")->check(CLI::PositiveNumber);
   app.add_option("--width", cfg.width, "Embedding width")->check(CLI::PositiveNumber);
-  app.add_option("--eval-every", eval_every, "Evaluate every N steps (and at the end)");
+  app.add_option("--eval-every", eval_every, "Evaluate every N steps and at the end (0: only at the end)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--eval-batches", eval_batches, "Held-out batches per process per evaluation");
   app.add_option("--source-tree", data, "Directory whose text to train on");
   app.add_option("--text", text_file, "A text file to train on instead");
@@ -158,7 +159,7 @@ int main(int argc, char** argv) {
         last_loss = acc.reduce(loss.detach()).item<double>();
         if (first_loss < 0) first_loss = last_loss;
         bar.update(++step, last_loss);
-        if (step % eval_every == 0 || step == steps) {
+        if ((eval_every > 0 && step % eval_every == 0) || step == steps) {
           double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           if (pipeline) {
             acc.print("step", step, "train loss", last_loss, static_cast<int64_t>(tokens / secs),

@@ -19,7 +19,7 @@ const std::vector<EnvVar>& run_environment_table() {
       {var::kUseCpu, "use_cpu", "--cpu", K::kBool, R::kRunConfig, true, "1",
        "run on the CPU even when GPUs are visible"},
       {var::kNumMachines, "num_machines", "--num_machines", K::kPositiveInt, R::kRunConfig, true, "2",
-       "machines in the job (hybrid sharding checks it)"},
+       "machines in the job"},
       {var::kDebug, "debug", "--debug", K::kBool, R::kRunConfig, true, "1",
        "the main process prints the resolved run configuration"},
       {var::kDowncastBf16, "downcast_bf16", "--downcast_bf16", K::kBool, R::kRunConfig, true, "1",

@@ -206,7 +206,7 @@ TEST(AcceleratorStrategies, StrategiesRunOrAreRefused) {
     EXPECT_EQ(acc.strategy().name(), "zero-1");
   }
   ::setenv("TANDEM_OFFLOAD_OPTIMIZER_DEVICE", "nvme", 1);
-  refused("DEEPSPEED", "NVMe");
+  refused("DEEPSPEED", "set offload_optimizer_nvme_path");
   ::unsetenv("TANDEM_OFFLOAD_OPTIMIZER_DEVICE");
   ::unsetenv("TANDEM_ZERO_STAGE");
   ::setenv("TANDEM_DISTRIBUTED_TYPE", "MULTI_CPU", 1);

@@ -189,7 +189,17 @@ TEST(RunConfig, ErrorsNameTheVariableTheKeyAndTheFlag) {
   e = resolve_error(AcceleratorOptions(),
                     {{var::kDistributedType, "DEEPSPEED"}, {var::kOffloadOptimizerDevice, "nvme"}});
   EXPECT_TRUE(contains(e, "--offload_optimizer_device")) << e;
-  EXPECT_TRUE(contains(e, "NVMe is not implemented")) << e;
+  EXPECT_TRUE(contains(e, "set offload_optimizer_nvme_path")) << e;
+  e = resolve_error(AcceleratorOptions(), {{var::kDistributedType, "DEEPSPEED"},
+                                           {var::kOffloadParamDevice, "nvme"}});
+  EXPECT_TRUE(contains(e, "parameter offload to NVMe is not implemented")) << e;
+  e = resolve_error(AcceleratorOptions(), {{var::kDistributedType, "DEEPSPEED"},
+                                           {var::kOffloadOptimizerNvmePath, "/tmp/x"}});
+  EXPECT_TRUE(contains(e, "offload_optimizer_device is not nvme")) << e;
+  auto nvme = resolve_run_config(AcceleratorOptions(), {{var::kDistributedType, "DEEPSPEED"},
+                                                        {var::kOffloadOptimizerDevice, "nvme"},
+                                                        {var::kOffloadOptimizerNvmePath, "/tmp/x"}});
+  EXPECT_EQ(nvme.sharding->nvme_path(), "/tmp/x");
   e = resolve_error(AcceleratorOptions(),
                     {{var::kDistributedType, "FSDP"}, {"TANDEM_FSDP_STATE_DICT_TYPE", "LOCAL"}});
   EXPECT_TRUE(contains(e, "(config fsdp_config.fsdp_state_dict_type, tandem launch "
@@ -287,6 +297,10 @@ EnvMap context_of(const std::string& name) {
   for (const char* ds : {var::kZeroStage, var::kOffloadOptimizerDevice, var::kOffloadParamDevice,
                          var::kZero3InitFlag, var::kZero3Save16bitModel, var::kReduceScatter})
     if (name == ds) env[var::kDistributedType] = "DEEPSPEED";
+  if (name == var::kOffloadOptimizerNvmePath) {
+    env[var::kDistributedType] = "DEEPSPEED";
+    env[var::kOffloadOptimizerDevice] = "nvme";
+  }
   return env;
 }
 
