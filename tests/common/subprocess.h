@@ -10,7 +10,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -98,6 +101,16 @@ inline std::vector<float> read_floats(const std::string& path) {
   std::vector<float> v(bytes.size() / sizeof(float));
   std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
   return v;
+}
+
+/// The largest |a - b| / max(1, |b|) over the elements (b: the reference); infinity when the
+/// sizes differ.
+inline double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  double m = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    m = std::max(m, std::fabs(double(a[i]) - b[i]) / std::max(1.0, std::fabs(double(b[i]))));
+  return m;
 }
 
 /// /tmp/tandem-<what>-<pid>-<name>: a path of this test process.

@@ -13,6 +13,7 @@
 #include "../common/two_hosts.h"
 
 using tandem::testing::count_of;
+using tandem::testing::max_rel_diff;
 using tandem::testing::read_floats;
 using tandem::testing::run_command;
 using tandem::testing::RunResult;
@@ -75,14 +76,6 @@ void expect_ok(const TwoMachineRun& r, const std::string& what) {
   EXPECT_GT(r.params.size(), 1000u) << what;
   EXPECT_GT(r.tx[0], 0) << what;
   EXPECT_GT(r.tx[1], 0) << what;
-}
-
-double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double m = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
-    m = std::max(m, std::fabs(double(a[i]) - b[i]) / std::max(1.0, std::fabs(double(b[i]))));
-  return m;
 }
 
 }  // namespace

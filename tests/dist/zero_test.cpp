@@ -17,6 +17,7 @@
 using tandem::testing::count_of;
 using tandem::testing::launch;
 using tandem::testing::LaunchOptions;
+using tandem::testing::max_rel_diff;
 using tandem::testing::read_floats;
 using tandem::testing::run_command;
 
@@ -60,15 +61,6 @@ std::vector<float> train(int n, int stage, const std::string& reduce_scatter = "
   auto v = read_floats(out);
   std::remove(out.c_str());
   return v;
-}
-
-// Largest |a - b| / max(1, |b|) over all elements.
-double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double m = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
-    m = std::max(m, std::fabs(double(a[i]) - b[i]) / std::max(1.0, std::fabs(double(b[i]))));
-  return m;
 }
 
 }  // namespace

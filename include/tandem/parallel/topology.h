@@ -10,7 +10,7 @@
 // collectives return at once). A slice that holds every rank is the world group itself, so a
 // plain job opens no second connection. The degrees come from config::RunConfig (resolved once);
 // which strategy reads which group: data parallel and the metric collectives "dp", ZeRO
-// "dp_shard" (with dp_replicate 1: hybrid sharding is refused until it runs), tensor parallel
+// "dp_shard" (and its gradients over "dp_replicate" too: Note [Hybrid sharding]), tensor parallel
 // "tp", the pipeline "pp"; barriers the world.
 #pragma once
 
