@@ -121,7 +121,7 @@ std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
                                          "or none (offload_optimizer_device takes nvme)"
                                        : "expected none, cpu or nvme");
       if (v == "cpu") {
-        if (std::string(name) == var::kOffloadOptimizerDevice)
+        if (optimizer)
           o.offload_optimizer(true);
         else
           o.offload_params(true);

@@ -10,8 +10,6 @@
 // optimizer.rank<r> shards reload on any number of ranks.
 #include <torch/torch.h>
 
-#include <nlohmann/json.hpp>
-
 #include <stdexcept>
 
 #include "tandem/checkpoint/optimizer_state.h"
@@ -75,26 +73,14 @@ void load_optimizers(Strategy& strategy, const Layout& layout, precision::MixedP
     if (sharded) {
       // Each rank wrote its shards under its global rank. Under model parallel the shards of
       // this rank's (tp, pp) coordinate are those of its sharding group (the same mesh: checked
-      // first); otherwise every rank of the saving run wrote a part, on any world size.
-      // Note [Hybrid sharding]: the first replica wrote them; its sharding group's size is in
-      // each shard's "zero" entry (the saving run's world size before hybrid runs existed).
+      // first); otherwise the ranks of the saving run's first replica wrote a part each (Note
+      // [Hybrid sharding]), on any world size: ranks 0 to its sharding group's size.
       const auto group = topo.sharding();
-      int parts = group->size();
-      if (!layout.per_rank()) {
-        parts = r.saved_world_size();
-        try {
-          auto doc = nlohmann::json::parse(r.read_bytes(stem + ".rank0.json"));
-          if (doc.contains("zero") && doc["zero"].contains("world"))
-            parts = doc["zero"]["world"].get<int>();
-        } catch (const nlohmann::json::exception&) {
-          // load_optimizer_shards names the damage
-        }
-      }
       const auto rank_stem = [&](int k) {
         return stem + ".rank" + std::to_string(layout.per_rank() ? group->global_rank(k) : k);
       };
       strategy.load_optimizer_shards(
-          opt, parts, [&](int k) { return r.read_bytes(rank_stem(k) + ".json"); },
+          opt, [&](int k) { return r.read_bytes(rank_stem(k) + ".json"); },
           [&](int k, const std::string& name) {
             return r.tensors(rank_stem(k) + ".safetensors").tensor(name);
           });

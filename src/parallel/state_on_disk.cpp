@@ -17,7 +17,6 @@
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -59,11 +58,11 @@ StateOnDisk::~StateOnDisk() {
   if (!path_.empty()) ::unlink(path_.c_str());
 }
 
-void StateOnDisk::read(const Record& r, void* dst) const {
+void StateOnDisk::read(int64_t offset, int64_t bytes, void* dst) const {
   int64_t done = 0;
-  while (done < r.bytes) {
+  while (done < bytes) {
     const ssize_t n = ::pread(fd_, static_cast<char*>(dst) + done,
-                              static_cast<size_t>(r.bytes - done), r.offset + done);
+                              static_cast<size_t>(bytes - done), offset + done);
     if (n <= 0)
       throw std::runtime_error(prefix_ + " optimizer state on disk: reading " + path_ + " failed (" +
                                (n == 0 ? std::string("the file is shorter than written")
@@ -73,11 +72,11 @@ void StateOnDisk::read(const Record& r, void* dst) const {
   }
 }
 
-void StateOnDisk::write(const Record& r, const void* src) const {
+void StateOnDisk::write(int64_t offset, int64_t bytes, const void* src) const {
   int64_t done = 0;
-  while (done < r.bytes) {
+  while (done < bytes) {
     const ssize_t n = ::pwrite(fd_, static_cast<const char*>(src) + done,
-                               static_cast<size_t>(r.bytes - done), r.offset + done);
+                               static_cast<size_t>(bytes - done), offset + done);
     if (n < 0)
       throw std::runtime_error(
           prefix_ + " optimizer state on disk: writing " + path_ + " failed (" +
@@ -118,7 +117,8 @@ void StateOnDisk::prefetch(size_t k) {
     s.buffer = at::empty({r.bytes}, at::TensorOptions().dtype(at::kByte));
   s.unit = static_cast<long>(k);
   void* dst = s.buffer.data_ptr();
-  s.pending = std::async(std::launch::async, [this, r, dst] { read(r, dst); });
+  s.pending = std::async(std::launch::async,
+                         [this, offset = r.offset, bytes = r.bytes, dst] { read(offset, bytes, dst); });
 }
 
 void StateOnDisk::load(size_t k, const StateFields& fields) {
@@ -142,14 +142,12 @@ void StateOnDisk::load_copy(size_t k, const StateFields& fields) {
   if (!on_disk(k)) return;
   finish();  // no write of this record in flight
   const Record& r = records_[k];
-  auto bytes = at::empty({r.bytes}, at::TensorOptions().dtype(at::kByte));
-  read(r, bytes.data_ptr());
   for (const auto& f : r.fields)
     for (const auto& [name, t] : fields)
-      if (name == f.name)
-        *t = at::from_blob(static_cast<uint8_t*>(bytes.data_ptr()) + f.offset, f.sizes,
-                           at::TensorOptions().dtype(f.dtype))
-                 .clone();
+      if (name == f.name) {
+        *t = at::empty(f.sizes, at::TensorOptions().dtype(f.dtype));
+        read(r.offset + f.offset, f.bytes, t->data_ptr());
+      }
 }
 
 void StateOnDisk::store(size_t k, const StateFields& fields) {
@@ -199,8 +197,9 @@ void StateOnDisk::store(size_t k, const StateFields& fields) {
       in_place = in_place && t->data_ptr() == base + f->offset;
     if (in_place) {
       for (const auto& [f, t] : present) *t = at::Tensor();
-      const Record rec = r;
-      s.pending = std::async(std::launch::async, [this, rec, base] { write(rec, base); });
+      s.pending = std::async(std::launch::async, [this, offset = r.offset, bytes = r.bytes, base] {
+        write(offset, bytes, base);
+      });
       return;
     }
     wait(s);
@@ -209,10 +208,7 @@ void StateOnDisk::store(size_t k, const StateFields& fields) {
   // The first store, or state the optimizer replaced: written now, field by field.
   for (const auto& [f, t] : present) {
     const at::Tensor c = t->contiguous();
-    Record part;
-    part.offset = r.offset + f->offset;
-    part.bytes = f->bytes;
-    write(part, c.data_ptr());
+    write(r.offset + f->offset, f->bytes, c.data_ptr());
     *t = at::Tensor();
   }
 }
@@ -227,15 +223,6 @@ void StateOnDisk::finish() {
     }
   }
   if (first) std::rethrow_exception(first);
-}
-
-int64_t StateOnDisk::bytes_on_disk() const { return end_; }
-
-int64_t StateOnDisk::buffer_bytes() const {
-  int64_t n = 0;
-  for (const auto& s : slots_)
-    if (s.buffer.defined()) n += s.buffer.numel();
-  return n;
 }
 
 }  // namespace tandem::parallel::detail

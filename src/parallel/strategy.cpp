@@ -95,7 +95,7 @@ checkpoint::OptimizerState Strategy::optimizer_shard_state(const torch::optim::O
   throw std::logic_error(name() + " does not shard optimizer state");
 }
 
-void Strategy::load_optimizer_shards(torch::optim::Optimizer&, int,
+void Strategy::load_optimizer_shards(torch::optim::Optimizer&,
                                      const std::function<std::string(int)>&,
                                      const std::function<at::Tensor(int, const std::string&)>&) {
   throw std::logic_error(name() + " does not shard optimizer state");

@@ -464,7 +464,7 @@ class ZeroStrategy : public Strategy {
   checkpoint::OptimizerState optimizer_shard_state(
       const torch::optim::Optimizer& optimizer) const override;
   void load_optimizer_shards(
-      torch::optim::Optimizer& optimizer, int saved_world,
+      torch::optim::Optimizer& optimizer,
       const std::function<std::string(int)>& json_of,
       const std::function<at::Tensor(int, const std::string&)>& tensor_of) override;
   void gather_units() override {
@@ -1021,15 +1021,17 @@ checkpoint::OptimizerState ZeroStrategy::optimizer_shard_state(
   const auto* s = find(optimizer);
   TORCH_CHECK(s, "optimizer_shard_state: not a sharded optimizer");
   // Note [Optimizer state on disk]: read for the save, and let go again after it.
-  auto& mutable_opt = const_cast<torch::optim::Optimizer&>(optimizer);
+  std::vector<StateFields> read_back;
   if (s->disk)
-    for (size_t k = 0; k < s->units.size(); ++k)
-      s->disk->load_copy(k, checkpoint::optimizer_state_tensors(mutable_opt, s->units[k].shard_param));
+    for (size_t k = 0; k < s->units.size(); ++k) {
+      read_back.push_back(checkpoint::optimizer_state_tensors(
+          const_cast<torch::optim::Optimizer&>(optimizer), s->units[k].shard_param));
+      s->disk->load_copy(k, read_back.back());
+    }
   auto st = checkpoint::optimizer_state(optimizer);
-  if (s->disk)
-    for (size_t k = 0; k < s->units.size(); ++k)
-      for (auto& [name, t] : checkpoint::optimizer_state_tensors(mutable_opt, s->units[k].shard_param))
-        if (s->disk->on_disk(k)) *t = at::Tensor();  // the copies live on in `st` alone
+  for (size_t k = 0; k < read_back.size(); ++k)
+    if (s->disk->on_disk(k))
+      for (auto& [name, t] : read_back[k]) *t = at::Tensor();  // the copies live on in `st` alone
   auto doc = json::parse(st.json);
   json units = json::array();
   std::map<int, size_t> index_in_group;
@@ -1048,7 +1050,7 @@ checkpoint::OptimizerState ZeroStrategy::optimizer_shard_state(
 }
 
 void ZeroStrategy::load_optimizer_shards(
-    torch::optim::Optimizer& optimizer, int saved_world,
+    torch::optim::Optimizer& optimizer,
     const std::function<std::string(int)>& json_of,
     const std::function<at::Tensor(int, const std::string&)>& tensor_of) {
   auto* s = find(optimizer);
@@ -1058,6 +1060,9 @@ void ZeroStrategy::load_optimizer_shards(
   TORCH_CHECK(doc.contains("zero"), pg.prefix(), " load_state: the optimizer state was not "
               "saved sharded");
   const json units = doc["zero"]["units"];  // a copy: "zero" is erased below
+  // The saving run's sharding group: its world, or under hybrid sharding one replica's ranks
+  // (Note [Hybrid sharding]: the first replica wrote the parts).
+  const int saved_world = doc["zero"].at("world").get<int>();
   TORCH_CHECK(units.size() == s->units.size(), pg.prefix(), " load_state: the checkpoint's "
               "sharded optimizer has ", units.size(), " units, this run's ", s->units.size(),
               ": the model or its optimizer groups differ from the saved run's");

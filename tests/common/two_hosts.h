@@ -4,13 +4,34 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
+#include <map>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "subprocess.h"
 
 namespace tandem::testing {
+
+/// Two machines' launchers: machine 1's first, machine 0's `delay_s` later (so that machine 1's
+/// ranks wait for rank 0's store), each with `timeout_s`; both results once both ended.
+inline std::pair<RunResult, RunResult> run_two_machines(const std::vector<std::string>& m0,
+                                                        const std::vector<std::string>& m1,
+                                                        double delay_s, int test_timeout_s,
+                                                        int timeout_s) {
+  const std::map<std::string, std::string> env{
+      {"TANDEM_TEST_TIMEOUT_S", std::to_string(test_timeout_s)},
+      {"TANDEM_CONFIG_HOME", "/nonexistent"}};
+  RunResult r1;
+  std::thread first([&] { r1 = run_command(m1, env, timeout_s); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(delay_s * 1000)));
+  RunResult r0 = run_command(m0, env, timeout_s);
+  first.join();
+  return {r0, r1};
+}
 
 inline int sh(const std::string& cmd, std::string* out = nullptr) {
   auto r = run_command({"/bin/sh", "-c", cmd}, {}, 30);

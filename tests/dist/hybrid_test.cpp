@@ -4,9 +4,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <cmath>
 #include <cstdio>
-#include <thread>
+#include <tuple>
 
 #include "../common/launch.h"
 #include "../common/subprocess.h"
@@ -15,7 +14,6 @@
 using tandem::testing::count_of;
 using tandem::testing::max_rel_diff;
 using tandem::testing::read_floats;
-using tandem::testing::run_command;
 using tandem::testing::RunResult;
 using tandem::testing::TwoHosts;
 
@@ -52,13 +50,8 @@ TwoMachineRun run(const TwoHosts& hosts, int port, const std::vector<std::string
     a.insert(a.end(), {kWorker, "build", "--built", "--net", "--out", out});
     return hosts.in(machine, a);
   };
-  const std::map<std::string, std::string> env{{"TANDEM_TEST_TIMEOUT_S", "60"},
-                                               {"TANDEM_CONFIG_HOME", "/nonexistent"}};
   TwoMachineRun r;
-  std::thread first([&] { r.m1 = run_command(argv(1), env, 300); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-  r.m0 = run_command(argv(0), env, 300);
-  first.join();
+  std::tie(r.m0, r.m1) = tandem::testing::run_two_machines(argv(0), argv(1), 1.5, 60, 300);
   r.params = read_floats(out);
   std::remove(out.c_str());
   r.tx[0] = figure(r.m0.output, "net rank=0", "tx_bytes=");

@@ -7,14 +7,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <thread>
-
 #include "../common/subprocess.h"
 #include "../common/two_hosts.h"
 
 using tandem::testing::count_of;
 using tandem::testing::free_port;
-using tandem::testing::run_command;
 using tandem::testing::RunResult;
 using tandem::testing::TwoHosts;
 
@@ -49,14 +46,7 @@ std::vector<std::string> machine(int rank, const std::string& ip, int port,
 // Runs machine 1 first, then machine 0 after `delay_s`; both must finish.
 std::pair<RunResult, RunResult> run_two(const std::vector<std::string>& m0,
                                         const std::vector<std::string>& m1, double delay_s) {
-  const std::map<std::string, std::string> env{{"TANDEM_TEST_TIMEOUT_S", "30"},
-                                               {"TANDEM_CONFIG_HOME", "/nonexistent"}};
-  RunResult r1;
-  std::thread first([&] { r1 = run_command(m1, env, 120); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(delay_s * 1000)));
-  RunResult r0 = run_command(m0, env, 120);
-  first.join();
-  return {r0, r1};
+  return tandem::testing::run_two_machines(m0, m1, delay_s, 30, 120);
 }
 
 void expect_ranks_ok(const RunResult& r, std::vector<int> ranks) {

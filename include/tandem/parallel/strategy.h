@@ -188,11 +188,11 @@ class Strategy {
   /// shards as checkpoint::optimizer_state gives it, with the layout in the JSON ("zero").
   virtual checkpoint::OptimizerState optimizer_shard_state(
       const torch::optim::Optimizer& optimizer) const;
-  /// Restores a sharded optimizer from the parts the `saved_world` ranks of the saving run
-  /// wrote: `json(r)` is rank r's JSON, `tensor(r, name)` one of its tensors. The saving run
-  /// may have had any number of ranks.
+  /// Restores a sharded optimizer from the parts the ranks of the saving run's sharding group
+  /// wrote (their number is in the parts' own layout, "zero"."world"): `json(r)` is part r's
+  /// JSON, `tensor(r, name)` one of its tensors. The saving run may have had any number of ranks.
   virtual void load_optimizer_shards(
-      torch::optim::Optimizer& optimizer, int saved_world,
+      torch::optim::Optimizer& optimizer,
       const std::function<std::string(int)>& json,
       const std::function<at::Tensor(int, const std::string&)>& tensor);
   /// `model`'s parameters and buffers by name (model_tensor_names order) on the main process,

@@ -41,10 +41,6 @@ class StateOnDisk {
   void load_copy(size_t k, const StateFields& fields);
   /// Waits for every read and write in flight (and rethrows the first failure).
   void finish();
-  /// Bytes of optimizer state on disk, and of the three buffers.
-  int64_t bytes_on_disk() const;
-  int64_t buffer_bytes() const;
-  const std::string& path() const { return path_; }
 
  private:
   struct Field {
@@ -64,8 +60,9 @@ class StateOnDisk {
   };
   void wait(Slot& s);
   Slot& slot_for_read();
-  void read(const Record& r, void* dst) const;
-  void write(const Record& r, const void* src) const;
+  // `bytes` bytes at `offset` of the file.
+  void read(int64_t offset, int64_t bytes, void* dst) const;
+  void write(int64_t offset, int64_t bytes, const void* src) const;
 
   std::string prefix_, path_;
   int fd_ = -1;
