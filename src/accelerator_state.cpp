@@ -96,7 +96,7 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
   using checkpoint::StateReader;
   using checkpoint::StateWriter;
   std::vector<checkpoint::StatePart> parts;
-  parts.push_back(topology_->checkpoint_part());  // the mesh a model-parallel run needs
+  parts.push_back(topology_->checkpoint_part(strategy_->name()));  // the saving run's layout
 
   parts.push_back({"loaders",
                    [this](StateWriter& w) {

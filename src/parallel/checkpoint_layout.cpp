@@ -5,18 +5,26 @@
 // coordinates hold other parameters (their shards, their stage) and other optimizer state. The
 // first data-parallel rank of each coordinate writes model.mp<r> (r its global rank); every rank
 // writes its optimizer.mp<r> (or, under ZeRO, its shards optimizer.rank<r>, which its sharding
-// group reads back). A resume needs the same mesh (the topology's "mesh" part checks it first).
-// Without model parallel the main process writes model.safetensors and optimizer.*, and ZeRO's
-// optimizer.rank<r> shards reload on any number of ranks.
+// group reads back). Without model parallel the main process writes model.safetensors and
+// optimizer.*, and ZeRO's optimizer.rank<r> shards reload on any number of ranks. Every file
+// says how its tensors were cut, so a checkpoint loads on any other layout too (Note
+// [Resharding a checkpoint]): when the mesh differs from the saving run's under model
+// parallel, or an optimizer saved sharded loads unsharded (or the other way), each tensor is
+// joined from its saved pieces and cut again for this rank.
 #include <torch/torch.h>
 
 #include <stdexcept>
 
+#include <nlohmann/json.hpp>
+
+#include "detail/reshard.h"
+#include "tandem/checkpoint/model_io.h"
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/checkpoint/training_state.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/strategy.h"
+#include "tandem/parallel/tensor_parallel.h"
 #include "tandem/parallel/topology.h"
 #include "tandem/precision/mixed_precision.h"
 
@@ -25,6 +33,7 @@ namespace {
 
 using checkpoint::StateReader;
 using checkpoint::StateWriter;
+using json = nlohmann::json;
 
 // "model", "model_1", ...: the i-th object of a kind.
 std::string indexed(const std::string& stem, size_t i) {
@@ -53,48 +62,157 @@ struct Layout {
   }
 };
 
-void load_optimizers(Strategy& strategy, const Layout& layout, precision::MixedPrecision& precision,
-                     const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers,
-                     const StateReader& r) {
-  const auto& topo = layout.topology;
-  const std::string prefix = topo.world()->prefix();
-  for (size_t i = 0; i < optimizers.size(); ++i) {
-    auto& opt = *optimizers[i];
-    const auto stem = indexed("optimizer", i);
-    const bool saved_sharded = r.has(stem + ".rank0.json");
-    const bool sharded = strategy.shards_optimizer(opt);
-    if (saved_sharded != sharded)
-      throw std::runtime_error(
-          prefix + " load_state: " + r.dir() + " holds " + (saved_sharded ? "sharded" : "whole") +
-          " optimizer state, but this run " +
-          (sharded ? "shards it (" + strategy.name() + ")" : "does not shard it") +
-          "; resume with the strategy the checkpoint was saved with (a ZeRO stage reloads on "
-          "any number of ranks and from stage 1 to 2 and back)");
-    if (sharded) {
-      // Each rank wrote its shards under its global rank. Under model parallel the shards of
-      // this rank's (tp, pp) coordinate are those of its sharding group (the same mesh: checked
-      // first); otherwise the ranks of the saving run's first replica wrote a part each (Note
-      // [Hybrid sharding]), on any world size: ranks 0 to its sharding group's size.
-      const auto group = topo.sharding();
-      const auto rank_stem = [&](int k) {
-        return stem + ".rank" + std::to_string(layout.per_rank() ? group->global_rank(k) : k);
-      };
-      strategy.load_optimizer_shards(
-          opt, [&](int k) { return r.read_bytes(rank_stem(k) + ".json"); },
-          [&](int k, const std::string& name) {
-            return r.tensors(rank_stem(k) + ".safetensors").tensor(name);
-          });
-      continue;
+// The models' parameters by their qualified names (ZeRO's: "model<m>." before them with several
+// models; a tied weight under its first name) and the tensor-parallel split of each.
+struct ParamNames {
+  std::map<const void*, std::string> name;
+  std::map<std::string, std::string> split;  // qualified name -> "cols", "rows/P"; absent: whole
+
+  explicit ParamNames(const std::vector<std::shared_ptr<torch::nn::Module>>& models) {
+    for (size_t m = 0; m < models.size(); ++m) {
+      const std::string prefix = models.size() > 1 ? "model" + std::to_string(m) + "." : "";
+      const auto cuts = tensor_parallel_splits(*models[m]);
+      for (const auto& kv : models[m]->named_parameters()) {
+        if (!name.emplace(kv.value().unsafeGetTensorImpl(), prefix + kv.key()).second) continue;
+        auto it = cuts.find(kv.key());
+        if (it != cuts.end()) split[prefix + kv.key()] = it->second;
+      }
     }
-    checkpoint::OptimizerState os;
-    const auto& f = r.tensors(layout.mine("optimizer", i, ".safetensors"));
-    for (const auto& n : f.names()) os.tensors.emplace_back(n, f.tensor(n));
-    os.json = r.read_bytes(layout.mine("optimizer", i, ".json"));
-    checkpoint::load_optimizer_state(opt, os);
-    const auto masters_name = layout.mine("master_weights", i, ".safetensors");
-    precision.load_master_weights(opt, r.has(masters_name) ? &r.tensors(masters_name) : nullptr,
-                                  r.dir(), topo.world()->rank() == 0);
   }
+  std::string how(const std::string& qualified) const {
+    auto it = split.find(qualified);
+    return it == split.end() ? "" : it->second;
+  }
+};
+
+// Note [Resharding a checkpoint]: what a whole optimizer file records of its parameters.
+json parameter_record(const torch::optim::Optimizer& opt, const ParamNames& names,
+                      const Topology& topology) {
+  json rec{{"names", json::array()}, {"splits", json::array()}, {"tp_rank", topology.coordinate("tp")},
+           {"tp_size", topology.tp()}};
+  for (const auto& group : opt.param_groups()) {
+    json n = json::array(), h = json::array();
+    for (const auto& p : group.params()) {
+      auto it = names.name.find(p.unsafeGetTensorImpl());
+      const std::string q = it == names.name.end() ? "" : it->second;
+      n.push_back(q);
+      h.push_back(names.how(q));
+    }
+    rec["names"].push_back(n);
+    rec["splits"].push_back(h);
+  }
+  return rec;
+}
+
+// Whether this run must reshard what `r` holds: under model parallel (here or in the saving
+// run) the mesh differs.
+bool mesh_changed(const StateReader& r, const Topology& topology) {
+  const auto saved = detail::saved_run_layout(r);
+  if (!saved.recorded) return false;  // an earlier checkpoint: its own "mesh" check decides
+  if (!detail::model_parallel_mesh(saved.mesh) && !topology.model_parallel()) return false;  // ZeRO reshards over dp itself
+  return saved.mesh != topology.shape_string();
+}
+
+// The state of a checkpoint saved on another layout, read once per load (Note [Resharding a
+// checkpoint]).
+struct Resharding {
+  std::unique_ptr<detail::SavedTensors> saved;
+  const detail::SavedTensors& of(const StateReader& r, size_t models, size_t optimizers) {
+    if (!saved) saved = std::make_unique<detail::SavedTensors>(r, models, optimizers);
+    return *saved;
+  }
+};
+
+void load_resharded_optimizer(Strategy& strategy, const Topology& topology,
+                              precision::MixedPrecision& precision, torch::optim::Optimizer& opt,
+                              size_t index, const ParamNames& names,
+                              const detail::SavedTensors& saved, const StateReader& r) {
+  const int tp_rank = topology.coordinate("tp"), tp = topology.tp();
+  const std::string prefix = topology.world()->prefix();
+  auto cut = [&](const at::Tensor& dense, const std::string& name) {
+    return dense.defined() ? detail::cut_for_rank(dense, names.how(name), tp_rank, tp) : dense;
+  };
+  ResavedOptimizer source;
+  source.json = saved.optimizer_json(index);
+  source.fields = [&](const std::string& name) { return saved.fields(index, name); };
+  source.field = [&](const std::string& name, const std::string& field) {
+    return cut(saved.field(index, name, field), name);
+  };
+  source.step = [&](const std::string& name) { return saved.step(index, name); };
+  source.master = [&](const std::string& name) { return cut(saved.master(index, name), name); };
+  if (strategy.shards_optimizer(opt)) {
+    strategy.load_optimizer_resharded(opt, source);
+    return;
+  }
+  // A whole optimizer: its state as checkpoint::optimizer_state writes it, made of the saved
+  // parameters' state under this run's parameter order.
+  json doc = json::parse(source.json);
+  const auto& groups = opt.param_groups();
+  if (!doc.contains("param_groups") || doc["param_groups"].size() != groups.size())
+    throw std::runtime_error(prefix + " load_state: the checkpoint's optimizer " +
+                             std::to_string(index) + " has " +
+                             std::to_string(doc.value("param_groups", json::array()).size()) +
+                             " parameter groups, this run's " + std::to_string(groups.size()) +
+                             ": build the optimizer as it was saved");
+  checkpoint::OptimizerState state;
+  json entries = json::object();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    json shapes = json::array();
+    for (size_t i = 0; i < groups[g].params().size(); ++i) {
+      const auto& p = groups[g].params()[i];
+      shapes.push_back(p.sizes().vec());
+      auto it = names.name.find(p.unsafeGetTensorImpl());
+      if (it == names.name.end())
+        throw std::runtime_error(prefix + " load_state: optimizer " + std::to_string(index) +
+                                 " has a parameter that belongs to no prepared model");
+      const auto fields = source.fields(it->second);
+      if (fields.empty()) continue;
+      const auto key = checkpoint::optimizer_param_key(g, i);
+      json entry{{"tensors", fields}};
+      if (auto step = source.step(it->second)) entry["step"] = *step;
+      entries[key] = entry;
+      for (const auto& f : fields) state.tensors.emplace_back(key + "." + f, source.field(it->second, f));
+    }
+    doc["param_groups"][g]["num_params"] = groups[g].params().size();
+    doc["param_groups"][g]["shapes"] = shapes;
+  }
+  doc["state"] = entries;
+  state.json = doc.dump();
+  checkpoint::load_optimizer_state(opt, state);
+  // Masters (Note [Masters on resume]) are made again from the loaded weights.
+  precision.load_master_weights(opt, nullptr, r.dir(), topology.world()->rank() == 0);
+}
+
+// Optimizer i's state, saved on this layout (or, without model parallel, on any number of
+// data-parallel ranks), sharded if and only if this run shards it.
+void load_optimizer(Strategy& strategy, const Layout& layout, precision::MixedPrecision& precision,
+                    torch::optim::Optimizer& opt, size_t i, const StateReader& r) {
+  const auto& topo = layout.topology;
+  const auto stem = indexed("optimizer", i);
+  if (strategy.shards_optimizer(opt)) {
+    // Each rank wrote its shards under its global rank. Under model parallel the shards of this
+    // rank's (tp, pp) coordinate are those of its sharding group (the same mesh); otherwise the
+    // ranks of the saving run's first replica wrote a part each (Note [Hybrid sharding]), on
+    // any world size: ranks 0 to its sharding group's size.
+    const auto group = topo.sharding();
+    const auto rank_stem = [&](int k) {
+      return stem + ".rank" + std::to_string(layout.per_rank() ? group->global_rank(k) : k);
+    };
+    strategy.load_optimizer_shards(
+        opt, [&](int k) { return r.read_bytes(rank_stem(k) + ".json"); },
+        [&](int k, const std::string& name) {
+          return r.tensors(rank_stem(k) + ".safetensors").tensor(name);
+        });
+    return;
+  }
+  checkpoint::OptimizerState os;
+  const auto& f = r.tensors(layout.mine("optimizer", i, ".safetensors"));
+  for (const auto& n : f.names()) os.tensors.emplace_back(n, f.tensor(n));
+  os.json = r.read_bytes(layout.mine("optimizer", i, ".json"));
+  checkpoint::load_optimizer_state(opt, os);
+  const auto masters_name = layout.mine("master_weights", i, ".safetensors");
+  precision.load_master_weights(opt, r.has(masters_name) ? &r.tensors(masters_name) : nullptr,
+                                r.dir(), topo.world()->rank() == 0);
 }
 
 }  // namespace
@@ -104,9 +222,13 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
     const std::vector<std::shared_ptr<torch::nn::Module>>& models,
     const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers) {
   const Layout layout{topology};
+  auto resharding = std::make_shared<Resharding>();
   std::vector<checkpoint::StatePart> parts;
   parts.push_back({"models",
                    [this, layout, &models](StateWriter& w) {
+                     if (w.is_main())
+                       w.set_state("layout", json{{"mesh", layout.topology.shape_string()},
+                                                  {"strategy", name()}}.dump());
                      // On every rank together: a sharded strategy gathers unit by unit.
                      for (size_t i = 0; i < models.size(); ++i) {
                        auto tensors = model_state(*models[i]);
@@ -117,12 +239,32 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                                              : std::map<std::string, std::string>());
                      }
                    },
-                   [this, layout, &models](const StateReader& r) {
-                     for (size_t i = 0; i < models.size(); ++i)
-                       load_model_state(*models[i], r.verified(layout.model_file(i)));
+                   [this, layout, &models, &optimizers, resharding](const StateReader& r) {
+                     const auto& topo = layout.topology;
+                     if (!mesh_changed(r, topo)) {
+                       for (size_t i = 0; i < models.size(); ++i)
+                         load_model_state(*models[i], r.verified(layout.model_file(i)));
+                       return;
+                     }
+                     const auto& saved = resharding->of(r, models.size(), optimizers.size());
+                     for (size_t i = 0; i < models.size(); ++i) {
+                       const auto cuts = tensor_parallel_splits(*models[i]);
+                       load_model_tensors(*models[i], [&](const std::string& name) {
+                         auto dense = saved.model_tensor(i, name);
+                         if (!dense.defined())
+                           throw std::runtime_error(
+                               topo.world()->prefix() + " load_state: " + r.dir() +
+                               " holds no tensor " + name + " for model " + std::to_string(i) +
+                               ": the model differs from the saved run's");
+                         auto it = cuts.find(name);
+                         return detail::cut_for_rank(dense, it == cuts.end() ? "" : it->second,
+                                                     topo.coordinate("tp"), topo.tp());
+                       });
+                     }
                    }});
   parts.push_back({"optimizers",
-                   [this, layout, &precision, &optimizers](StateWriter& w) {
+                   [this, layout, &precision, &models, &optimizers](StateWriter& w) {
+                     const ParamNames names(models);
                      for (size_t i = 0; i < optimizers.size(); ++i) {
                        auto& opt = *optimizers[i];
                        if (shards_optimizer(opt)) {  // every rank its shards
@@ -131,6 +273,19 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                              layout.topology.coordinate("dp_replicate") != 0)
                            continue;
                          auto st = optimizer_shard_state(opt);
+                         {  // Note [Resharding a checkpoint]: this rank's tp cut of each unit
+                           auto doc = json::parse(st.json);
+                           json splits = json::array();
+                           for (const auto& unit : doc["zero"]["units"]) {
+                             json h = json::array();
+                             for (const auto& n : unit["names"]) h.push_back(names.how(n.get<std::string>()));
+                             splits.push_back(h);
+                           }
+                           doc["tandem"] = {{"tp_rank", layout.topology.coordinate("tp")},
+                                            {"tp_size", layout.topology.tp()},
+                                            {"splits", splits}};
+                           st.json = doc.dump(2);
+                         }
                          const auto stem =
                              indexed("optimizer", i) + ".rank" + std::to_string(w.rank());
                          w.write_tensors(stem + ".safetensors", st.tensors);
@@ -139,6 +294,11 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                        }
                        if (!w.is_main() && !layout.per_rank()) continue;
                        auto st = checkpoint::optimizer_state(opt);
+                       {
+                         auto doc = json::parse(st.json);
+                         doc["tandem"] = parameter_record(opt, names, layout.topology);
+                         st.json = doc.dump(2);
+                       }
                        w.write_tensors(layout.mine("optimizer", i, ".safetensors"), st.tensors);
                        w.write_bytes(layout.mine("optimizer", i, ".json"), st.json);
                        auto masters = precision.master_weights_of(opt);
@@ -147,8 +307,24 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                                          masters);
                      }
                    },
-                   [this, layout, &precision, &optimizers](const StateReader& r) {
-                     load_optimizers(*this, layout, precision, optimizers, r);
+                   [this, layout, &precision, &models, &optimizers,
+                    resharding](const StateReader& r) {
+                     const bool changed = mesh_changed(r, layout.topology);
+                     std::unique_ptr<ParamNames> names;
+                     for (size_t i = 0; i < optimizers.size(); ++i) {
+                       auto& opt = *optimizers[i];
+                       // Rank 0 writes its shards whenever a run shards (every layout).
+                       const bool saved_sharded = r.has(indexed("optimizer", i) + ".rank0.json");
+                       if (!changed && saved_sharded == shards_optimizer(opt)) {
+                         load_optimizer(*this, layout, precision, opt, i, r);
+                         continue;
+                       }
+                       if (!names) names = std::make_unique<ParamNames>(models);
+                       load_resharded_optimizer(*this, layout.topology, precision, opt, i, *names,
+                                                resharding->of(r, models.size(), optimizers.size()),
+                                                r);
+                     }
+                     resharding->saved.reset();
                    }});
   return parts;
 }

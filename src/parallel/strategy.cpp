@@ -101,6 +101,18 @@ void Strategy::load_optimizer_shards(torch::optim::Optimizer&,
   throw std::logic_error(name() + " does not shard optimizer state");
 }
 
+void Strategy::load_optimizer_resharded(torch::optim::Optimizer&, const ResavedOptimizer&) {
+  throw std::logic_error(name() + " does not shard optimizer state");
+}
+
+void Strategy::load_model_tensors(torch::nn::Module& model,
+                                  const std::function<at::Tensor(const std::string&)>& local) {
+  at::NoGradGuard no_grad;
+  for (const auto& p : model.named_parameters()) p.value().copy_(local(p.key()));
+  for (const auto& b : model.named_buffers())
+    if (b.value().defined()) b.value().copy_(local(b.key()));
+}
+
 void Strategy::step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
 
 std::string unsupported_sharding_message(const ShardingOptions& o) {

@@ -7,9 +7,11 @@
 
 #include <cmath>
 #include <functional>
+#include <iostream>
 #include <set>
 #include <stdexcept>
 
+#include "detail/reshard.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/full_state.h"
 #include "tandem/parallel/strategy.h"
@@ -91,22 +93,36 @@ std::map<std::string, std::string> Topology::model_file_metadata(torch::nn::Modu
   return meta;
 }
 
-checkpoint::StatePart Topology::checkpoint_part() const {
+checkpoint::StatePart Topology::checkpoint_part(const std::string& strategy) const {
   return {"mesh",
           [this](checkpoint::StateWriter& w) {
             if (w.is_main() && model_parallel()) w.set_state("mesh", json(shape_string()).dump());
           },
-          [this](const checkpoint::StateReader& r) {
-            auto saved = r.state("mesh");
-            const std::string mine = model_parallel() ? shape_string() : "";
-            const std::string theirs = saved ? json::parse(*saved).get<std::string>() : "";
-            if (mine != theirs)
-              throw std::runtime_error(
-                  world()->prefix() + " load_state: " + r.dir() + " was saved by a run on " +
-                  (theirs.empty() ? "no model-parallel mesh" : "the mesh " + theirs) +
-                  " and this run has " + (mine.empty() ? "none" : "the mesh " + mine) +
-                  ": every rank's shards resume only on the same mesh; launch with the sizes it "
-                  "was saved with");
+          [this, strategy](const checkpoint::StateReader& r) {
+            const auto saved = detail::saved_run_layout(r);
+            const std::string mine = shape_string();
+            if (!saved.recorded) {  // an earlier tandem's checkpoint: its shards are per mesh
+              const std::string theirs = saved.mesh;
+              if ((model_parallel() ? mine : "") != theirs)
+                throw std::runtime_error(
+                    world()->prefix() + " load_state: " + r.dir() + " was saved by a run on " +
+                    (theirs.empty() ? "no model-parallel mesh" : "the mesh " + theirs) +
+                    " and this run has " +
+                    (model_parallel() ? "the mesh " + detail::short_mesh(mine) : "none") +
+                    ": a checkpoint of an earlier tandem records no layout, so its shards resume "
+                    "only on the same mesh; launch with the sizes it was saved with");
+              return;
+            }
+            // Note [Resharding a checkpoint]: any other layout loads too; said once.
+            detail::SavedRunLayout here{mine, strategy, world_size(), true};
+            if (world()->rank() == 0 && saved.describe() != here.describe())
+              std::cerr << world()->prefix() << " load_state: " << r.dir() << " was saved on "
+                        << saved.describe() << "; resuming on " << here.describe()
+                        << (saved.mesh != mine &&
+                                    (model_parallel() || detail::model_parallel_mesh(saved.mesh))
+                                ? ": every tensor is joined from its saved pieces and cut again"
+                                : "")
+                        << std::endl;
           }};
 }
 

@@ -467,6 +467,12 @@ class ZeroStrategy : public Strategy {
       torch::optim::Optimizer& optimizer,
       const std::function<std::string(int)>& json_of,
       const std::function<at::Tensor(int, const std::string&)>& tensor_of) override;
+  void load_optimizer_resharded(torch::optim::Optimizer& optimizer,
+                                const ResavedOptimizer& saved) override;
+  void load_model_tensors(torch::nn::Module& model,
+                          const std::function<at::Tensor(const std::string&)>& local) override;
+  std::map<const void*, std::vector<checkpoint::TensorSlice>> released_slices(
+      torch::nn::Module& model, std::vector<Unit*>& resident_copies);
   void gather_units() override {
     for (auto& s : sharded_)
       for (auto& u : s->units) gather_unit(u, *ctx_.pg);
@@ -1038,7 +1044,10 @@ checkpoint::OptimizerState ZeroStrategy::optimizer_shard_state(
   for (const auto& u : s->units) {
     const size_t i = index_in_group[u.group]++;
     const auto key = checkpoint::optimizer_param_key(static_cast<size_t>(u.group), i);
-    units.push_back({{"key", key}, {"numel", u.numel}, {"names", u.names}, {"param", !u.alias}});
+    json shapes = json::array();  // Note [Resharding a checkpoint]: each parameter's shape
+    for (const auto& p : u.params) shapes.push_back(p.sizes().vec());
+    units.push_back({{"key", key}, {"numel", u.numel}, {"names", u.names}, {"shapes", shapes},
+                     {"param", !u.alias}});
     if (!u.alias) st.tensors.emplace_back(key + ".param", u.shard_param.detach().cpu());
   }
   doc["zero"] = {{"world", ctx_.pg->size()},
@@ -1163,9 +1172,69 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroStrategy::model_state(
 // chunk covers them (the safetensors headers give each tensor's offsets, so each rank reads its
 // byte ranges and no rank holds the whole model); resident units are loaded whole. The checks
 // of load_model (names, shapes, dtypes, strict) see every parameter as it is in the model.
-checkpoint::LoadReport ZeroStrategy::load_model_state(torch::nn::Module& model,
-                                                      const std::string& path,
-                                                      const checkpoint::LoadOptions& options) {
+// Note [Resharding a checkpoint]: the optimizer of a run saved on another layout, restored
+// through load_optimizer_shards as if one rank had saved this run's units whole: each unit's
+// tensors are its parameters' dense state (cut for this rank's tp coordinate) laid end to end,
+// made when asked for, one unit and field at a time.
+void ZeroStrategy::load_optimizer_resharded(torch::optim::Optimizer& optimizer,
+                                            const ResavedOptimizer& saved) {
+  auto* s = find(optimizer);
+  TORCH_CHECK(s, "load_optimizer_resharded: not a sharded optimizer");
+  json doc = json::parse(saved.json);
+  const auto& pg = *ctx_.pg;
+  const size_t groups = optimizer.param_groups().size();
+  TORCH_CHECK(doc.contains("param_groups") && doc["param_groups"].size() == groups, pg.prefix(),
+              " load_state: the checkpoint's optimizer has ",
+              doc.contains("param_groups") ? doc["param_groups"].size() : 0,
+              " parameter groups, this run's ", groups, ": build the optimizer as it was saved");
+  json units = json::array(), state = json::object();
+  std::map<int, size_t> index_in_group;
+  std::vector<size_t> per_group(groups, 0);
+  std::map<std::string, const Unit*> unit_of_key;
+  for (const auto& u : s->units) {
+    const size_t i = index_in_group[u.group]++;
+    ++per_group[static_cast<size_t>(u.group)];
+    const auto key = checkpoint::optimizer_param_key(static_cast<size_t>(u.group), i);
+    unit_of_key[key] = &u;
+    bool masters = !u.alias;
+    for (const auto& n : u.names) masters = masters && saved.master(n).defined();
+    units.push_back({{"key", key}, {"numel", u.numel}, {"names", u.names}, {"param", masters}});
+    const auto fields = saved.fields(u.names.front());
+    if (fields.empty()) continue;
+    json entry{{"tensors", fields}};
+    if (auto step = saved.step(u.names.front())) entry["step"] = *step;
+    state[key] = entry;
+  }
+  for (size_t g = 0; g < groups; ++g) {
+    doc["param_groups"][g]["num_params"] = per_group[g];
+    doc["param_groups"][g]["shapes"] = json::array();
+  }
+  doc["state"] = state;
+  doc["zero"] = {{"world", 1}, {"rank", 0}, {"stage", options_.stage()}, {"units", units}};
+  const std::string text = doc.dump();
+  load_optimizer_shards(
+      optimizer, [&](int) { return text; },
+      [&](int, const std::string& name) {
+        const auto dot = name.rfind('.');
+        const auto key = name.substr(0, dot), field = name.substr(dot + 1);
+        const Unit& u = *unit_of_key.at(key);
+        std::vector<at::Tensor> parts;
+        for (const auto& n : u.names) {
+          auto t = field == "param" ? saved.master(n) : saved.field(n, field);
+          TORCH_CHECK(t.defined(), pg.prefix(), " load_state: the checkpoint has no ", field,
+                      " for ", n, ", but does for ", u.names.front(), " of the same unit");
+          parts.push_back(t.reshape({-1}));
+        }
+        return at::cat(parts);
+      });
+}
+
+// The parameters of `model` whose storage is released here (ZeRO-3 units between uses, units
+// sharded as they were built): the slices of them this rank holds. The units' resident copies
+// (fp32 or host shards of resident units), which follow the weights once they are loaded, go
+// to `resident_copies`.
+std::map<const void*, std::vector<checkpoint::TensorSlice>> ZeroStrategy::released_slices(
+    torch::nn::Module& model, std::vector<Unit*>& resident_copies) {
   std::set<const void*> in_model;
   for (const auto& p : model.parameters()) in_model.insert(p.unsafeGetTensorImpl());
   for (auto& s : sharded_)
@@ -1183,7 +1252,6 @@ checkpoint::LoadReport ZeroStrategy::load_model_state(torch::nn::Module& model,
         parts.push_back({begin - offsets[k], chunk.detach().narrow(0, begin - shard.offset, end - begin)});
     }
   };
-  std::vector<Unit*> resident_copies;
   for (auto& s : sharded_)
     for (auto& u : s->units) {
       if (!in_model.count(u.params.front().unsafeGetTensorImpl())) continue;
@@ -1197,6 +1265,39 @@ checkpoint::LoadReport ZeroStrategy::load_model_state(torch::nn::Module& model,
   for (auto& b : built_)
     if (!b->gathered && in_model.count(b->params.front().unsafeGetTensorImpl()))
       add_slices(b->params, b->offsets, b->shard, b->chunk);
+  return slices;
+}
+
+void ZeroStrategy::load_model_tensors(torch::nn::Module& model,
+                                      const std::function<at::Tensor(const std::string&)>& local) {
+  std::vector<Unit*> resident_copies;
+  const auto slices = released_slices(model, resident_copies);
+  at::NoGradGuard no_grad;
+  auto load = [&](const std::string& name, at::Tensor& t) {
+    auto source = local(name);
+    auto it = slices.find(t.unsafeGetTensorImpl());
+    if (it == slices.end()) {
+      t.copy_(source);
+      return;
+    }
+    TORCH_CHECK(source.sizes() == t.sizes(), ctx_.pg->prefix(), " load_state: ", name,
+                " has shape ", source.sizes(), " in the checkpoint, ", t.sizes(), " here");
+    auto flat = source.reshape({-1});
+    for (const auto& slice : it->second)
+      const_cast<at::Tensor&>(slice.dst).copy_(flat.narrow(0, slice.begin, slice.dst.numel()));
+  };
+  for (auto p : model.named_parameters()) load(p.key(), p.value());
+  for (auto b : model.named_buffers())
+    if (b.value().defined()) load(b.key(), b.value());
+  for (auto* u : resident_copies)
+    u->shard_param.copy_(u->flat.narrow(0, u->shard.offset, u->shard.numel));
+}
+
+checkpoint::LoadReport ZeroStrategy::load_model_state(torch::nn::Module& model,
+                                                      const std::string& path,
+                                                      const checkpoint::LoadOptions& options) {
+  std::vector<Unit*> resident_copies;
+  const auto slices = released_slices(model, resident_copies);
   auto report = checkpoint::load_model(model, path, options,
                          [&](const at::Tensor& t) -> std::optional<std::vector<checkpoint::TensorSlice>> {
                            auto it = slices.find(t.unsafeGetTensorImpl());

@@ -1,7 +1,6 @@
 """Helpers of the tests against the Python tools: run a command, compare described tensors."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -59,8 +58,3 @@ def fresh_dir(path):
     os.makedirs(path)
     return path
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

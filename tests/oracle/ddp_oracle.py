@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from common import fresh_dir, fail, free_port, run
+from common import fresh_dir, fail, run
 
 STEPS, WORLD, BATCH = 8, 2, 8
 
@@ -27,10 +27,10 @@ class Net(torch.nn.Module):  # oracle_tool's Net
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
-def worker(rank, work, port):
+def worker(rank, work, store):
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # A file store: no port to pick and lose to another test between picking and binding.
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=WORLD)
     net = Net()
     net.load_state_dict(load_file(os.path.join(work, "init.safetensors")))
     model = torch.nn.parallel.DistributedDataParallel(net)
@@ -55,7 +55,7 @@ if __name__ == "__main__":
     x = torch.randn(STEPS * BATCH, 10, generator=g)
     save_file({"x": x, "y": torch.randint(0, 3, (STEPS * BATCH,), generator=g)},
               os.path.join(work, "data.safetensors"))
-    mp.spawn(worker, args=(work, free_port()), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(work, os.path.join(work, "store")), nprocs=WORLD, join=True)
     run([cli, "launch", "--num_processes", str(WORLD), "--cpu", "--num_cpu_threads_per_process", "1",
          tool, "train-ddp", work, str(STEPS)])
     ours = load_file(os.path.join(work, "tandem", "model.safetensors"))

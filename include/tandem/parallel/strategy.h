@@ -124,6 +124,21 @@ struct CommSpan {
   bool wait = false;
 };
 
+/// An optimizer's state in a checkpoint saved on another layout, by the dense names of its
+/// parameters ("model<m>." before them with several models, as ZeRO names them), each tensor
+/// cut for this rank's tensor-parallel coordinate (Note [Resharding a checkpoint]).
+struct ResavedOptimizer {
+  /// The saved optimizer's type and its parameter groups' options (checkpoint::optimizer_state's
+  /// JSON).
+  std::string json;
+  /// The fields saved for a parameter ("exp_avg", ...); empty: it had not stepped.
+  std::function<std::vector<std::string>(const std::string& name)> fields;
+  std::function<at::Tensor(const std::string& name, const std::string& field)> field;
+  std::function<std::optional<int64_t>(const std::string& name)> step;
+  /// Its fp32 master; undefined when the saving run kept none.
+  std::function<at::Tensor(const std::string& name)> master;
+};
+
 /// What a strategy needs to know of the run: its group and the run's precision.
 struct StrategyContext {
   /// The group data parallel runs over (the topology's "dp"; Note [A topology always built]).
@@ -195,6 +210,16 @@ class Strategy {
       torch::optim::Optimizer& optimizer,
       const std::function<std::string(int)>& json,
       const std::function<at::Tensor(int, const std::string&)>& tensor);
+  /// Restores a sharded optimizer from a checkpoint saved on another layout (Note [Resharding a
+  /// checkpoint]): `saved` gives each parameter's state by its dense name, already cut for this
+  /// rank's tensor-parallel coordinate. The model is loaded first.
+  virtual void load_optimizer_resharded(torch::optim::Optimizer& optimizer,
+                                        const ResavedOptimizer& saved);
+  /// Loads `model`'s parameters and buffers from `local(name)`: this rank's tensor-parallel
+  /// part of each dense tensor of a checkpoint saved on another layout. Under ZeRO-3 each rank
+  /// copies only its shards' elements.
+  virtual void load_model_tensors(torch::nn::Module& model,
+                                  const std::function<at::Tensor(const std::string&)>& local);
   /// `model`'s parameters and buffers by name (model_tensor_names order) on the main process,
   /// for a checkpoint. Every rank calls it: under ZeRO-3 the units are gathered one at a time and
   /// only the main process keeps copies (the other ranks get an empty list).

@@ -79,7 +79,8 @@ class Topology {
   /// The groups themselves, for code that walks the dimensions.
   const comm::DeviceMesh& mesh() const { return mesh_; }
 
-  /// "pp 1 x dp_replicate 2 x dp_shard 1 x tp 2 x dp 2": every dimension with its size.
+  /// "pp 1 x dp_replicate 2 x dp_shard 1 x tp 2 x dp 2": every dimension with its size (the
+  /// flattened "dp" last).
   std::string shape_string() const;
   /// "pp 1 x dp 2 x tp 2", for the layout line.
   std::string summary() const;
@@ -100,9 +101,11 @@ class Topology {
   /// model file under model parallel (the mesh, the stage, the tp rank and each tensor's cut).
   std::map<std::string, std::string> model_file_metadata(torch::nn::Module& model) const;
 
-  /// The checkpoint's "mesh" part: a model-parallel run writes its shape and resumes only on the
-  /// same one (the shards are per coordinate); a data-parallel checkpoint loads on any world.
-  checkpoint::StatePart checkpoint_part() const;
+  /// The checkpoint's "mesh" part: a model-parallel run writes its shape; on load, a checkpoint
+  /// saved on another layout is said in one line (the strategy parts reshard it: Note
+  /// [Resharding a checkpoint]), and one of an earlier tandem, which records no layout, resumes
+  /// only on its own mesh. `strategy`: the running strategy's name, for that line.
+  checkpoint::StatePart checkpoint_part(const std::string& strategy) const;
 
  private:
   comm::MeshShape shape_;

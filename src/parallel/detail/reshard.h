@@ -1,0 +1,70 @@
+// A checkpoint seen as the dense tensors of the run that saved it, whatever its layout, read one
+// tensor at a time (Note [Resharding a checkpoint] in reshard.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tandem::checkpoint {
+class StateReader;
+}
+
+namespace tandem::parallel::detail {
+
+/// How a checkpoint's run was laid out: its state.json "layout" ({"mesh", "world", "strategy"}),
+/// or for a checkpoint written before it, what its "mesh" key and world size say.
+struct SavedRunLayout {
+  std::string mesh;      // Topology::shape_string() of the saving run ("" when unknown)
+  std::string strategy;  // "ddp", "zero-2", ... ("" when unknown)
+  int world = 0;
+  bool recorded = false;  // written by a run that records its layout
+  /// "dp 2 x tp 2 (4 processes, zero-3)".
+  std::string describe() const;
+};
+SavedRunLayout saved_run_layout(const checkpoint::StateReader& r);
+
+/// "dp 2 x tp 2" of a mesh string ("pp 1 x dp_replicate 1 x dp_shard 2 x tp 2"): the sizes
+/// above 1 (dp for dp_replicate x dp_shard unless both are above 1), or "1 process".
+std::string short_mesh(const std::string& mesh);
+/// Whether a mesh string has tp or pp above 1.
+bool model_parallel_mesh(const std::string& mesh);
+
+/// Where the pieces of every tensor of a checkpoint lie, by the tensor's dense name: model m's
+/// tensors ("model" files, their tensor-parallel shards and pipeline stages) and optimizer o's
+/// state per parameter (its moments, step counts and fp32 masters, whole or as ZeRO chunks).
+class SavedTensors {
+ public:
+  SavedTensors(const checkpoint::StateReader& r, size_t models, size_t optimizers);
+  ~SavedTensors();
+
+  /// The dense tensor `name` of model m; undefined when the checkpoint lacks it.
+  at::Tensor model_tensor(size_t m, const std::string& name) const;
+  /// The model tensors' names of model m.
+  std::vector<std::string> model_names(size_t m) const;
+
+  /// Optimizer o: its saved type and parameter groups' options ({"type", "param_groups":
+  /// [{"options"}]}, as checkpoint::optimizer_state writes them).
+  std::string optimizer_json(size_t o) const;
+  /// The fields of parameter `name` (qualified as ZeRO names them: "model<m>." with several
+  /// models) that optimizer o saved ("exp_avg", ...); empty: no state yet.
+  std::vector<std::string> fields(size_t o, const std::string& name) const;
+  /// Its dense field `field`; its step count.
+  at::Tensor field(size_t o, const std::string& name, const std::string& field) const;
+  std::optional<int64_t> step(size_t o, const std::string& name) const;
+  /// Its fp32 master (a ZeRO shard copy or a mixed-precision master); undefined when none.
+  at::Tensor master(size_t o, const std::string& name) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// `dense` cut for tensor-parallel rank `rank` of `size` as `how` ("" whole, "cols", "rows/P").
+at::Tensor cut_for_rank(const at::Tensor& dense, const std::string& how, int rank, int size);
+
+}  // namespace tandem::parallel::detail
