@@ -140,6 +140,19 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
       loader_state_.get());
   strategy_->record_comm_spans(recorder_->timeline().enabled());
   if (options_.seed()) set_seed(*options_.seed());
+  TORCH_CHECK(options_.checkpoint_every_steps() >= 0 && options_.checkpoint_every_minutes() >= 0,
+              state_.prefix(), " AcceleratorOptions: checkpoint_every_steps (",
+              options_.checkpoint_every_steps(), ") and checkpoint_every_minutes (",
+              options_.checkpoint_every_minutes(), ") must be at least 0 (0: no periodic checkpoints)");
+  TORCH_CHECK((options_.checkpoint_every_steps() == 0 && options_.checkpoint_every_minutes() == 0) ||
+                  options_.automatic_checkpoint_naming(),
+              state_.prefix(), " AcceleratorOptions: periodic checkpoints are written as "
+              "project_dir/checkpoints/checkpoint_<n>, and automatic_checkpoint_naming is false: "
+              "set it to true, or call save_state(dir) yourself");
+  if (options_.auto_resume()) {
+    auto_resume_pending_ = true;
+    loader_state_->before_first_pass = [this] { auto_resume(); };
+  }
   // A log always says what ran.
   if (is_main_process()) std::cerr << layout_line() << std::endl;
 }
@@ -367,8 +380,27 @@ data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o)
   return p;
 }
 
+void Accelerator::auto_resume() {
+  if (!auto_resume_pending_) return;
+  auto_resume_pending_ = false;
+  loader_state_->before_first_pass = nullptr;
+  const auto latest = latest_checkpoint();
+  if (latest.empty()) return;  // a first start
+  if (is_main_process())
+    std::cerr << state_.prefix() << " auto_resume: loading " << latest << std::endl;
+  load_state(latest);
+}
+
 void Accelerator::backward(const at::Tensor& loss) {
   TORCH_CHECK(loss.defined(), state_.prefix(), " backward: the loss is undefined");
+  if (auto_resume_pending_) {
+    auto_resume_pending_ = false;
+    const auto latest = latest_checkpoint();
+    TORCH_CHECK(latest.empty(), state_.prefix(), " auto_resume: the first backward came before "
+                "any prepared loader's first batch, so ", latest, " was not loaded and this "
+                "step would train from the initial weights; call acc.load_state() before the "
+                "loop (or iterate a loader from acc.prepare_data_loader)");
+  }
   check_model_split("backward");
   auto l = precision_->loss_for_backward(loss, accumulation_steps_);
   const auto begin = track::Timeline::Clock::now();
@@ -464,11 +496,27 @@ void Accelerator::clip_before_step(torch::optim::Optimizer& optimizer) {
   clip_grad_norm_(params, max_norm);
 }
 
-void Accelerator::after_optimizer_step() {
+void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer) {
   ++optimizer_steps_;
   if (options_.broadcast_buffers())
     for (auto& m : models_)
       parallel::broadcast_module_state(*m, *topology_->data_parallel(), false, true);
+  // Periodic checkpoints, once every optimizer of the step has stepped (the last prepared one).
+  if (optimizers_.empty() || optimizers_.back().get() != &optimizer) return;
+  bool due = options_.checkpoint_every_steps() > 0 &&
+             optimizer_steps_ % options_.checkpoint_every_steps() == 0;
+  if (!due && options_.checkpoint_every_minutes() > 0) {
+    // Rank 0's clock decides, so that every rank saves at the same step.
+    const double minutes = std::chrono::duration<double, std::ratio<60>>(
+                               std::chrono::steady_clock::now() - last_checkpoint_)
+                               .count();
+    auto flag = at::full({1}, minutes >= options_.checkpoint_every_minutes() ? 1 : 0, at::kInt);
+    pg_->broadcast(flag, 0);
+    due = flag.item<int>() == 1;
+  }
+  if (!due) return;
+  save_state();
+  last_checkpoint_ = std::chrono::steady_clock::now();
 }
 
 Accelerator::MainProcessFirst::MainProcessFirst(Accelerator* acc) : acc_(acc) {
@@ -509,7 +557,7 @@ void AcceleratedOptimizer::step() {
   if (acc) {
     acc->precision_->after_step(*optimizer_);
     acc->strategy_->after_step(*optimizer_);
-    acc->after_optimizer_step();
+    acc->after_optimizer_step(*optimizer_);
   }
 }
 

@@ -14,6 +14,7 @@
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/checkpoint/training_state.h"
+#include "parallel/detail/reshard.h"
 #include "tandem/host_allocator.h"
 
 namespace tandem {
@@ -104,7 +105,11 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                      json loaders = json::array();
                      for (auto& wl : loaders_) {
                        auto l = wl.lock();
-                       loaders.push_back(l ? json{{"epoch", l->epoch()}, {"position", l->position()}}
+                       // Samples per position: a resume on another data-parallel size
+                       // continues at the same sample of the epoch.
+                       loaders.push_back(l ? json{{"epoch", l->epoch()},
+                                                  {"position", l->position()},
+                                                  {"samples_per_position", l->samples_per_position()}}
                                            : json(nullptr));
                      }
                      w.set_state("loaders", loaders.dump());
@@ -115,21 +120,48 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                                  state_.prefix(), " load_state: the checkpoint has ",
                                  loaders.size(), " loaders but only ", loaders_.size(),
                                  " were prepared; prepare them before load_state");
-                     if (r.saved_world_size() != state_.world_size) {
-                       if (is_main_process())
-                         std::cerr << state_.prefix() << " load_state: the checkpoint was saved by "
-                                   << r.saved_world_size() << " processes and is loaded by "
-                                   << state_.world_size
-                                   << ": models and optimizers are restored, but loader positions "
-                                      "and random states are not (they are per rank)"
-                                   << std::endl;
-                       return;
-                     }
+                     const auto saved = parallel::detail::saved_run_layout(r);
+                     loaded_.saved_layout = saved.describe();
+                     loaded_.resharded =
+                         loaded_.saved_layout !=
+                         parallel::detail::SavedRunLayout{topology_->shape_string(),
+                                                          strategy_->name(), state_.world_size, true}
+                             .describe();
+                     loaded_.random_states = r.saved_world_size() == state_.world_size;
+                     if (!loaded_.random_states && is_main_process())
+                       std::cerr << state_.prefix() << " load_state: the checkpoint was saved by "
+                                 << r.saved_world_size() << " processes and is loaded by "
+                                 << state_.world_size
+                                 << ": the random states are not restored (they are per rank)"
+                                 << std::endl;
                      for (size_t i = 0; i < loaders_.size() && i < loaders.size(); ++i) {
                        auto l = loaders_[i].lock();
                        if (!l || loaders[i].is_null()) continue;
+                       const int64_t position = loaders[i]["position"].get<int64_t>();
                        l->set_epoch(loaders[i]["epoch"].get<int64_t>());
-                       l->skip_first_batches(loaders[i]["position"].get<int64_t>());
+                       // The samples the epoch consumed, in this run's positions (an earlier
+                       // checkpoint records none: its positions, on the same world).
+                       const int64_t per = loaders[i].value("samples_per_position", int64_t{0});
+                       const int64_t now = l->samples_per_position();
+                       if (per == 0 && loaded_.random_states) {
+                         l->skip_first_batches(position);
+                         continue;
+                       }
+                       if (per > 0 && now > 0 && (position * per) % now == 0) {
+                         l->skip_first_batches(position * per / now);
+                         continue;
+                       }
+                       loaded_.loaders = false;
+                       if (is_main_process())
+                         std::cerr << state_.prefix() << " load_state: loader " << i
+                                   << " consumed "
+                                   << (per > 0 ? std::to_string(position * per) + " samples"
+                                               : "an unrecorded number of samples")
+                                   << " of epoch " << l->epoch() << ", which this run's "
+                                   << now << " samples per batch over every rank do not meet: "
+                                   << "it starts the epoch again (keep the global batch size "
+                                      "to continue at the next batch)"
+                                   << std::endl;
                      }
                    }});
 
@@ -235,7 +267,7 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
   return target.string();
 }
 
-void Accelerator::load_state(const std::string& dir_arg) {
+LoadedState Accelerator::load_state(const std::string& dir_arg) {
   std::string dir = dir_arg;
   if (dir.empty()) {
     dir = latest_checkpoint();
@@ -244,8 +276,12 @@ void Accelerator::load_state(const std::string& dir_arg) {
                                (fs::path(options_.project_dir()) / "checkpoints").string() +
                                "; save one with save_state() first, or pass a directory");
   }
+  loaded_ = LoadedState();
+  loaded_.dir = dir;
   checkpoint::load_training_state(*pg_, dir, checkpoint_parts());
   trim_host_cache();  // the files' buffers do not come again
+  loaded_.step = optimizer_steps_;
+  return loaded_;
 }
 
 }  // namespace tandem

@@ -152,6 +152,21 @@ struct AcceleratorOptions {
   TORCH_ARG(bool, automatic_checkpoint_naming) = true;
   /// Keep at most this many automatically named checkpoints (oldest removed); 0 keeps all.
   TORCH_ARG(int, total_limit) = 0;
+  /// Periodic checkpoints: save_state() (project_dir/checkpoints/checkpoint_<n>, total_limit)
+  /// after every N-th optimizer step of the last prepared optimizer; 0: none.
+  TORCH_ARG(int64_t, checkpoint_every_steps) = 0;
+  /// Periodic checkpoints by time: save_state() after the first optimizer step at least this
+  /// many minutes after the last one (or the start); rank 0's clock decides for every rank.
+  /// 0: none.
+  TORCH_ARG(double, checkpoint_every_minutes) = 0;
+  /// Resume from the latest complete checkpoint under project_dir/checkpoints, when there is
+  /// one, as the first batch of a prepared loader is asked for (models, optimizers and loaders
+  /// are prepared by then): an elastic restart (tandem launch --max_restarts --min_processes)
+  /// continues where the lost run's last checkpoint was, on the new world size
+  /// (Accelerator::resumed() says what was loaded). A loop without a prepared loader calls
+  /// load_state() itself: its first backward with a checkpoint present and nothing loaded is
+  /// an error saying so.
+  TORCH_ARG(bool, auto_resume) = false;
   /// Trackers started by init_trackers: any of "jsonl", "csv", "tensorboard", or "all".
   TORCH_ARG(std::vector<std::string>, log_with) = std::vector<std::string>{"all"};
   /// Where init_trackers writes (<logging_dir>/<project_name>/); empty: project_dir/logs.
@@ -167,6 +182,23 @@ struct AcceleratorOptions {
   /// default 32): what a step asks for again costs no page faults; resident memory is the live
   /// tensors plus at most this.
   TORCH_ARG(std::optional<double>, host_cache_mb) = std::nullopt;
+};
+
+/// What Accelerator::load_state restored.
+struct LoadedState {
+  std::string dir;
+  /// The optimizer steps of the saved run (Accelerator::step() after the load).
+  int64_t step = 0;
+  /// The saving run's layout, "dp 2 x tp 2 (4 processes, ddp)", and whether it differs from
+  /// this run's (then every model and optimizer tensor was joined and cut again).
+  std::string saved_layout;
+  bool resharded = false;
+  /// The loaders resumed at their saved epoch and sample (false: they start their epoch again,
+  /// said on stderr: another data-parallel size whose batches do not meet the saved sample).
+  bool loaders = true;
+  /// Every rank's random generators were restored (false on another world size: they are per
+  /// rank).
+  bool random_states = true;
 };
 
 /// The Accelerator. One per process; it owns the process group and the engines it creates.
@@ -465,8 +497,11 @@ class Accelerator {
   std::string save_state(const std::string& dir = "");
   /// Restores a save_state() directory (verifying every checksum first); without `dir`, the
   /// latest complete checkpoint under project_dir/checkpoints. Prepared loaders resume at the
-  /// saved batch of the saved epoch.
-  void load_state(const std::string& dir = "");
+  /// saved sample of the saved epoch. A checkpoint saved on another layout (data-parallel size,
+  /// ZeRO stage, tp, pp) is resharded (docs/checkpoints.md). Returns what it restored.
+  LoadedState load_state(const std::string& dir = "");
+  /// What the last load_state (or auto_resume) restored; dir is empty when nothing was loaded.
+  const LoadedState& resumed() const { return loaded_; }
   /// The latest complete checkpoint under project_dir/checkpoints, or "" when there is none.
   std::string latest_checkpoint() const;
   /// Adds an object to save_state/load_state: `save` returns its state as bytes, `load`
@@ -544,7 +579,8 @@ class Accelerator {
   std::shared_ptr<nn::detail::BuildScope> begin_build(bool root_hookable);
   void end_build(const std::shared_ptr<nn::detail::BuildScope>& scope);
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
-  void after_optimizer_step();
+  void after_optimizer_step(const torch::optim::Optimizer& optimizer);
+  void auto_resume();  // AcceleratorOptions::auto_resume, once
   void clip_before_step(torch::optim::Optimizer& optimizer);  // gradient_clipping
   // The parts of a checkpoint, in the order every rank saves and loads them
   // (src/accelerator_state.cpp).
@@ -573,6 +609,9 @@ class Accelerator {
   bool sync_gradients_ = true;
   int no_sync_depth_ = 0;
   int64_t optimizer_steps_ = 0;
+  LoadedState loaded_;  // what the last load_state restored
+  bool auto_resume_pending_ = false;  // AcceleratorOptions::auto_resume, not yet done
+  std::chrono::steady_clock::time_point last_checkpoint_ = std::chrono::steady_clock::now();
   std::shared_ptr<data::LoaderState> loader_state_ = std::make_shared<data::LoaderState>();
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
   std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers_;

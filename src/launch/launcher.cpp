@@ -235,8 +235,11 @@ std::string describe_exit(const Child& c) {
   return who + " exited with code " + std::to_string(exit_code_of(c.status));
 }
 
-// Runs one attempt. Returns the exit code; sets `interrupted` when a signal stopped the job.
-int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& interrupted) {
+// Runs one attempt. Returns the exit code; sets `interrupted` when a signal stopped the job and
+// lists in `lost` the ranks killed by SIGKILL before the launcher stopped any (Note [Elastic
+// restarts]).
+int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& interrupted,
+             std::vector<const Child*>& lost) {
   try {
     for (auto& c : children) spawn(c, opts);
   } catch (...) {
@@ -318,6 +321,7 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
         c.alive = false;
         c.status = st;
         if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) newly_failed.push_back(&c);
+        if (WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL && !stopping) lost.push_back(&c);
       }
     }
     std::stable_sort(newly_failed.begin(), newly_failed.end(),
@@ -382,6 +386,20 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
     throw std::invalid_argument("--max_restarts=" + std::to_string(o.max_restarts()) +
                                 " must be at least 0: how many times every rank is started again "
                                 "after a failure (0: never)");
+  if (o.min_processes() < 0 || o.min_processes() > o.num_processes())
+    throw std::invalid_argument("--min_processes=" + std::to_string(o.min_processes()) +
+                                " must be in [0, --num_processes=" +
+                                std::to_string(o.num_processes()) +
+                                "]: the fewest processes an elastic restart may run on");
+  if (o.min_processes() > 0 && o.max_restarts() == 0)
+    throw std::invalid_argument("--min_processes=" + std::to_string(o.min_processes()) +
+                                " restarts the job on the ranks that remain after a loss, and "
+                                "--max_restarts is 0: give --max_restarts K (how many restarts)");
+  if (o.min_processes() > 0 && o.num_machines() > 1)
+    throw std::invalid_argument("--min_processes is elastic within one machine, and this job has "
+                                "--num_machines=" + std::to_string(o.num_machines()) +
+                                ": leave it out, or run one machine (--max_restarts restarts "
+                                "every machine's ranks at the same size)");
   if (!(o.grace_period_s() >= 0))
     throw std::invalid_argument("--grace_period=" + number_text(o.grace_period_s()) +
                                 " must be at least 0: seconds between SIGTERM and SIGKILL when "
@@ -555,10 +573,37 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
       }
     }
     bool interrupted = false;
-    rc = run_once(children, opts, interrupted);
+    std::vector<const Child*> lost;
+    rc = run_once(children, opts, interrupted, lost);
     if (rc == 0 || interrupted || attempt >= opts.max_restarts()) break;
-    write_all(2, "tandem launch: restarting all ranks (restart " + std::to_string(attempt + 1) +
-                     " of " + std::to_string(opts.max_restarts()) + ")\n");
+    const std::string restart =
+        "restart " + std::to_string(attempt + 1) + " of " + std::to_string(opts.max_restarts());
+    if (opts.min_processes() == 0 || lost.empty()) {
+      write_all(2, "tandem launch: restarting all ranks (" + restart + ")\n");
+      continue;
+    }
+    // Note [Elastic restarts]: a rank killed by SIGKILL from outside (the out-of-memory killer,
+    // kill -9, a lost container) is gone, and with --min_processes the job runs again on the
+    // processes that remain, numbered 0..n-1 (every rank restarts: the program reloads its
+    // latest checkpoint on the new world). A rank that fails by itself (an exit code, SIGSEGV,
+    // SIGABRT) is a failed program: the restart keeps the size.
+    const int remain = static_cast<int>(plan.size() - lost.size());
+    std::string who;
+    for (const Child* c : lost) who += (who.empty() ? "" : ", ") + describe_exit(*c);
+    if (remain < opts.min_processes()) {
+      write_all(2, "tandem launch: " + std::to_string(lost.size()) + " rank(s) lost (" + who +
+                       "); " + std::to_string(remain) + " remain, fewer than --min_processes " +
+                       std::to_string(opts.min_processes()) + ": not restarting\n");
+      break;
+    }
+    plan.resize(static_cast<size_t>(remain));
+    for (auto& p : plan) {
+      p.env["WORLD_SIZE"] = std::to_string(remain);
+      p.env["LOCAL_WORLD_SIZE"] = std::to_string(remain);
+    }
+    write_all(2, "tandem launch: " + std::to_string(lost.size()) + " rank(s) lost (" + who +
+                     "); restarting on the " + std::to_string(remain) + " that remain (" +
+                     restart + ")\n");
   }
   return rc;
 }

@@ -139,6 +139,7 @@ void load_resharded_optimizer(Strategy& strategy, const Topology& topology,
     return cut(saved.field(index, name, field), name);
   };
   source.step = [&](const std::string& name) { return saved.step(index, name); };
+  source.has_master = [&](const std::string& name) { return saved.has_master(index, name); };
   source.master = [&](const std::string& name) { return cut(saved.master(index, name), name); };
   if (strategy.shards_optimizer(opt)) {
     strategy.load_optimizer_resharded(opt, source);

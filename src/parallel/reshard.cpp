@@ -395,4 +395,8 @@ at::Tensor SavedTensors::master(size_t o, const std::string& name) const {
   return impl_->dense(it->second, "master weight " + name);
 }
 
+bool SavedTensors::has_master(size_t o, const std::string& name) const {
+  return impl_->optimizers.at(o).masters.count(name) > 0;
+}
+
 }  // namespace tandem::parallel::detail

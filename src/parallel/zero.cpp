@@ -1197,7 +1197,7 @@ void ZeroStrategy::load_optimizer_resharded(torch::optim::Optimizer& optimizer,
     const auto key = checkpoint::optimizer_param_key(static_cast<size_t>(u.group), i);
     unit_of_key[key] = &u;
     bool masters = !u.alias;
-    for (const auto& n : u.names) masters = masters && saved.master(n).defined();
+    for (const auto& n : u.names) masters = masters && saved.has_master(n);
     units.push_back({{"key", key}, {"numel", u.numel}, {"names", u.names}, {"param", masters}});
     const auto fields = saved.fields(u.names.front());
     if (fields.empty()) continue;

@@ -1,10 +1,12 @@
-// Note [Resharding a checkpoint]: a run stopped after 2 of 5 steps under one layout and resumed
-// under another ends equal to one uninterrupted dense run (the Sequential GPT with AdamW, the
-// same global batch of 12 every step), within 1e-5 of each tensor's scale; the layout change is
-// said in one line at load.
+// Note [Resharding a checkpoint]: a run stopped after 2 of 5 steps (mid-epoch) under one layout
+// and resumed under another ends equal to one uninterrupted dense run (the Sequential GPT with
+// AdamW, a shuffled loader of 12 samples per step over all data-parallel ranks), within 1e-5 of
+// each tensor's scale; the layout change is said in one line at load, and load_state's result
+// says what it restored.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <string>
@@ -52,7 +54,10 @@ std::string expect_resume_equals_dense(const Layout& from, const Layout& to,
   auto resumed = launch(to.processes, kWorker, {"--steps", "5", "--load_dir", dir},
                         LaunchOptions().flags(to.flags).timeout_s(180));
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
-  EXPECT_EQ(count_of(resumed.output, "resumed at step 2"), to.processes) << resumed.output;
+  // The loaders continue at sample 24 of the epoch on the new data-parallel size.
+  EXPECT_EQ(count_of(resumed.output, "resumed at step 2 from " + saved_on + " resharded 1 loaders 1"),
+            to.processes)
+      << resumed.output;
   EXPECT_EQ(count_of(resumed.output, "was saved on " + saved_on + "; resuming on " + resumed_on),
             1)
       << resumed.output;
@@ -60,6 +65,8 @@ std::string expect_resume_equals_dense(const Layout& from, const Layout& to,
   for (int s = 2; s < 5; ++s)
     EXPECT_LT(worst.at("resumed_loss_step" + std::to_string(s)), 1e-5) << resumed.output;
   EXPECT_LT(worst.at("resumed_params"), 1e-5) << resumed.output;
+  std::cout << saved_on << " -> " << resumed_on << ": parameters within "
+            << worst.at("resumed_params") << " of the dense run" << std::endl;
   EXPECT_EQ(count_of(resumed.output, "is not the dense model's"), 0) << resumed.output;
   std::system(("rm -rf " + dir).c_str());
   return resumed.output;

@@ -4,9 +4,11 @@
 //
 //   reshard_worker --steps N [--save_dir D --stop K] [--load_dir D]
 //
-// --save_dir: train steps 0..K-1 (K = --stop), then save_state(D) and stop. --load_dir: load_state
-// (D) first, then train steps K..N-1, where K is the optimizer steps load_state restored. The
-// dense model always trains steps 0..N-1 from the same seed, so a job that was saved on one
+// The data: one epoch of 60 token sequences through a prepared, shuffled loader, 12 per step
+// over all data-parallel ranks. --save_dir: train steps 0..K-1 (K = --stop), then save_state(D)
+// and stop, mid-epoch. --load_dir: load_state(D) first, then train steps K..N-1, where K is the
+// optimizer steps load_state restored, from the loader's restored sample. The dense model
+// always trains steps 0..N-1 from the same seed, so a job that was saved on one
 // layout and resumed on another ends comparable with one uninterrupted dense run: the main
 // process prints "check resumed_params <largest difference relative to the tensor's scale>"
 // over the whole model (gathered under the dense names) and "check resumed_loss_step<s>".
@@ -19,6 +21,7 @@
 #include "../../examples/common/gpt.h"
 #include "../common/small_gpt.h"
 #include "tandem/accelerator.h"
+#include "tandem/data/sampler.h"
 #include "tandem/parallel/pipeline.h"
 
 namespace {
@@ -48,15 +51,22 @@ Args parse(int argc, char** argv) {
 }
 
 // The global batch: 1, 2, 3, 4 and 6 data-parallel ranks split it evenly (and in two
-// micro-batches each on 1, 2 and 3).
-constexpr int64_t kBatch = 12;
+// micro-batches each on 1, 2 and 3); one epoch of 5 global batches.
+constexpr int64_t kBatch = 12, kSamples = 5 * kBatch, kSeed = 3;
 
-// The global batch of step s (the same on every rank).
-std::pair<torch::Tensor, torch::Tensor> batch(const examples::GPTConfig& c, int s) {
-  auto gen = at::detail::createCPUGenerator(100 + s);
-  auto ids = torch::randint(c.vocab, {kBatch, c.context + 1}, gen, torch::kLong);
-  return {ids.slice(1, 0, c.context).contiguous(), ids.slice(1, 1).contiguous()};
-}
+// Token sequences: input and next-token target of each.
+struct Tokens : torch::data::datasets::Dataset<Tokens> {
+  torch::Tensor ids;
+  explicit Tokens(const examples::GPTConfig& c) {
+    auto gen = at::detail::createCPUGenerator(7);
+    ids = torch::randint(c.vocab, {kSamples, c.context + 1}, gen, torch::kLong);
+  }
+  torch::data::Example<> get(size_t i) override {
+    auto row = ids[static_cast<int64_t>(i)];
+    return {row.slice(0, 0, row.size(0) - 1), row.slice(0, 1)};
+  }
+  torch::optional<size_t> size() const override { return kSamples; }
+};
 
 int run(const Args& a) {
   tandem::Accelerator acc;
@@ -90,26 +100,47 @@ int run(const Args& a) {
   }
   auto opt = acc.prepare(std::make_shared<torch::optim::AdamW>(module->parameters(), adamw));
   int first = 0;
-  if (!a.load_dir.empty()) {
-    acc.load_state(a.load_dir);
-    first = static_cast<int>(acc.step());
-    std::printf("resumed at step %d\n", first);
-  }
   const int last = a.save_dir.empty() ? a.steps : a.stop;
-  const int64_t per_dp = kBatch / dp.size();
-  for (int s = 0; s < last; ++s) {
-    auto [x, y] = batch(c, s);
+  // The dense model's batches: the epoch's order as one process's sampler sees it, cut into
+  // global batches (the ranks' samplers interleave the same positions).
+  const Tokens data(c);
+  const auto order = tandem::data::DistributedSampler(
+                         kSamples, tandem::data::SamplerOptions().shuffle(true).seed(kSeed))
+                         .indices();
+  auto loader = acc.prepare_data_loader(
+      Tokens(c),
+      tandem::data::DataLoaderOptions().batch_size(kBatch / dp.size()).shuffle(true).seed(kSeed));
+  if (!a.load_dir.empty()) {
+    const auto loaded = acc.load_state(a.load_dir);
+    first = static_cast<int>(loaded.step);
+    std::printf("resumed at step %d from %s resharded %d loaders %d\n", first,
+                loaded.saved_layout.c_str(), loaded.resharded ? 1 : 0, loaded.loaders ? 1 : 0);
+    for (int s = 0; s < first; ++s) {  // the dense model catches up
+      auto rows = torch::tensor(std::vector<int64_t>(order.begin() + s * kBatch,
+                                                     order.begin() + (s + 1) * kBatch));
+      auto ids = data.ids.index_select(0, rows);
+      dense_opt.zero_grad();
+      examples::gpt_sequential_loss(dense->forward(ids.slice(1, 0, c.context)), ids.slice(1, 1))
+          .backward();
+      dense_opt.step();
+    }
+  }
+  int s = first;
+  for (auto& b : *loader) {
+    auto rows = torch::tensor(std::vector<int64_t>(order.begin() + s * kBatch,
+                                                   order.begin() + (s + 1) * kBatch));
+    auto ids = data.ids.index_select(0, rows);
     dense_opt.zero_grad();
-    auto dl = examples::gpt_sequential_loss(dense->forward(x), y);
+    auto dl =
+        examples::gpt_sequential_loss(dense->forward(ids.slice(1, 0, c.context)), ids.slice(1, 1));
     dl.backward();
     dense_opt.step();
-    if (s < first) continue;
-    auto xs = x.narrow(0, dp.rank() * per_dp, per_dp), ys = y.narrow(0, dp.rank() * per_dp, per_dp);
     double loss = 0;
     if (pipe) {
-      loss = pipe->step(pipe->is_first() ? xs : at::Tensor(), pipe->is_last() ? ys : at::Tensor());
+      loss = pipe->step(pipe->is_first() ? b.data : at::Tensor(),
+                        pipe->is_last() ? b.target : at::Tensor());
     } else {
-      auto l = examples::gpt_sequential_loss(net->forward(xs), ys, tpg);
+      auto l = examples::gpt_sequential_loss(net->forward(b.data), b.target, tpg);
       acc.backward(l);
       loss = l.item<double>();
     }
@@ -120,6 +151,7 @@ int run(const Args& a) {
     if (acc.is_main_process())
       std::printf("check resumed_loss_step%d %.3g\n", s,
                   std::abs(avg.item<double>() - dl.item<double>()) / std::abs(dl.item<double>()));
+    if (++s >= last) break;  // before the next batch is taken: the loader's position is s
   }
   if (!a.save_dir.empty()) {
     acc.save_state(a.save_dir);

@@ -91,6 +91,9 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
         "static or c10d (with both, machines may start in any order)", dist);
   sub_->add_option(both("max_restarts"), max_restarts_, "Restart every rank up to K times")
       ->group(dist);
+  sub_->add_option(both("min_processes"), min_processes_,
+                   "Elastic: after ranks are lost (killed by a signal), restart on the ones that "
+                   "remain while at least N do (needs --max_restarts)");
   sub_->add_option(both("monitor_interval"), monitor_, "Seconds between health checks")
       ->group(dist);
   sub_->add_option(both("grace_period"), grace_, "Seconds between SIGTERM and SIGKILL")
@@ -228,6 +231,7 @@ int LaunchCommand::run() {
     }
     launch::LaunchOptions lo;
     lo.max_restarts(max_restarts_)
+        .min_processes(min_processes_)
         .monitor_interval_s(monitor_)
         .grace_period_s(grace_)
         .log_dir(log_dir_)

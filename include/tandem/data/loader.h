@@ -34,6 +34,8 @@ struct LoaderState {
   /// Called with the start and end of every wait for a batch (the Accelerator's timeline).
   std::function<void(std::chrono::steady_clock::time_point, std::chrono::steady_clock::time_point)>
       on_wait;
+  /// Called once, as the first pass of any loader begins (the Accelerator's auto_resume).
+  std::function<void()> before_first_pass;
 };
 
 /// Options of a prepared loader.
@@ -125,6 +127,10 @@ class ResumableLoader {
   virtual void set_epoch(int64_t epoch) = 0;
   virtual int64_t position() const = 0;
   virtual void skip_first_batches(int64_t n) = 0;
+  /// Samples every position takes off the epoch over all data-parallel ranks (the per-rank
+  /// batch size times their number): position() x this is the samples the epoch consumed, so
+  /// a resume on another data-parallel size continues at the next sample.
+  virtual int64_t samples_per_position() const = 0;
 };
 
 namespace detail {
@@ -320,8 +326,14 @@ class DataLoader : public ResumableLoader {
   const DistributedSampler& sampler() const { return *sampler_; }
   /// Batches handed out in the current pass (including skipped ones).
   int64_t position() const override { return *position_; }
+  int64_t samples_per_position() const override { return batch_size_ * placement_.world; }
 
   iterator begin() {
+    if (state_ && state_->before_first_pass) {  // may set this loader's epoch and position
+      auto first_pass = std::move(state_->before_first_pass);
+      state_->before_first_pass = nullptr;
+      first_pass();
+    }
     auto indices = std::make_shared<std::vector<int64_t>>(sampler_->indices());
     auto mask = std::make_shared<std::vector<bool>>(sampler_->padding_mask());
     const int64_t total = size();

@@ -42,6 +42,12 @@ struct LaunchOptions {
   /// Seconds between SIGTERM and SIGKILL when the other ranks are stopped.
   TORCH_ARG(double, grace_period_s) = 5.0;
   TORCH_ARG(int, max_restarts) = 0;
+  /// Elastic on one machine (--min_processes): when ranks are lost (killed by a signal: the
+  /// out-of-memory killer, kill -9, a crash), a restart runs on the processes that remain while
+  /// at least this many do, instead of the full count; the program resumes from its latest
+  /// checkpoint on the smaller world (AcceleratorOptions().auto_resume). 0: every restart runs
+  /// num_processes ranks. Needs max_restarts >= 1.
+  TORCH_ARG(int, min_processes) = 0;
   TORCH_ARG(double, monitor_interval_s) = 0.1;
   TORCH_ARG(std::string, log_dir) = "";  ///< one log file per rank when set
   TORCH_ARG(bool, tee) = false;          ///< with log_dir: also print to the terminal
@@ -77,7 +83,8 @@ std::string describe_plan(const std::vector<RankPlan>& plan);
 /// Starts the plan's ranks, forwards their output prefixed with "[rank r] ", and waits. When a
 /// rank fails, the others are stopped (SIGTERM, then SIGKILL after the grace period) and that
 /// rank's exit code is returned (128 + signal for a signal), after a message naming it. With
-/// max_restarts, all ranks are started again (TANDEM_RESTART_COUNT counts restarts).
+/// max_restarts, all ranks are started again (TANDEM_RESTART_COUNT counts restarts); with
+/// min_processes, as many as survived the failure (ranks killed by a signal are lost).
 int run(std::vector<RankPlan> plan, const LaunchOptions& options);
 
 }  // namespace tandem::launch

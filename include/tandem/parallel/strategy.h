@@ -135,7 +135,8 @@ struct ResavedOptimizer {
   std::function<std::vector<std::string>(const std::string& name)> fields;
   std::function<at::Tensor(const std::string& name, const std::string& field)> field;
   std::function<std::optional<int64_t>(const std::string& name)> step;
-  /// Its fp32 master; undefined when the saving run kept none.
+  /// Whether the saving run kept an fp32 master of it, and the master.
+  std::function<bool(const std::string& name)> has_master;
   std::function<at::Tensor(const std::string& name)> master;
 };
 

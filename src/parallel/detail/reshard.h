@@ -58,6 +58,7 @@ class SavedTensors {
   std::optional<int64_t> step(size_t o, const std::string& name) const;
   /// Its fp32 master (a ZeRO shard copy or a mixed-precision master); undefined when none.
   at::Tensor master(size_t o, const std::string& name) const;
+  bool has_master(size_t o, const std::string& name) const;
 
  private:
   struct Impl;

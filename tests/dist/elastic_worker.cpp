@@ -1,0 +1,127 @@
+// One elastic training job: an MLP with AdamW over a prepared, shuffled loader (4 samples per
+// rank and step), checkpointing every 3 optimizer steps into --project (total_limit 2), resuming
+// by itself from the latest checkpoint (auto_resume), until --steps optimizer steps are done.
+//
+//   elastic_worker --project DIR --steps N [--exit_after S] [--kill_rank R --kill_after S]
+//                  [--kill_in_save K]
+//
+// --exit_after S: stop (exit 0) after step S, as a job stopped by hand. On the first attempt only
+// (TANDEM_RESTART_COUNT 0): --kill_rank R --kill_after S: rank R kills itself with SIGKILL after
+// step S; --kill_in_save K: the main process kills itself with SIGKILL in the middle of its K-th
+// save (in a registered object's save, after the other files were written). Rank 0 prints
+// "final_digest <sum of |parameters| in double>" and every rank "world <n> resumed <dir> step
+// <k>" after the resume.
+#include <signal.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+#include "tandem/accelerator.h"
+
+namespace {
+
+constexpr int64_t kSamples = 96, kPerRank = 4;
+
+struct Points : torch::data::datasets::Dataset<Points> {
+  torch::Tensor x, y;
+  Points() {
+    auto gen = at::detail::createCPUGenerator(11);
+    x = torch::randn({kSamples, 8}, gen);
+    y = torch::randn({kSamples, 1}, gen);
+  }
+  torch::data::Example<> get(size_t i) override {
+    return {x[static_cast<int64_t>(i)], y[static_cast<int64_t>(i)]};
+  }
+  torch::optional<size_t> size() const override { return kSamples; }
+};
+
+int run(int argc, char** argv) {
+  std::string project;
+  int steps = 10, exit_after = -1, kill_rank = -1, kill_after = -1, kill_in_save = -1;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--project") project = v;
+    else if (k == "--steps") steps = std::stoi(v);
+    else if (k == "--exit_after") exit_after = std::stoi(v);
+    else if (k == "--kill_rank") kill_rank = std::stoi(v);
+    else if (k == "--kill_after") kill_after = std::stoi(v);
+    else if (k == "--kill_in_save") kill_in_save = std::stoi(v);
+    else throw std::invalid_argument("unknown argument " + k);
+  }
+  const char* restart = std::getenv("TANDEM_RESTART_COUNT");
+  const bool first_attempt = !restart || std::string(restart) == "0";
+  tandem::Accelerator acc(tandem::AcceleratorOptions()
+                              .project_dir(project)
+                              .checkpoint_every_steps(3)
+                              .total_limit(2)
+                              .auto_resume(true));
+  torch::manual_seed(5);
+  auto model = acc.prepare(torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(),
+                                                 torch::nn::Linear(16, 1)));
+  auto opt = acc.prepare(std::make_shared<torch::optim::AdamW>(
+      model->parameters(), torch::optim::AdamWOptions(1e-2)));
+  int saves = 0;
+  acc.register_for_checkpointing(
+      "saves",
+      [&] {
+        ++saves;
+        if (first_attempt && saves == kill_in_save) {
+          std::printf("killing rank %d in save %d\n", acc.process_index(), saves);
+          std::fflush(stdout);
+          ::kill(::getpid(), SIGKILL);
+        }
+        return std::to_string(saves);
+      },
+      [&](const std::string& s) { saves = std::stoi(s); });
+  auto loader = acc.prepare_data_loader(
+      Points(), tandem::data::DataLoaderOptions().batch_size(kPerRank).shuffle(true).seed(2));
+  bool reported = false;
+  while (acc.step() < steps) {
+    for (auto& b : *loader) {
+      if (!reported) {
+        reported = true;
+        std::printf("world %d resumed %s step %lld\n", acc.num_processes(),
+                    acc.resumed().dir.empty() ? "-" : acc.resumed().dir.c_str(),
+                    static_cast<long long>(acc.step()));
+      }
+      auto loss = torch::mse_loss(model->forward(b.data), b.target);
+      acc.backward(loss);
+      opt.step();
+      opt.zero_grad();
+      const int s = static_cast<int>(acc.step());
+      if (first_attempt && acc.process_index() == kill_rank && s == kill_after) {
+        std::printf("killing rank %d after step %d\n", kill_rank, s);
+        std::fflush(stdout);
+        ::kill(::getpid(), SIGKILL);
+      }
+      if (s == exit_after) {
+        std::printf("stopped after step %d\n", s);
+        return 0;
+      }
+      if (s >= steps) break;
+    }
+    if (acc.step() < steps) loader->set_epoch(loader->epoch() + 1);
+  }
+  double digest = 0;
+  for (const auto& p : model->parameters()) digest += p.detach().to(torch::kDouble).abs().sum().item<double>();
+  if (acc.is_main_process()) std::printf("final_digest %.17g\n", digest);
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  torch::set_num_threads(1);
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "elastic_worker: " << e.what() << std::endl;
+    return 1;
+  }
+}
