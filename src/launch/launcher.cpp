@@ -1,5 +1,6 @@
 // tandem's local supervisor: fork/exec each rank, prefix its output, fail fast, forward signals.
 #include "tandem/launch/launcher.h"
+#include "tandem/launch/machine_rendezvous.h"
 #include "tandem/runtime.h"
 
 #include <fcntl.h>
@@ -400,6 +401,18 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
                                 "--num_machines=" + std::to_string(o.num_machines()) +
                                 ": leave it out, or run one machine (--max_restarts restarts "
                                 "every machine's ranks at the same size)");
+  if (o.min_machines() < 0 || o.min_machines() > o.num_machines())
+    throw std::invalid_argument("--min_machines=" + std::to_string(o.min_machines()) +
+                                " must be in [0, --num_machines=" +
+                                std::to_string(o.num_machines()) +
+                                "]: the fewest machines an attempt may run on");
+  if (o.min_machines() > 0 && o.min_processes() > 0)
+    throw std::invalid_argument("--min_machines and --min_processes together are not supported: "
+                                "across machines a job shrinks by whole machines; leave out "
+                                "--min_processes");
+  if (o.min_machines() > 0 && !(o.rdzv_timeout_s() > 0))
+    throw std::invalid_argument("--rdzv_timeout=" + number_text(o.rdzv_timeout_s()) +
+                                " must be above 0: seconds machine 0 waits for the others");
   if (!(o.grace_period_s() >= 0))
     throw std::invalid_argument("--grace_period=" + number_text(o.grace_period_s()) +
                                 " must be at least 0: seconds between SIGTERM and SIGKILL when "
@@ -561,7 +574,41 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
     }
   } restore{plan, error_dir, old_int, old_term};
   int rc = 0;
+  std::unique_ptr<MachineRendezvous> machines;
+  if (opts.min_machines() > 0) machines = std::make_unique<MachineRendezvous>(opts);
+  const std::vector<RankPlan> launched = plan;
   for (int attempt = 0;; ++attempt) {
+    if (machines) {
+      // Note [Elastic machines]: this attempt's machines, and this one's rank among them.
+      const auto members = machines->join(attempt);
+      const auto it = std::find(members.begin(), members.end(), opts.machine_rank());
+      if (it == members.end()) {
+        write_all(2, "tandem launch: machine " + std::to_string(opts.machine_rank()) +
+                         " came after attempt " + std::to_string(attempt) +
+                         "'s machines were fixed without it; it stops here\n");
+        return 1;
+      }
+      const int machine = static_cast<int>(it - members.begin());
+      const int n = static_cast<int>(members.size());
+      const int per = static_cast<int>(launched.size());
+      if (n != opts.num_machines() || attempt > 0) {
+        std::string list;
+        for (int m : members) list += (list.empty() ? "" : ", ") + std::to_string(m);
+        write_all(2, "tandem launch: attempt " + std::to_string(attempt) + " runs on " +
+                         std::to_string(n) + " of " + std::to_string(opts.num_machines()) +
+                         " machines (" + list + "); this one is machine " +
+                         std::to_string(machine) + "\n");
+      }
+      plan = launched;
+      for (auto& p : plan) {
+        p.rank = machine * per + p.local_rank;
+        p.env["RANK"] = std::to_string(p.rank);
+        p.env["WORLD_SIZE"] = std::to_string(n * per);
+        p.env["GROUP_RANK"] = p.env["NODE_RANK"] = std::to_string(machine);
+        if (p.env.count(config::var::kNumMachines))
+          p.env[config::var::kNumMachines] = std::to_string(n);
+      }
+    }
     std::vector<Child> children(plan.size());
     for (size_t i = 0; i < plan.size(); ++i) {
       children[i].plan = plan[i];
@@ -578,6 +625,11 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
     if (rc == 0 || interrupted || attempt >= opts.max_restarts()) break;
     const std::string restart =
         "restart " + std::to_string(attempt + 1) + " of " + std::to_string(opts.max_restarts());
+    if (machines) {
+      write_all(2, "tandem launch: restarting this machine's ranks with the machines that come "
+                   "to the next meeting (" + restart + ")\n");
+      continue;
+    }
     if (opts.min_processes() == 0 || lost.empty()) {
       write_all(2, "tandem launch: restarting all ranks (" + restart + ")\n");
       continue;

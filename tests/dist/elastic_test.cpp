@@ -10,8 +10,11 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "../common/launch.h"
 #include "../common/subprocess.h"
+#include "../common/two_hosts.h"
 
 using tandem::testing::count_of;
 using tandem::testing::launch;
@@ -31,18 +34,19 @@ LaunchOptions elastic() {
   return LaunchOptions().flags({"--min_processes", "3", "--max_restarts", "1"}).timeout_s(180);
 }
 
-// 4 ranks for 3 steps (one checkpoint), then 3 ranks from it to step 10.
-std::string by_hand_digest() {
+// 4 ranks for 3 steps (one checkpoint), then `then` ranks from it to step 10.
+std::string by_hand_digest(int then = 3) {
   const auto project = tandem::testing::temp_path("elastic", "by-hand");
   std::system(("rm -rf " + project).c_str());
   auto first = launch(4, kWorker, {"--project", project, "--steps", "10", "--exit_after", "3"},
                       LaunchOptions().timeout_s(180));
   EXPECT_EQ(first.exit_code, 0) << first.output;
-  auto second = launch(3, kWorker, {"--project", project, "--steps", "10"},
+  auto second = launch(then, kWorker, {"--project", project, "--steps", "10"},
                        LaunchOptions().timeout_s(180));
   EXPECT_EQ(second.exit_code, 0) << second.output;
-  EXPECT_EQ(count_of(second.output, "world 3 resumed " + project + "/checkpoints/checkpoint_0 step 3"),
-            3)
+  EXPECT_EQ(count_of(second.output, "world " + std::to_string(then) + " resumed " + project +
+                                        "/checkpoints/checkpoint_0 step 3"),
+            then)
       << second.output;
   std::system(("rm -rf " + project).c_str());
   const auto d = digest_of(second.output);
@@ -97,7 +101,7 @@ TEST(Elastic, FewerSurvivorsThanTheMinimumEndTheJob) {
   std::system(("rm -rf " + project).c_str());
 }
 
-TEST(Elastic, MinProcessesNeedsRestartsAndOneMachine) {
+TEST(Elastic, MinimumSizesAreChecked) {
   auto r = launch(2, kWorker, {"--project", "/tmp/unused", "--steps", "1"},
                   LaunchOptions().flags({"--min_processes", "1"}).timeout_s(60));
   EXPECT_EQ(r.exit_code, 2) << r.output;
@@ -107,4 +111,49 @@ TEST(Elastic, MinProcessesNeedsRestartsAndOneMachine) {
   EXPECT_EQ(over.exit_code, 2) << over.output;
   EXPECT_EQ(count_of(over.output, "--min_processes=3 must be in [0, --num_processes=2]"), 1)
       << over.output;
+  auto machines = launch(2, kWorker, {"--project", "/tmp/unused", "--steps", "1"},
+                         LaunchOptions().flags({"--min_machines", "2"}).timeout_s(60));
+  EXPECT_EQ(machines.exit_code, 2) << machines.output;
+  EXPECT_EQ(count_of(machines.output, "--min_machines=2 must be in [0, --num_machines=1]"), 1)
+      << machines.output;
+}
+
+// Note [Elastic machines]: two machines of 2 ranks (network namespaces joined by a veth pair);
+// machine 1 is lost after step 5 (its launcher and ranks killed). Machine 0's launcher meets
+// nobody else at the next attempt's rendezvous (--rdzv_timeout 5), runs alone on 2 ranks and
+// resumes from the checkpoint of step 3: the weights of a job taken from 4 ranks to 2 at step 3
+// by hand.
+TEST(Elastic, LostMachineRestartsTheJobOnTheMachinesThatRemain) {
+  if (geteuid() != 0) GTEST_SKIP() << "creating network namespaces needs root (ip netns add)";
+  tandem::testing::TwoHosts hosts;
+  const std::string why = hosts.setup();
+  if (!hosts.created())
+    GTEST_SKIP() << "network namespaces are not permitted here, so two machines cannot be "
+                    "simulated ("
+                 << why << ")";
+  ASSERT_EQ(why, "") << "setting up the two hosts failed";
+  const auto expected = by_hand_digest(2);
+  const auto project = tandem::testing::temp_path("elastic", "machines");
+  std::system(("rm -rf " + project).c_str());
+  auto machine = [&](int rank) {
+    return hosts.in(rank, {TANDEM_CLI, "launch", "--num_machines", "2", "--machine_rank",
+                           std::to_string(rank), "--main_process_ip", "10.231.0.1",
+                           "--main_process_port", "29500", "--num_processes", "4", "--cpu",
+                           "--num_cpu_threads_per_process", "1", "--grace_period", "2",
+                           "--max_restarts", "1", "--min_machines", "1", "--rdzv_timeout", "5",
+                           kWorker, "--project", project, "--steps", "10", "--kill_rank", "3",
+                           "--kill_after", "5", "--kill_machine"});
+  };
+  auto [r0, r1] = tandem::testing::run_two_machines(machine(0), machine(1), 1.0, 60, 180);
+  EXPECT_EQ(r0.exit_code, 0) << r0.output << "\n---- machine 1:\n" << r1.output;
+  EXPECT_EQ(r1.exit_code, 128 + 9) << r1.output;
+  EXPECT_EQ(count_of(r1.output, "killing rank 3 and its machine's launcher after step 5"), 1)
+      << r1.output;
+  EXPECT_EQ(count_of(r0.output, "attempt 1 runs on 1 of 2 machines (0); this one is machine 0"), 1)
+      << r0.output;
+  EXPECT_EQ(count_of(r0.output, "world 2 resumed " + project + "/checkpoints/checkpoint_0 step 3"),
+            2)
+      << r0.output;
+  EXPECT_EQ(digest_of(r0.output), expected) << r0.output;
+  std::system(("rm -rf " + project).c_str());
 }

@@ -3,11 +3,12 @@
 // by itself from the latest checkpoint (auto_resume), until --steps optimizer steps are done.
 //
 //   elastic_worker --project DIR --steps N [--exit_after S] [--kill_rank R --kill_after S]
-//                  [--kill_in_save K]
+//                  [--kill_in_save K] [--kill_machine]
 //
 // --exit_after S: stop (exit 0) after step S, as a job stopped by hand. On the first attempt only
 // (TANDEM_RESTART_COUNT 0): --kill_rank R --kill_after S: rank R kills itself with SIGKILL after
-// step S; --kill_in_save K: the main process kills itself with SIGKILL in the middle of its K-th
+// step S (with --kill_machine, its launcher first: the machine's other ranks die with it, as when
+// a machine is lost); --kill_in_save K: the main process kills itself with SIGKILL in the middle of its K-th
 // save (in a registered object's save, after the other files were written). Rank 0 prints
 // "final_digest <sum of |parameters| in double>" and every rank "world <n> resumed <dir> step
 // <k>" after the resume.
@@ -43,8 +44,16 @@ struct Points : torch::data::datasets::Dataset<Points> {
 int run(int argc, char** argv) {
   std::string project;
   int steps = 10, exit_after = -1, kill_rank = -1, kill_after = -1, kill_in_save = -1;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
+  bool kill_machine = false;
+  for (int i = 1; i < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--kill_machine") {
+      kill_machine = true;
+      --i;
+      continue;
+    }
+    if (i + 1 >= argc) throw std::invalid_argument(k + " needs a value");
+    const std::string v = argv[i + 1];
     if (k == "--project") project = v;
     else if (k == "--steps") steps = std::stoi(v);
     else if (k == "--exit_after") exit_after = std::stoi(v);
@@ -95,8 +104,13 @@ int run(int argc, char** argv) {
       opt.zero_grad();
       const int s = static_cast<int>(acc.step());
       if (first_attempt && acc.process_index() == kill_rank && s == kill_after) {
-        std::printf("killing rank %d after step %d\n", kill_rank, s);
+        std::printf("killing rank %d%s after step %d\n", kill_rank,
+                    kill_machine ? " and its machine's launcher" : "", s);
         std::fflush(stdout);
+        if (kill_machine) {
+          ::usleep(500 * 1000);  // the launcher relays the line above before it goes
+          ::kill(::getppid(), SIGKILL);
+        }
         ::kill(::getpid(), SIGKILL);
       }
       if (s == exit_after) {

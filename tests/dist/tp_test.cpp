@@ -344,11 +344,7 @@ TEST(TensorParallel, AcceleratorCheckpointResumesBitwise) {
   expect_merge_gives_the_dense_model(dir);
   for (int r = 0; r < 4; ++r)
     EXPECT_TRUE(std::ifstream(dir + "/optimizer.mp" + std::to_string(r) + ".json").good()) << r;
-  // The shards resume only on the mesh that saved them: without --tp_size every rank refuses.
-  auto refused = launch(4, kWorker, {"accelerate", "--load_dir", dir}, with_flags());
-  EXPECT_NE(refused.exit_code, 0) << refused.output;
-  EXPECT_GE(count_of(refused.output, "every rank's shards resume only on the same mesh"), 1)
-      << refused.output;
+  // On another mesh the shards are joined and cut again: tests/dist/reshard_test.cpp.
   std::system(("rm -rf " + dir).c_str());
 }
 

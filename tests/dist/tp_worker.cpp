@@ -564,10 +564,8 @@ void typed(const std::string& variant) {
 void accelerate(const std::string& save_dir, const std::string& load_dir, bool sequence_parallel) {
   tandem::Accelerator acc;
   const auto* mesh = acc.mesh();
-  if (mesh->size("tp") == 1) {
-    if (!load_dir.empty()) acc.load_state(load_dir);  // a tensor-parallel checkpoint: refused
+  if (mesh->size("tp") == 1)
     throw std::runtime_error("the Accelerator's topology has no tensor-parallel dimension");
-  }
   auto& dp_group = acc.data_parallel_group();
   const int t = mesh->coordinate("tp"), n = mesh->size("tp");
   const int d = dp_group.rank(), dp = dp_group.size();

@@ -93,7 +93,15 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
       ->group(dist);
   sub_->add_option(both("min_processes"), min_processes_,
                    "Elastic: after ranks are lost (killed by a signal), restart on the ones that "
-                   "remain while at least N do (needs --max_restarts)");
+                   "remain while at least N do (needs --max_restarts)")
+      ->group(dist);
+  sub_->add_option(both("min_machines"), min_machines_,
+                   "Elastic machines: before every attempt the machines meet (machine 0 hosts "
+                   "it on --main_process_port + 1); run on those that came, at least N")
+      ->group(dist);
+  sub_->add_option(both("rdzv_timeout"), rdzv_timeout_,
+                   "Seconds machine 0 waits for the other machines at each meeting (30)")
+      ->group(dist);
   sub_->add_option(both("monitor_interval"), monitor_, "Seconds between health checks")
       ->group(dist);
   sub_->add_option(both("grace_period"), grace_, "Seconds between SIGTERM and SIGKILL")
@@ -232,6 +240,8 @@ int LaunchCommand::run() {
     launch::LaunchOptions lo;
     lo.max_restarts(max_restarts_)
         .min_processes(min_processes_)
+        .min_machines(min_machines_)
+        .rdzv_timeout_s(rdzv_timeout_)
         .monitor_interval_s(monitor_)
         .grace_period_s(grace_)
         .log_dir(log_dir_)

@@ -41,6 +41,8 @@ class LaunchCommand {
   std::string config_file_, threads_;
   int max_restarts_ = 0;
   int min_processes_ = 0;
+  int min_machines_ = 0;
+  double rdzv_timeout_ = 30.0;
   double monitor_ = 0.1, grace_ = 5.0;
   std::string log_dir_;
   bool tee_ = false, quiet_ = false, dry_run_ = false;

@@ -48,6 +48,13 @@ struct LaunchOptions {
   /// checkpoint on the smaller world (AcceleratorOptions().auto_resume). 0: every restart runs
   /// num_processes ranks. Needs max_restarts >= 1.
   TORCH_ARG(int, min_processes) = 0;
+  /// Elastic across machines (--min_machines): before every attempt the machines' launchers
+  /// meet (machine 0 hosts the meeting on main_process_port + 1) and the attempt runs on the
+  /// machines that came, while at least this many did (Note [Elastic machines]); a lost
+  /// machine's launcher never comes again. 0: a fixed set of machines.
+  TORCH_ARG(int, min_machines) = 0;
+  /// How long machine 0 waits for the other machines at each meeting (--rdzv_timeout).
+  TORCH_ARG(double, rdzv_timeout_s) = 30.0;
   TORCH_ARG(double, monitor_interval_s) = 0.1;
   TORCH_ARG(std::string, log_dir) = "";  ///< one log file per rank when set
   TORCH_ARG(bool, tee) = false;          ///< with log_dir: also print to the terminal
