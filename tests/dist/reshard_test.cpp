@@ -80,6 +80,8 @@ const Layout kPp2{2, {"--pp_size", "2"}};
 const Layout kDp2{2, {}};
 const Layout kZero2On4{4, {"--use_deepspeed", "--zero_stage", "2"}};
 const Layout kPp2Tp2{4, {"--pp_size", "2", "--tp_size", "2"}};
+const Layout kZero3Tp2{4, {"--tp_size", "2", "--use_deepspeed", "--zero_stage", "3"}};
+const Layout kZero1On2{2, {"--use_deepspeed", "--zero_stage", "1"}};
 
 }  // namespace
 
@@ -105,4 +107,17 @@ TEST(Reshard, Zero2ResumesOnTensorParallel) {
 TEST(Reshard, PipelineTimesTensorParallelResumesOnDataTimesTensorParallel) {
   expect_resume_equals_dense(kPp2Tp2, kDp2Tp2, "pp 2 x tp 2 (4 processes, ddp)",
                              "dp 2 x tp 2 (4 processes, ddp)");
+}
+
+// Sharded on a mesh (each tp rank's shards cut again over its data-parallel pair) into another
+// ZeRO stage without tensor parallel, and a ZeRO checkpoint onto a pipeline of tensor-parallel
+// stages.
+TEST(Reshard, Zero3TimesTensorParallelResumesOnZero1) {
+  expect_resume_equals_dense(kZero3Tp2, kZero1On2, "dp 2 x tp 2 (4 processes, zero-3)",
+                             "dp 2 (2 processes, zero-1)");
+}
+
+TEST(Reshard, Zero1ResumesOnPipelineTimesTensorParallel) {
+  expect_resume_equals_dense(kZero1On2, kPp2Tp2, "dp 2 (2 processes, zero-1)",
+                             "pp 2 x tp 2 (4 processes, ddp)");
 }
