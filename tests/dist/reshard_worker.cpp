@@ -107,6 +107,18 @@ int run(const Args& a) {
   const auto order = tandem::data::DistributedSampler(
                          kSamples, tandem::data::SamplerOptions().shuffle(true).seed(kSeed))
                          .indices();
+  // One dense step on global batch s; returns its loss.
+  auto dense_step = [&](int s) {
+    auto rows = torch::tensor(std::vector<int64_t>(order.begin() + s * kBatch,
+                                                   order.begin() + (s + 1) * kBatch));
+    auto ids = data.ids.index_select(0, rows);
+    dense_opt.zero_grad();
+    auto loss =
+        examples::gpt_sequential_loss(dense->forward(ids.slice(1, 0, c.context)), ids.slice(1, 1));
+    loss.backward();
+    dense_opt.step();
+    return loss.detach();
+  };
   auto loader = acc.prepare_data_loader(
       Tokens(c),
       tandem::data::DataLoaderOptions().batch_size(kBatch / dp.size()).shuffle(true).seed(kSeed));
@@ -116,25 +128,12 @@ int run(const Args& a) {
     std::printf("resumed at step %d from %s resharded %d loaders %d\n", first,
                 loaded.saved_layout.c_str(), loaded.resharded ? 1 : 0, loaded.loaders ? 1 : 0);
     for (int s = 0; s < first; ++s) {  // the dense model catches up
-      auto rows = torch::tensor(std::vector<int64_t>(order.begin() + s * kBatch,
-                                                     order.begin() + (s + 1) * kBatch));
-      auto ids = data.ids.index_select(0, rows);
-      dense_opt.zero_grad();
-      examples::gpt_sequential_loss(dense->forward(ids.slice(1, 0, c.context)), ids.slice(1, 1))
-          .backward();
-      dense_opt.step();
+      dense_step(s);
     }
   }
   int s = first;
   for (auto& b : *loader) {
-    auto rows = torch::tensor(std::vector<int64_t>(order.begin() + s * kBatch,
-                                                   order.begin() + (s + 1) * kBatch));
-    auto ids = data.ids.index_select(0, rows);
-    dense_opt.zero_grad();
-    auto dl =
-        examples::gpt_sequential_loss(dense->forward(ids.slice(1, 0, c.context)), ids.slice(1, 1));
-    dl.backward();
-    dense_opt.step();
+    const auto dl = dense_step(s);
     double loss = 0;
     if (pipe) {
       loss = pipe->step(pipe->is_first() ? b.data : at::Tensor(),
