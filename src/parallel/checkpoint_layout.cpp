@@ -65,18 +65,14 @@ struct Layout {
 // The models' parameters by their qualified names (ZeRO's: "model<m>." before them with several
 // models; a tied weight under its first name) and the tensor-parallel split of each.
 struct ParamNames {
-  std::map<const void*, std::string> name;
+  std::map<const void*, std::string> name;   // detail::qualified_parameter_names
   std::map<std::string, std::string> split;  // qualified name -> "cols", "rows/P"; absent: whole
 
-  explicit ParamNames(const std::vector<std::shared_ptr<torch::nn::Module>>& models) {
+  explicit ParamNames(const std::vector<std::shared_ptr<torch::nn::Module>>& models)
+      : name(detail::qualified_parameter_names(models)) {
     for (size_t m = 0; m < models.size(); ++m) {
       const std::string prefix = models.size() > 1 ? "model" + std::to_string(m) + "." : "";
-      const auto cuts = tensor_parallel_splits(*models[m]);
-      for (const auto& kv : models[m]->named_parameters()) {
-        if (!name.emplace(kv.value().unsafeGetTensorImpl(), prefix + kv.key()).second) continue;
-        auto it = cuts.find(kv.key());
-        if (it != cuts.end()) split[prefix + kv.key()] = it->second;
-      }
+      for (const auto& [local, how] : tensor_parallel_splits(*models[m])) split[prefix + local] = how;
     }
   }
   std::string how(const std::string& qualified) const {
@@ -109,7 +105,8 @@ json parameter_record(const torch::optim::Optimizer& opt, const ParamNames& name
 bool mesh_changed(const StateReader& r, const Topology& topology) {
   const auto saved = detail::saved_run_layout(r);
   if (!saved.recorded) return false;  // an earlier checkpoint: its own "mesh" check decides
-  if (!detail::model_parallel_mesh(saved.mesh) && !topology.model_parallel()) return false;  // ZeRO reshards over dp itself
+  // Without model parallel on either side, ZeRO reshards over dp by itself.
+  if (!detail::model_parallel_mesh(saved.mesh) && !topology.model_parallel()) return false;
   return saved.mesh != topology.shape_string();
 }
 

@@ -12,6 +12,7 @@
 #include "detail/reshard.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/module.h>
 
 #include <nlohmann/json.hpp>
 
@@ -42,7 +43,6 @@ struct Range {
 
 // One tp rank's tensor of a dense one: its shape and where its elements are.
 struct Shard {
-  int tp_rank = 0;
   std::vector<int64_t> shape;
   std::vector<Range> ranges;
 };
@@ -127,6 +127,16 @@ SavedRunLayout saved_run_layout(const checkpoint::StateReader& r) {
   return out;
 }
 
+std::map<const void*, std::string> qualified_parameter_names(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& models) {
+  std::map<const void*, std::string> out;
+  for (size_t m = 0; m < models.size(); ++m)
+    for (const auto& kv : models[m]->named_parameters())
+      out.emplace(kv.value().unsafeGetTensorImpl(),
+                  (models.size() > 1 ? "model" + std::to_string(m) + "." : "") + kv.key());
+  return out;
+}
+
 at::Tensor cut_for_rank(const at::Tensor& dense, const std::string& how, int rank, int size) {
   if (how.empty() || size == 1) return dense;
   if (how == "cols") return shard_cols(dense, rank, size);
@@ -163,7 +173,6 @@ struct SavedTensors::Impl {
       p.how = how;
       p.tp_size = tp_size;
     }
-    shard.tp_rank = tp_rank;
     p.shards.emplace(tp_rank, std::move(shard));
   }
 
@@ -357,12 +366,6 @@ at::Tensor SavedTensors::model_tensor(size_t m, const std::string& name) const {
   auto it = index.find(name);
   if (it == index.end()) return {};
   return impl_->dense(it->second, "model tensor " + name);
-}
-
-std::vector<std::string> SavedTensors::model_names(size_t m) const {
-  std::vector<std::string> out;
-  for (const auto& [name, p] : impl_->models.at(m)) out.push_back(name);
-  return out;
 }
 
 std::string SavedTensors::optimizer_json(size_t o) const { return impl_->optimizers.at(o).json; }

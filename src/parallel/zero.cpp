@@ -17,6 +17,7 @@
 
 #include "../compat/optimizer.h"
 #include "detail/flat_alias.h"
+#include "detail/reshard.h"
 #include "detail/state_on_disk.h"
 #include "detail/strategies.h"
 #include "tandem/checkpoint/optimizer_state.h"
@@ -308,6 +309,15 @@ struct ShardedOptimizer {
   std::shared_ptr<ProcessGroup> replicas;  // Note [Hybrid sharding]; null without replicas
   std::unique_ptr<StateOnDisk> disk;       // Note [Optimizer state on disk]; null: in memory
 };
+
+// Each unit's index among its parameter group's units: the index of its shard in the
+// optimizer's group, which names its state in checkpoints (optimizer_param_key).
+std::vector<size_t> index_in_group(const ShardedOptimizer& s) {
+  std::map<int, size_t> next;
+  std::vector<size_t> out;
+  for (const auto& u : s.units) out.push_back(next[u.group]++);
+  return out;
+}
 
 Work ZeroHook::start(ProcessGroup& pg, GradBucket& b) {
   Unit& u = owner_->units[owner_->unit_of_bucket[b.index]];
@@ -697,11 +707,7 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
     fail("ZeRO shards the optimizer's state, so it needs an optimizer that has not stepped yet; "
          "prepare it before its first step");
   if (find(optimizer)) fail("this optimizer was already prepared");
-  std::map<const void*, std::string> name_of;
-  for (size_t m = 0; m < models_.size(); ++m)
-    for (const auto& kv : models_[m]->named_parameters())
-      name_of.emplace(kv.value().unsafeGetTensorImpl(),
-                      (models_.size() > 1 ? "model" + std::to_string(m) + "." : "") + kv.key());
+  const auto name_of = qualified_parameter_names(models_);
   std::map<const void*, int> group_of;
   auto& param_groups = optimizer.param_groups();
   for (size_t g = 0; g < param_groups.size(); ++g)
@@ -1040,10 +1046,10 @@ checkpoint::OptimizerState ZeroStrategy::optimizer_shard_state(
       for (auto& [name, t] : read_back[k]) *t = at::Tensor();  // the copies live on in `st` alone
   auto doc = json::parse(st.json);
   json units = json::array();
-  std::map<int, size_t> index_in_group;
-  for (const auto& u : s->units) {
-    const size_t i = index_in_group[u.group]++;
-    const auto key = checkpoint::optimizer_param_key(static_cast<size_t>(u.group), i);
+  const auto index = index_in_group(*s);
+  for (size_t k = 0; k < s->units.size(); ++k) {
+    const auto& u = s->units[k];
+    const auto key = checkpoint::optimizer_param_key(static_cast<size_t>(u.group), index[k]);
     json shapes = json::array();  // Note [Resharding a checkpoint]: each parameter's shape
     for (const auto& p : u.params) shapes.push_back(p.sizes().vec());
     units.push_back({{"key", key}, {"numel", u.numel}, {"names", u.names}, {"shapes", shapes},
@@ -1112,11 +1118,10 @@ void ZeroStrategy::load_optimizer_shards(
   for (auto& group : doc["param_groups"]) {
     for (auto& shape : group["shapes"]) shape = json::array();
   }
-  std::map<int, size_t> index_in_group;
-  for (const auto& u : s->units) {
-    const size_t i = index_in_group[u.group]++;
-    doc["param_groups"][static_cast<size_t>(u.group)]["shapes"][i] = {u.shard.numel};
-  }
+  const auto index = index_in_group(*s);
+  for (size_t k = 0; k < s->units.size(); ++k)
+    doc["param_groups"][static_cast<size_t>(s->units[k].group)]["shapes"][index[k]] =
+        {s->units[k].shard.numel};
   doc.erase("zero");
   state.json = doc.dump();
   checkpoint::load_optimizer_state(optimizer, state);
@@ -1168,10 +1173,6 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroStrategy::model_state(
   return out;
 }
 
-// Note [Loading into shards]: a released unit's parameters are read only where this rank's
-// chunk covers them (the safetensors headers give each tensor's offsets, so each rank reads its
-// byte ranges and no rank holds the whole model); resident units are loaded whole. The checks
-// of load_model (names, shapes, dtypes, strict) see every parameter as it is in the model.
 // Note [Resharding a checkpoint]: the optimizer of a run saved on another layout, restored
 // through load_optimizer_shards as if one rank had saved this run's units whole: each unit's
 // tensors are its parameters' dense state (cut for this rank's tp coordinate) laid end to end,
@@ -1188,13 +1189,13 @@ void ZeroStrategy::load_optimizer_resharded(torch::optim::Optimizer& optimizer,
               doc.contains("param_groups") ? doc["param_groups"].size() : 0,
               " parameter groups, this run's ", groups, ": build the optimizer as it was saved");
   json units = json::array(), state = json::object();
-  std::map<int, size_t> index_in_group;
+  const auto index = index_in_group(*s);
   std::vector<size_t> per_group(groups, 0);
   std::map<std::string, const Unit*> unit_of_key;
-  for (const auto& u : s->units) {
-    const size_t i = index_in_group[u.group]++;
+  for (size_t k = 0; k < s->units.size(); ++k) {
+    const auto& u = s->units[k];
     ++per_group[static_cast<size_t>(u.group)];
-    const auto key = checkpoint::optimizer_param_key(static_cast<size_t>(u.group), i);
+    const auto key = checkpoint::optimizer_param_key(static_cast<size_t>(u.group), index[k]);
     unit_of_key[key] = &u;
     bool masters = !u.alias;
     for (const auto& n : u.names) masters = masters && saved.has_master(n);
@@ -1284,7 +1285,7 @@ void ZeroStrategy::load_model_tensors(torch::nn::Module& model,
                 " has shape ", source.sizes(), " in the checkpoint, ", t.sizes(), " here");
     auto flat = source.reshape({-1});
     for (const auto& slice : it->second)
-      const_cast<at::Tensor&>(slice.dst).copy_(flat.narrow(0, slice.begin, slice.dst.numel()));
+      slice.dst.copy_(flat.narrow(0, slice.begin, slice.dst.numel()));
   };
   for (auto p : model.named_parameters()) load(p.key(), p.value());
   for (auto b : model.named_buffers())
@@ -1293,6 +1294,10 @@ void ZeroStrategy::load_model_tensors(torch::nn::Module& model,
     u->shard_param.copy_(u->flat.narrow(0, u->shard.offset, u->shard.numel));
 }
 
+// Note [Loading into shards]: a released unit's parameters are read only where this rank's
+// chunk covers them (the safetensors headers give each tensor's offsets, so each rank reads its
+// byte ranges and no rank holds the whole model); resident units are loaded whole. The checks
+// of load_model (names, shapes, dtypes, strict) see every parameter as it is in the model.
 checkpoint::LoadReport ZeroStrategy::load_model_state(torch::nn::Module& model,
                                                       const std::string& path,
                                                       const checkpoint::LoadOptions& options) {

@@ -13,6 +13,9 @@
 namespace tandem::checkpoint {
 class StateReader;
 }
+namespace torch::nn {
+class Module;
+}
 
 namespace tandem::parallel::detail {
 
@@ -44,8 +47,6 @@ class SavedTensors {
 
   /// The dense tensor `name` of model m; undefined when the checkpoint lacks it.
   at::Tensor model_tensor(size_t m, const std::string& name) const;
-  /// The model tensors' names of model m.
-  std::vector<std::string> model_names(size_t m) const;
 
   /// Optimizer o: its saved type and parameter groups' options ({"type", "param_groups":
   /// [{"options"}]}, as checkpoint::optimizer_state writes them).
@@ -64,6 +65,12 @@ class SavedTensors {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// The parameters of `models` by the names checkpoints and ZeRO's units give them: the module's
+/// dotted name, with "model<m>." before it when there are several models; a tensor registered
+/// under several names (a tied weight) under its first.
+std::map<const void*, std::string> qualified_parameter_names(
+    const std::vector<std::shared_ptr<torch::nn::Module>>& models);
 
 /// `dense` cut for tensor-parallel rank `rank` of `size` as `how` ("" whole, "cols", "rows/P").
 at::Tensor cut_for_rank(const at::Tensor& dense, const std::string& how, int rank, int size);
