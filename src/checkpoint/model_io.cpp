@@ -321,6 +321,12 @@ void save_model_tensors(const NamedTensors& tensors, const std::string& dir,
   }
 }
 
+std::map<std::string, std::string> checkpoint_tensor_files(const std::string& path) {
+  std::map<std::string, std::string> out;
+  for (auto& [name, entry] : read_headers(resolve(path))) out[name] = entry.file;
+  return out;
+}
+
 std::string LoadReport::to_string() const {
   std::string s;
   for (const auto& n : missing) s += "  missing from the checkpoint: " + n + "\n";

@@ -93,7 +93,8 @@ void BuildScope::ended(Hookable* module) {
   // What ended before this module's end (its members among them) is complete now; this module
   // is complete once its own constructor returns, so it waits for the next event.
   flush();
-  if (static_cast<int>(marks_.size()) == unit_depth_) pending_.push_back(module);
+  if (unit_depth_ == kEveryModule || static_cast<int>(marks_.size()) == unit_depth_)
+    pending_.push_back(module);
 }
 
 void BuildScope::forget(Hookable* module) {

@@ -14,6 +14,7 @@
 #include "tandem/parallel/tensor_parallel.h"
 
 #include "tandem/nn/module.h"
+#include "nn/detail/replace_child.h"
 
 namespace tandem::parallel {
 namespace {
@@ -160,23 +161,7 @@ struct ShardBook {
   }
 };
 
-// Puts `replacement` in the place of `parent`'s child `name`: registered (replace_module), and
-// inside a Sequential's or a ModuleList's own list too, which their forward and iteration use.
-void replace_child(torch::nn::Module& parent, const std::string& name,
-                   const std::shared_ptr<torch::nn::Module>& replacement,
-                   const torch::nn::AnyModule& any) {
-  auto children = parent.named_children();
-  int64_t index = -1;
-  for (size_t i = 0; i < children.size(); ++i)
-    if (children[i].key() == name) index = static_cast<int64_t>(i);
-  parent.replace_module(name, replacement);
-  if (index < 0) return;
-  if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&parent)) {
-    *(seq->begin() + index) = any;
-  } else if (auto* list = dynamic_cast<torch::nn::ModuleListImpl*>(&parent)) {
-    *(list->begin() + index) = replacement;
-  }
-}
+using tandem::nn::detail::replace_child;
 
 // Note [Sequence-parallel parameter gradients]: a per-token module on sequence shards sees only
 // this rank's positions, so the gradient of each of its (replicated) parameters is a partial

@@ -1,9 +1,10 @@
-// The `tandem` command line: launch, config, env, estimate-memory, merge-weights. Thin: the logic lives in src/.
+// The `tandem` command line: launch, config, env, estimate-memory, merge-weights, quantize. Thin: the logic lives in src/.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
 
 #include "tandem/checkpoint/merge_weights.h"
+#include "tandem/inference/quantize.h"
 #include "tandem/version.h"
 #include "estimate_memory_cmd.h"
 #include "launch_cmd.h"
@@ -37,6 +38,28 @@ int main(int argc, char** argv) {
   merge->add_option("--model_index", merge_index,
                     "Which prepared model of a save_state() checkpoint (0: model.safetensors)");
 
+  // --- quantize ------------------------------------------------------------------------------
+  auto* quant = app.add_subcommand(
+      "quantize",
+      "Write a checkpoint with its linear layers' weights quantized for inference: int8 with a "
+      "scale per output channel, or int4 in groups with a scale and zero point each");
+  std::string quant_in, quant_out, quant_layout = "auto";
+  bool quant_int8 = false, quant_int4 = false;
+  int64_t quant_group = 128;
+  std::vector<std::string> quant_skip{"lm_head"};
+  quant->add_option("input", quant_in, "A checkpoint: directory, .safetensors or index .json")
+      ->required();
+  quant->add_option("output", quant_out, "A new directory: model.safetensors and IN's JSON files")
+      ->required();
+  auto* q8 = quant->add_flag("--int8", quant_int8, "int8, one scale per output channel");
+  auto* q4 = quant->add_flag("--int4", quant_int4, "int4 in groups along the input");
+  q8->excludes(q4);
+  quant->add_option("--group_size", quant_group, "int4 group size: 32, 64, 128 or 256");
+  quant->add_option("--skip", quant_skip, "Layers kept in floating point: names containing any "
+                    "of these (default lm_head)");
+  quant->add_option("--weight_layout", quant_layout, "auto (in_out for a GPT-2 config.json, else "
+                    "out_in), out_in (Linear) or in_out (Conv1D)");
+
   const int parsed_argc = launch.split_program(argc, argv);  // PROGRAM [ARGS...] stays untouched
   CLI11_PARSE(app, parsed_argc, argv);
 
@@ -49,6 +72,26 @@ int main(int argc, char** argv) {
       auto r = tandem::checkpoint::merge_weights(merge_in, merge_out, merge_index);
       std::cout << "merged " << r.tensors << " tensors (" << r.bytes << " bytes) from " << r.sources
                 << " file" << (r.sources == 1 ? "" : "s") << " into " << r.output << "\n";
+      return 0;
+    }
+    if (*quant) {
+      if (!quant_int8 && !quant_int4) {
+        std::cerr << "tandem quantize: give --int8 or --int4\n";
+        return 2;
+      }
+      if (quant_int8 && quant->count("--group_size")) {
+        std::cerr << "tandem quantize: --group_size applies to --int4\n";
+        return 2;
+      }
+      auto r = tandem::inference::quantize_checkpoint(
+          quant_in, quant_out,
+          tandem::inference::QuantizeOptions()
+              .method(quant_int4 ? "int4" : "int8")
+              .group_size(quant_group)
+              .skip(quant_skip),
+          quant_layout);
+      std::cout << "quantized " << quant_in << " into " << quant_out << ": " << r.to_string()
+                << "\n";
       return 0;
     }
     if (*env) {

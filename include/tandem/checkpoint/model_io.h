@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -114,6 +115,10 @@ struct LoadReport {
 /// Malformed files throw SafetensorsError; an inconsistent index throws std::runtime_error.
 LoadReport load_model(torch::nn::Module& module, const std::string& path,
                       const LoadOptions& options = {});
+
+/// Which file of the checkpoint at `path` (as load_model resolves it) holds each tensor: name ->
+/// file path. Every header is read and checked against the index, as load_model does.
+std::map<std::string, std::string> checkpoint_tensor_files(const std::string& path);
 
 /// A part of a tensor that load_model reads instead of the whole: elements [begin, begin +
 /// dst.numel()) of the checkpoint tensor, flattened in row-major order, into `dst`.

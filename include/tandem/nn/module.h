@@ -151,6 +151,9 @@ namespace detail {
 class BuildScope {
  public:
   using OnBuilt = std::function<void(torch::nn::Module&, bool explicit_unit)>;
+  /// unit_depth kEveryModule: every hookable module is a candidate, at any depth (what
+  /// init_empty_weights releases).
+  static constexpr int kEveryModule = -1;
   BuildScope(int unit_depth, OnBuilt on_built);
   ~BuildScope();
   BuildScope(const BuildScope&) = delete;
