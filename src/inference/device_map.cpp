@@ -98,7 +98,8 @@ MaxMemory balanced_memory(const MaxMemory& max_memory, uint64_t model_bytes,
 // else the next device is taken. After the CUDA devices and the CPU comes "disk", which holds
 // anything. When the model does not fit in the devices' budgets, the largest unsplittable module
 // is reserved on the first device and on the CPU: an offloaded module's weights are brought
-// there for its forward (and one more is read ahead, Note [Disk offload] in dispatch.cpp). A
+// there for its forward (a module dispatch cannot hook, a ModuleList, goes to disk as its
+// children) (and one more is read ahead, Note [Disk offload] in dispatch.cpp). A
 // module and the modules it shares a tensor with (tied weights) are placed together.
 DeviceMap plan_device_map(const std::vector<ModuleSize>& modules,
                           const std::vector<std::string>& devices, const MaxMemory& budget,
@@ -142,6 +143,10 @@ DeviceMap plan_device_map(const std::vector<ModuleSize>& modules,
       }
     for (;;) {
       if (device >= devices.size()) {
+        if (allow_disk && !m.hookable && !m.children.empty()) {
+          queue.insert(queue.begin(), m.children.begin(), m.children.end());
+          break;
+        }
         if (!allow_disk)
           throw std::runtime_error("device map: '" + m.name + "' (" + std::to_string(size) +
                                    " bytes) fits on no device; give the devices more memory "
@@ -234,6 +239,7 @@ DeviceMap infer_device_map(torch::nn::Module& model, const DeviceMapOptions& opt
     const bool repeated_block = options.no_split_module_types().empty() && !root && h &&
                                 !h->standard_layer() && !entry.children.empty() &&
                                 type_count[type] > 1;
+    entry.hookable = h != nullptr;
     entry.splittable = !(no_split.count(type) || repeated_block || (own > 0 && !entry.children.empty()));
     for (auto t : tied) {
       entry.tied.push_back(t);

@@ -77,7 +77,8 @@ void EmptyWeightsScope::finish(torch::nn::Module& model) {
 // order::kOffload, inside activation checkpointing and ZeRO-3's) makes sure the weights are in
 // (waiting for a read ahead, or reading now), moves the inputs to the execution device, starts
 // reading the next module on disk (in device-map order, the first again after the last: the next
-// token's), runs the forward and gives the weights back. At most two offloaded modules are in
+// token's; the order is learned from the calls), runs the forward and gives the weights back.
+// Two modules on disk that share a tensor (a tied head) each read it for their forward. At most two offloaded modules are in
 // memory at once, this one and the next: infer_device_map reserves the largest module on the
 // execution device and the CPU for them. Reads are pread into fresh tensors (the page cache, not
 // a mapping: nothing of the file counts as the process's resident memory), and large blocks come
@@ -109,6 +110,7 @@ struct DispatchedModel::Impl {
   std::map<std::string, std::unique_ptr<checkpoint::SafetensorsFile>> files;
   std::string source;  // what disk modules read from, for summary()
   bool prefetch = true;
+  int last_disk = -1;  // the disk module that ran last: its successor is learned from the calls
   DispatchStats stats;
   std::vector<std::pair<tandem::nn::Hookable*, std::string>> hooks;
 
@@ -184,6 +186,9 @@ std::vector<at::Tensor> to_device(const std::vector<at::Tensor>& in, const at::D
 // that is a prefix of the tensor's (module "" holds everything).
 struct Assignment {
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> tensors;  // per placement
+  // Tensors a disk placement reads for its forward though another one holds them (tied weights
+  // of two modules on disk), per placement.
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> borrowed;
 };
 
 bool under(const std::string& name, const std::string& module) {
@@ -195,6 +200,7 @@ bool under(const std::string& name, const std::string& module) {
 Assignment assign(torch::nn::Module& model, const DeviceMap& map) {
   Assignment a;
   a.tensors.resize(map.size());
+  a.borrowed.resize(map.size());
   std::set<std::string> modules;
   for (const auto& item : model.named_modules()) modules.insert(item.key());
   std::set<std::string> seen_places;
@@ -210,6 +216,7 @@ Assignment assign(torch::nn::Module& model, const DeviceMap& map) {
                                   "'; places are cpu, cuda:<index> and disk");
   }
   std::unordered_map<const c10::TensorImpl*, size_t> where;
+  std::unordered_map<const c10::TensorImpl*, std::string> first_name;
   std::vector<std::string> uncovered;
   auto take = [&](const std::string& name, const at::Tensor& t) {
     if (!t.defined()) return;
@@ -229,8 +236,11 @@ Assignment assign(torch::nn::Module& model, const DeviceMap& map) {
             "dispatch: '" + name + "' is one tensor with a tensor of '" + map[it->second].module +
             "' (tied weights), but the device map puts them on " + map[it->second].device +
             " and " + map[size_t(best)].device + "; place both modules on one device");
+      if (map[it->second].device == "disk" && it->second != size_t(best))
+        a.borrowed[size_t(best)].emplace_back(first_name.at(t.unsafeGetTensorImpl()), t);
       return;
     }
+    first_name[t.unsafeGetTensorImpl()] = name;
     a.tensors[static_cast<size_t>(best)].emplace_back(name, t);
   };
   for (const auto& p : model.named_parameters()) take(p.key(), p.value());
@@ -336,9 +346,13 @@ std::unique_ptr<DispatchedModel> dispatch(torch::nn::Module& model, const Device
           ", which needs a hook around its forward, but it is not hookable; declare it with "
           "TANDEM_MODULE (tandem/nn/module.h) or place its hookable children instead");
     std::vector<std::pair<std::string, at::Tensor>> to_write;
-    for (auto& [name, t] : a.tensors[i]) {
+    auto weights = a.tensors[i];
+    weights.insert(weights.end(), a.borrowed[i].begin(), a.borrowed[i].end());
+    for (size_t k = 0; k < weights.size(); ++k) {
+      const auto& name = weights[k].first;
+      const auto& t = weights[k].second;
       DispatchedModel::Impl::Weight w{name, t, "", {}};
-      p.bytes += bytes_of(t);
+      if (k < a.tensors[i].size()) p.bytes += bytes_of(t);
       if (disk) {
         auto f = in_checkpoint.find(name);
         if (f != in_checkpoint.end()) {
@@ -396,7 +410,9 @@ std::unique_ptr<DispatchedModel> dispatch(torch::nn::Module& model, const Device
     if (shown.insert(what).second) impl.source += (impl.source.empty() ? "" : ", ") + what;
   }
 
-  // Disk modules in map order, each pointing at the next (the first after the last).
+  // Disk modules in map order, each pointing at the next (the first after the last): a first
+  // guess, replaced by the order the forwards run in (a tied head placed beside the embedding
+  // runs last).
   std::vector<int> disks;
   for (size_t i = 0; i < impl.placed.size(); ++i)
     if (impl.placed[i].kind == DispatchedModel::Impl::Kind::kDisk && !impl.placed[i].weights.empty())
@@ -419,6 +435,9 @@ std::unique_ptr<DispatchedModel> dispatch(torch::nn::Module& model, const Device
           auto& q = self->placed[size_t(index)];
           if (q.kind == DispatchedModel::Impl::Kind::kOnDevice) return next(to_device(inputs, q.exec));
           if (q.weights.empty()) return next(to_device(inputs, q.exec));
+          if (self->last_disk >= 0 && self->last_disk != index)
+            self->placed[size_t(self->last_disk)].next_disk = index;
+          self->last_disk = index;
           self->bring_in(q);
           if (self->prefetch && q.next_disk >= 0 && q.next_disk != index) self->start_read(q.next_disk);
           auto out = next(to_device(inputs, q.exec));

@@ -48,6 +48,9 @@ struct ModuleSize {
   std::vector<size_t> children;
   bool splittable = true;
   std::vector<size_t> tied;  // other entries holding one of this module's tensors
+  /// Whether dispatch can hook its forward (TANDEM_MODULE): one that cannot is split into its
+  /// children rather than offloaded whole (a ModuleList of blocks).
+  bool hookable = true;
 };
 
 /// Options of infer_device_map.
