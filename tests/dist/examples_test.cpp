@@ -1,16 +1,22 @@
 // The shipped examples as users run them: train_gpt under every layout flag the launcher takes
 // (data parallel, ZeRO, tensor, pipeline and their combinations) against one process, the
 // launcher's settings reaching the example unless its own flag is given, the tied head stepped
-// once under every strategy, and a layout flag that a program never acts on refused by name.
+// once under every strategy, a layout flag that a program never acts on refused by name, and
+// generate_gpt2 on several processes and with its blocks on disk.
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <cmath>
+#include <filesystem>
+#include <sstream>
 #include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "../../examples/common/gpt2.h"
 #include "../common/launch.h"
+#include "tandem/checkpoint/model_io.h"
 
 using tandem::testing::count_of;
 using tandem::testing::launch;
@@ -162,4 +168,85 @@ TEST(Examples, LayoutFlagsAProgramNeverActsOnAreRefused) {
   EXPECT_NE(accumulated.exit_code, 0) << accumulated.output;
   EXPECT_GE(count_of(accumulated.output, "prepare_pipeline: gradient_accumulation_steps is 2"), 1)
       << accumulated.output;
+}
+
+namespace {
+
+const std::string kGenerateGpt2 = GENERATE_GPT2;
+
+// A small GPT-2 checkpoint as save_pretrained lays it out: config.json and model.safetensors.
+const std::string& small_gpt2() {
+  static const std::string dir = [] {
+    const std::string d = tandem::testing::temp_path("examples", "gpt2");
+    std::filesystem::create_directories(d);
+    examples::GPT2Config c;
+    c.vocab_size = 101;
+    c.n_positions = 32;
+    c.n_embd = 32;
+    c.n_layer = 3;
+    c.n_head = 2;
+    torch::manual_seed(11);
+    examples::GPT2LMHeadModel model(c);
+    tandem::checkpoint::save_model(*model, d);
+    std::ofstream(d + "/config.json")
+        << "{\"model_type\": \"gpt2\", \"vocab_size\": 101, \"n_positions\": 32, \"n_embd\": 32, "
+           "\"n_layer\": 3, \"n_head\": 2}";
+    return d;
+  }();
+  return dir;
+}
+
+// The `tokens: ...` lines of a run, in order.
+std::vector<std::string> token_lines(const std::string& output) {
+  std::vector<std::string> out;
+  std::istringstream in(output);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto at = line.find("tokens: ");
+    if (at != std::string::npos) out.push_back(line.substr(at));
+  }
+  return out;
+}
+
+const std::vector<std::string> kPrompts{"--prompt_ids", "1,2,3", "--prompt_ids", "40,41",
+                                        "--prompt_ids", "7", "--max_new_tokens", "6"};
+
+std::vector<std::string> gpt2_args(std::vector<std::string> extra = {}) {
+  std::vector<std::string> args{small_gpt2()};
+  args.insert(args.end(), kPrompts.begin(), kPrompts.end());
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+}  // namespace
+
+// generate_gpt2 under the launcher: the prompts split between the processes give the lines of
+// one process, in prompt order, also with every block on disk; the layouts it does not compute
+// (tensor, pipeline, sharded, mixed precision) and flags without the cap they need are refused.
+TEST(Examples, GenerateGpt2UnderTheLauncher) {
+  auto one = launch(1, kGenerateGpt2, gpt2_args(), with_flags());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  const auto want = token_lines(one.output);
+  ASSERT_EQ(want.size(), 3u) << one.output;
+  auto two = launch(2, kGenerateGpt2, gpt2_args(), with_flags());
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_EQ(token_lines(two.output), want) << two.output;
+  auto disk = launch(2, kGenerateGpt2, gpt2_args({"--max_memory", "1KB"}), with_flags());
+  ASSERT_EQ(disk.exit_code, 0) << disk.output;
+  EXPECT_EQ(token_lines(disk.output), want) << disk.output;
+  EXPECT_GE(count_of(disk.output, "disk reads"), 1) << disk.output;
+
+  auto refused = [&](int n, std::vector<std::string> flags, std::vector<std::string> extra,
+                     const std::string& words) {
+    auto r = launch(n, kGenerateGpt2, gpt2_args(std::move(extra)), with_flags(std::move(flags)));
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_GE(count_of(r.output, words), 1) << words << "\n" << r.output;
+  };
+  refused(2, {"--tp_size", "2"}, {}, "runs data-parallel inference");
+  refused(2, {"--pp_size", "2"}, {}, "runs data-parallel inference");
+  refused(2, {"--use_deepspeed", "--zero_stage", "3"}, {}, "runs data-parallel inference");
+  refused(1, {"--mixed_precision", "bf16"}, {}, "computes in float32");
+  refused(1, {}, {"--offload_dir", "/tmp/x"}, "give --max_memory");
+  refused(1, {}, {"--quantize", "int8", "--max_memory", "1KB"}, "tandem quantize");
+  refused(1, {}, {"--attention", "flash"}, "expected auto, sdpa or manual");
 }

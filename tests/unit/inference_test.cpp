@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "../../examples/common/gpt2.h"
 #include "tandem/checkpoint/model_io.h"
@@ -271,6 +272,48 @@ TEST(Quantize, RefusesATorchLinearItsParentMayCallPastTheQuantizedLayer) {
   torch::nn::Sequential seq(torch::nn::Linear(32, 8));
   EXPECT_EQ(quantize_model(*seq, QuantizeOptions()).layers, 1);
   EXPECT_EQ(seq->forward(torch::randn({2, 32})).sizes(), (std::vector<int64_t>{2, 8}));
+}
+
+// tandem quantize's checkpoint, loaded into an empty model (its layers from the metadata), equals
+// the float model quantized in memory; in memory or with every block on disk.
+TEST(Quantize, ACheckpointWrittenQuantizedLoadsBackAsTheModelQuantizedInMemory) {
+  auto saved = save_tiny("quantize-checkpoint");
+  std::ofstream(saved.dir / "config.json") << "{\"model_type\": \"gpt2\"}";
+  for (std::string method : {"int8", "int4"}) {
+    const auto options = QuantizeOptions().method(method).group_size(32);
+    const auto out = saved.dir / ("q-" + method);
+    auto report = quantize_checkpoint(saved.dir.string(), out.string(), options);
+    EXPECT_EQ(report.layers, 16) << report.to_string();
+    EXPECT_TRUE(fs::exists(out / "config.json"));
+    auto recorded = checkpoint_quantization(out.string());
+    ASSERT_TRUE(recorded.has_value());
+    EXPECT_EQ(recorded->method(), method);
+    EXPECT_EQ(recorded->layers().size(), 16u);
+    EXPECT_FALSE(checkpoint_quantization(saved.dir.string()).has_value());
+    EXPECT_THROW(quantize_checkpoint(saved.dir.string(), out.string(), options),
+                 std::invalid_argument);  // the output holds a checkpoint already
+    EXPECT_THROW(quantize_checkpoint(out.string(), (saved.dir / "again").string(), options),
+                 std::invalid_argument);  // already quantized
+
+    torch::manual_seed(7);
+    auto reference = examples::GPT2LMHeadModel(tiny());
+    tandem::checkpoint::load_model(*reference, saved.dir.string());
+    reference->eval();
+    quantize_model(*reference, options);
+    torch::NoGradGuard g;
+    auto want = reference(ids());
+    for (bool disk : {false, true}) {
+      auto model = init_empty_weights([] { return examples::GPT2LMHeadModel(tiny()); });
+      model->eval();
+      quantize_model(*model, *recorded);
+      DeviceMap map{{"", "cpu"}};
+      if (disk) map = infer_device_map(*model, DeviceMapOptions().max_memory({{"cpu", 1}}));
+      auto placed = load_checkpoint_and_dispatch(*model, out.string(), map);
+      auto got = model(ids());
+      EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-5))
+          << method << (disk ? " on disk " : " ") << (got - want).abs().max().item<float>();
+    }
+  }
 }
 
 TEST(Attention, WithACacheEqualsTheLastRowsOfTheFullComputation) {
