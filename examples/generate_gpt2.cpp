@@ -100,6 +100,9 @@ int main(int argc, char** argv) {
     const auto kernel = tandem::nn::parse_attention_kernel(attention);
     if (device != "cpu" && device.rfind("cuda:", 0) != 0)
       throw std::runtime_error("--device '" + device + "': expected cpu or cuda:<index>");
+    if (device != "cpu" && !torch::cuda::is_available())
+      throw std::runtime_error("--device " + device + ": no CUDA device is visible to this "
+                               "process; use --device cpu");
     if (!max_memory.empty() && device != "cpu" && max_memory.find('=') == std::string::npos)
       throw std::runtime_error("--max_memory " + max_memory + " with --device " + device +
                                ": give each device's share (" + device + "=SIZE,cpu=SIZE)");

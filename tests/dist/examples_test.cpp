@@ -249,4 +249,5 @@ TEST(Examples, GenerateGpt2UnderTheLauncher) {
   refused(1, {}, {"--offload_dir", "/tmp/x"}, "give --max_memory");
   refused(1, {}, {"--quantize", "int8", "--max_memory", "1KB"}, "tandem quantize");
   refused(1, {}, {"--attention", "flash"}, "expected auto, sdpa or manual");
+  if (!torch::cuda::is_available()) refused(1, {}, {"--device", "cuda:0"}, "no CUDA device");
 }
