@@ -45,7 +45,7 @@ def main():
              statistics.median(speeds), "-", "-")]
     del model
 
-    def tandem(label, directory, *flags, mem=None):
+    def tandem(label, directory, *flags):
         speeds, peak, text = [], None, ""
         lf = os.path.join(work, "logits.safetensors")
         for _ in range(reps):
@@ -64,24 +64,31 @@ def main():
         err = (steps - ref_steps).abs().max().item()
         agree = sum(a == b for a, b in zip(tokens, ref_tokens))
         m = re.search(r"weights (.*)", text)
-        resident = mem if mem else weights
-        rows.append((label, f"{resident:.0f}", f"{peak:.0f}", statistics.median(speeds),
+        kept = re.search(r"weights cpu ([\d.]+) MB", text)
+        disk = re.search(r"disk ([\d.]+) MB \(", text)
+        resident = f"{float(kept.group(1)) if kept else 0:.0f}"
+        if disk:
+            resident += f" (+ {float(disk.group(1)):.0f} on disk)"
+        rows.append((label, resident, f"{peak:.0f}", statistics.median(speeds),
                      f"{err:.1e}", f"{agree}/{NEW}"))
         print(f"  {label}: {m.group(1) if m else ''}", file=sys.stderr)
 
     tandem("generate_gpt2, in memory (sdpa)", model_dir)
     tandem("generate_gpt2, in memory (manual attention)", model_dir, "--attention", "manual")
-    tandem("generate_gpt2, --max_memory 200MB (disk offload)", model_dir, "--max_memory", "200MB",
-           mem=200)
-    for method, extra in (("int8", []), ("int4", ["--group_size", "128"])):
-        qdir = os.path.join(work, f"gpt2-124m-{method}")
+    tandem("generate_gpt2, --max_memory 300MB (8 of 12 blocks on disk)", model_dir,
+           "--max_memory", "300MB")
+    tandem("generate_gpt2, --max_memory 300MB, --no_prefetch", model_dir, "--max_memory", "300MB",
+           "--no_prefetch")
+    for method, extra in (("int8", []), ("int4", ["--group_size", "128"]),
+                          ("int4", ["--group_size", "32"])):
+        name = method + ("" if not extra else f"-g{extra[1]}")
+        qdir = os.path.join(work, f"gpt2-124m-{name}")
         if not os.path.exists(os.path.join(qdir, "model.safetensors")):
             subprocess.run([cli, "quantize", model_dir, qdir, f"--{method}"] + extra, check=True,
                            stdout=subprocess.DEVNULL)
-        qmb = os.path.getsize(os.path.join(qdir, "model.safetensors")) / 1e6
-        tandem(f"generate_gpt2, {method} checkpoint", qdir, mem=qmb)
-        tandem(f"generate_gpt2, {method} checkpoint, --max_memory 100MB", qdir, "--max_memory",
-               "100MB", mem=100)
+        tandem(f"generate_gpt2, {name} checkpoint", qdir)
+        tandem(f"generate_gpt2, {name} checkpoint, --max_memory 200MB", qdir, "--max_memory",
+               "200MB")
     print("| run | weights in memory (MB) | peak resident (MB) | tokens/s | largest logit "
           "difference vs fp32 | greedy tokens as fp32 |")
     print("|---|---|---|---|---|---|")

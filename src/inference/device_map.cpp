@@ -96,11 +96,13 @@ MaxMemory balanced_memory(const MaxMemory& max_memory, uint64_t model_bytes,
 // taken in order and put on the current device while they fit in its budget; one that does not
 // fit is split into its children when it may be (not a no-split type, no tensors of its own),
 // else the next device is taken. After the CUDA devices and the CPU comes "disk", which holds
-// anything. When the model does not fit in the devices' budgets, the largest unsplittable module
-// is reserved on the first device and on the CPU: an offloaded module's weights are brought
-// there for its forward (a module dispatch cannot hook, a ModuleList, goes to disk as its
-// children) (and one more is read ahead, Note [Disk offload] in dispatch.cpp). A
-// module and the modules it shares a tensor with (tied weights) are placed together.
+// anything; a module dispatch cannot hook (a ModuleList) goes there as its children. When the
+// model does not fit in the devices' budgets, room is kept on the first device and on the CPU
+// for the largest unsplittable module not yet placed, other than the one being placed: a module
+// on disk is brought there for its forward (and the next one is read ahead: Note [Disk offload]
+// in dispatch.cpp). Accelerate keeps the largest of all, so that an embedding larger than any
+// block would keep itself out of memory. A module and the modules it shares a tensor with (tied
+// weights) are placed together.
 DeviceMap plan_device_map(const std::vector<ModuleSize>& modules,
                           const std::vector<std::string>& devices, const MaxMemory& budget,
                           bool allow_disk) {
@@ -108,16 +110,27 @@ DeviceMap plan_device_map(const std::vector<ModuleSize>& modules,
   if (modules.empty()) return map;
   uint64_t capacity = 0;
   for (const auto& d : devices) capacity += budget.count(d) ? budget.at(d) : 0;
-  uint64_t largest = 0;
-  for (const auto& m : modules)
-    if (!m.splittable || m.children.empty()) largest = std::max(largest, m.total_bytes);
   const bool offload = modules[0].total_bytes > capacity;
-  std::map<std::string, uint64_t> reserved;
-  if (offload && !devices.empty()) {
-    reserved[devices.front()] = largest;
-    reserved["cpu"] = largest;
-  }
   std::vector<bool> placed(modules.size(), false);
+  // The largest unsplittable module not yet placed, other than `except` and its descendants:
+  // what may still go to disk and be brought in for its forward.
+  std::function<bool(size_t, size_t)> inside = [&](size_t i, size_t root) {
+    if (i == root) return true;
+    for (auto c : modules[root].children)
+      if (inside(i, c)) return true;
+    return false;
+  };
+  auto largest_left = [&](const std::vector<size_t>& except) {
+    uint64_t out = 0;
+    for (size_t i = 0; i < modules.size(); ++i) {
+      const auto& m = modules[i];
+      if (placed[i] || (m.splittable && !m.children.empty())) continue;
+      bool skip = false;
+      for (auto e : except) skip = skip || inside(i, e);
+      if (!skip) out = std::max(out, m.total_bytes);
+    }
+    return out;
+  };
   std::function<void(size_t)> mark = [&](size_t i) {
     placed[i] = true;
     for (auto c : modules[i].children) mark(c);
@@ -159,7 +172,8 @@ DeviceMap plan_device_map(const std::vector<ModuleSize>& modules,
       }
       const auto& d = devices[device];
       const uint64_t cap = budget.count(d) ? budget.at(d) : 0;
-      const uint64_t keep = reserved.count(d) ? reserved.at(d) : 0;
+      const bool main_device = d == devices.front() || d == "cpu";
+      const uint64_t keep = offload && main_device ? largest_left(together) : 0;
       const uint64_t room = cap > keep ? cap - keep : 0;
       if (used[d] + size <= room) {
         used[d] += size;

@@ -76,8 +76,9 @@ void EmptyWeightsScope::finish(torch::nn::Module& model) {
 // Note [Disk offload]: a module on disk holds empty weights between its forwards. Its hook (at
 // order::kOffload, inside activation checkpointing and ZeRO-3's) makes sure the weights are in
 // (waiting for a read ahead, or reading now), moves the inputs to the execution device, starts
-// reading the next module on disk (in device-map order, the first again after the last: the next
-// token's; the order is learned from the calls), runs the forward and gives the weights back.
+// reading the next module on disk (the one that ran after it last time: the order is learned
+// from the calls, so the first pass reads nothing ahead, and the last module's next is the
+// first of the next pass), runs the forward and gives the weights back.
 // Two modules on disk that share a tensor (a tied head) each read it for their forward. At most two offloaded modules are in
 // memory at once, this one and the next: infer_device_map reserves the largest module on the
 // execution device and the CPU for them. Reads are pread into fresh tensors (the page cache, not
@@ -409,16 +410,6 @@ std::unique_ptr<DispatchedModel> dispatch(torch::nn::Module& model, const Device
     const auto what = written ? options.offload_dir() : fs::path(file).filename().string();
     if (shown.insert(what).second) impl.source += (impl.source.empty() ? "" : ", ") + what;
   }
-
-  // Disk modules in map order, each pointing at the next (the first after the last): a first
-  // guess, replaced by the order the forwards run in (a tied head placed beside the embedding
-  // runs last).
-  std::vector<int> disks;
-  for (size_t i = 0; i < impl.placed.size(); ++i)
-    if (impl.placed[i].kind == DispatchedModel::Impl::Kind::kDisk && !impl.placed[i].weights.empty())
-      disks.push_back(static_cast<int>(i));
-  for (size_t k = 0; k < disks.size(); ++k)
-    impl.placed[size_t(disks[k])].next_disk = disks[(k + 1) % disks.size()];
 
   auto* self = &impl;
   for (size_t i = 0; i < impl.placed.size(); ++i) {

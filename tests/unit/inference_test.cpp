@@ -53,12 +53,14 @@ TEST(DeviceMap, FillsDevicesInOrderSplitsWhatDoesNotFitAndKeepsTiedModulesTogeth
   // cuda:0 holds 20: a with its tied c (14), then b does not fit and is split; b.0 fits (20).
   auto split = plan_device_map(m, {"cuda:0", "cpu"}, {{"cuda:0", 20}, {"cpu", 100}});
   EXPECT_EQ(split, (DeviceMap{{"a", "cuda:0"}, {"c", "cuda:0"}, {"b.0", "cuda:0"}, {"b.1", "cpu"}}));
-  // Not everything fits: the largest leaf (a: 10) is reserved on the CPU, leaving 15 of 25; b
-  // does not fit, nor does b.0 after a and c (14): the rest goes to disk.
+  // Not everything fits (26 > 25): room for the largest module still to place (b.0 or b.1: 6)
+  // is kept on the CPU. a with c (14) fits in 25 - 6; b.0 after them (20) not in 25 - 6 (b.1
+  // left): the rest goes to disk.
   auto disk = plan_device_map(m, {"cpu"}, {{"cpu", 25}});
   EXPECT_EQ(disk, (DeviceMap{{"a", "cpu"}, {"c", "cpu"}, {"b.0", "disk"}, {"b.1", "disk"}}));
-  // Without the reservation a, c and b.0 would fit in 20 (the model is 26): all go to disk.
-  EXPECT_EQ(plan_device_map(m, {"cpu"}, {{"cpu", 20}})[0], (Placement{"a", "disk"}));
+  // With 16, a and c (14) would fit, but not beside the 6 kept for a block on disk.
+  EXPECT_EQ(plan_device_map(m, {"cpu"}, {{"cpu", 16}})[0], (Placement{"a", "disk"}));
+  EXPECT_EQ(plan_device_map(m, {"cpu"}, {{"cpu", 20}})[0], (Placement{"a", "cpu"}));
   EXPECT_THROW(plan_device_map(m, {"cpu"}, {{"cpu", 5}}, /*allow_disk=*/false), std::runtime_error);
 }
 
@@ -143,15 +145,15 @@ TEST(Dispatch, DiskOffloadGivesTheLogitsOfTheModelInMemory) {
     EXPECT_TRUE(is_empty_weight(model->transformer->blocks[2]->ln_1->weight));
     EXPECT_FALSE(is_empty_weight(model->transformer->blocks[0]->ln_1->weight));
     torch::NoGradGuard g;
-    for (int round = 0; round < 2; ++round) {
+    for (int round = 0; round < 3; ++round) {
       auto got = model(ids());
       EXPECT_TRUE(torch::equal(got, want)) << "prefetch " << prefetch << " round " << round;
     }
     EXPECT_TRUE(is_empty_weight(model->transformer->blocks[2]->ln_1->weight));
     const auto s = placed->stats();
-    EXPECT_EQ(s.loads, 6);
-    if (prefetch) {
-      EXPECT_GE(s.loads_read_ahead, 4);
+    EXPECT_EQ(s.loads, 9);
+    if (prefetch) {  // the order is learned in the first round, then every read is ahead
+      EXPECT_EQ(s.loads_read_ahead, 5);
     } else {
       EXPECT_EQ(s.loads_read_ahead, 0);
     }
