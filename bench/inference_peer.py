@@ -73,8 +73,8 @@ def main():
                      f"{err:.1e}", f"{agree}/{NEW}"))
         print(f"  {label}: {m.group(1) if m else ''}", file=sys.stderr)
 
-    tandem("generate_gpt2, in memory (sdpa)", model_dir)
-    tandem("generate_gpt2, in memory (manual attention)", model_dir, "--attention", "manual")
+    tandem("generate_gpt2, in memory (--attention auto)", model_dir)
+    tandem("generate_gpt2, in memory (--attention manual)", model_dir, "--attention", "manual")
     tandem("generate_gpt2, --max_memory 300MB (8 of 12 blocks on disk)", model_dir,
            "--max_memory", "300MB")
     tandem("generate_gpt2, --max_memory 300MB, --no_prefetch", model_dir, "--max_memory", "300MB",
