@@ -19,7 +19,8 @@ int main(int argc, char** argv) {
   int tp_size = 1, pp_size = 1, microbatches = 0;
   double lr = 3e-3;
   std::string mixed_precision;  // empty: the launcher's (TANDEM_MIXED_PRECISION), else "no"
-  std::string data = TANDEM_SOURCE_DIR, text_file;
+  std::string data = TANDEM_SOURCE_DIR, text_file, project_dir;
+  std::vector<std::string> log_with;
   app.add_option("--steps", steps, "Optimizer steps")->check(CLI::PositiveNumber);
   app.add_option("--batch-size", batch, "Sequences per data-parallel rank per micro-step")
       ->check(CLI::PositiveNumber);
@@ -48,9 +49,21 @@ int main(int argc, char** argv) {
   app.add_option("--eval-batches", eval_batches, "Held-out batches per process per evaluation");
   app.add_option("--source-tree", data, "Directory whose text to train on");
   app.add_option("--text", text_file, "A text file to train on instead");
+  app.add_option("--log_with", log_with,
+                 "Trackers that record the losses: jsonl, csv, tensorboard or all (default: none)")
+      ->delimiter(',');
+  app.add_option("--project_dir", project_dir,
+                 "Where the trackers write (<dir>/logs/train_gpt/); needs --log_with");
   CLI11_PARSE(app, argc, argv);
+  if (!project_dir.empty() && log_with.empty()) {
+    std::cerr << "--project_dir " << project_dir << " is where --log_with's trackers write: give "
+              << "--log_with jsonl (or csv, tensorboard, all)\n";
+    return 2;
+  }
   try {
     auto options = tandem::AcceleratorOptions().seed(1234);
+    if (!log_with.empty()) options.log_with(log_with);
+    if (!project_dir.empty()) options.project_dir(project_dir);
     if (accum_opt->count()) options.gradient_accumulation_steps(static_cast<int>(accum));
     if (!mixed_precision.empty()) options.mixed_precision(mixed_precision);
     if (tp_opt->count() || pp_opt->count()) {
@@ -133,6 +146,10 @@ int main(int argc, char** argv) {
       return std::make_pair(sum / std::max<int64_t>(1, count), count);
     };
 
+    if (!log_with.empty())
+      acc.init_trackers("train_gpt", {{"lr", lr}, {"width", cfg.width}, {"layers", cfg.layers},
+                                      {"heads", cfg.heads}, {"context", cfg.context},
+                                      {"batch_size", batch}, {"steps", steps}});
     tandem::track::ProgressBar bar(tandem::track::ProgressOptions()
                                        .total(steps)
                                        .description("train_gpt")
@@ -159,6 +176,7 @@ int main(int argc, char** argv) {
         last_loss = acc.reduce(loss.detach()).item<double>();
         if (first_loss < 0) first_loss = last_loss;
         bar.update(++step, last_loss);
+        if (!log_with.empty()) acc.log({{"loss", last_loss}}, step);
         if ((eval_every > 0 && step % eval_every == 0) || step == steps) {
           double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           if (pipeline) {
@@ -166,6 +184,7 @@ int main(int argc, char** argv) {
                       "tokens/s");
           } else {
             auto [eval_loss, n] = evaluate();
+            if (!log_with.empty()) acc.log({{"eval_loss", eval_loss}}, step);
             acc.print("step", step, "train loss", last_loss, "held-out loss", eval_loss, "over", n,
                       "sequences,", static_cast<int64_t>(tokens / secs), "tokens/s");
           }
@@ -174,6 +193,7 @@ int main(int argc, char** argv) {
       }
     }
     bar.close();
+    if (!log_with.empty()) acc.end_training();
     acc.print("loss", last_loss < first_loss ? "fell" : "rose", "from", first_loss, "to", last_loss);
     // What the operating system saw: each rank's peak resident memory over the whole run.
     const auto peaks = tandem::comm::gather_object(

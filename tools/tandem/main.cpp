@@ -1,10 +1,15 @@
-// The `tandem` command line: launch, config, env, estimate-memory, merge-weights, quantize. Thin: the logic lives in src/.
+// The `tandem` command line: launch, config, env, estimate-memory, merge-weights, quantize,
+// sweep, plan. Thin: the logic lives in src/.
 #include <CLI/CLI.hpp>
 
+#include <unistd.h>
+
+#include <climits>
 #include <iostream>
 
 #include "tandem/checkpoint/merge_weights.h"
 #include "tandem/inference/quantize.h"
+#include "tandem/trials/sweep.h"
 #include "tandem/version.h"
 #include "estimate_memory_cmd.h"
 #include "launch_cmd.h"
@@ -60,6 +65,17 @@ int main(int argc, char** argv) {
   quant->add_option("--weight_layout", quant_layout, "auto (in_out for a GPT-2 config.json, else "
                     "out_in), out_in (Linear) or in_out (Conv1D)");
 
+  // --- sweep ---------------------------------------------------------------------------------
+  auto* sweep = app.add_subcommand(
+      "sweep",
+      "Run a hyper-parameter study: each trial a `tandem launch` job of the study's program, "
+      "sampled by grid, random or TPE, pruned by the median rule or ASHA; resumable "
+      "(docs/trials.md)");
+  std::string study_file;
+  bool sweep_dry = false;
+  sweep->add_option("study", study_file, "The study file (YAML)")->required();
+  sweep->add_flag("--dry_run", sweep_dry, "Check the study and print the first trial's command");
+
   const int parsed_argc = launch.split_program(argc, argv);  // PROGRAM [ARGS...] stays untouched
   CLI11_PARSE(app, parsed_argc, argv);
 
@@ -93,6 +109,27 @@ int main(int argc, char** argv) {
       std::cout << "quantized " << quant_in << " into " << quant_out << ": " << r.to_string()
                 << "\n";
       return 0;
+    }
+    if (*sweep) {
+      char self[PATH_MAX];
+      const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+      if (n <= 0) throw std::runtime_error("cannot find this executable (/proc/self/exe)");
+      self[n] = '\0';
+      auto study = tandem::trials::load_study(study_file);
+      if (sweep_dry) {
+        tandem::trials::TrialRecord first;
+        first.params = *tandem::trials::sample(study.sampler, study.space, {}, study.direction,
+                                               study.seed, 0);
+        std::vector<std::pair<std::string, std::string>> env_params;
+        for (const auto& a : tandem::trials::trial_command(study, self, first,
+                                                           study.study_dir + "/trial_0", &env_params))
+          std::cout << a << " ";
+        std::cout << "\n";
+        for (const auto& [k, v] : env_params) std::cout << "env " << k << "=" << v << "\n";
+        return 0;
+      }
+      auto r = tandem::trials::run_sweep(study, {self, &std::cout});
+      return r.interrupted ? 130 : 0;
     }
     if (*env) {
       std::cout << tandem::environment_report();
