@@ -82,15 +82,17 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   accumulation_steps_ = run.gradient_accumulation_steps;
   if (run.num_threads) torch::set_num_threads(*run.num_threads);
   // Refuses impossible modes before joining the job.
-  precision_ = std::make_unique<precision::MixedPrecision>(
-      precision::MixedPrecisionOptions()
-          .mode(run.mixed_precision)
-          .master_weights(options_.master_weights())
-          .downcast_bf16(run.downcast_bf16)
-          .loss_scaling(options_.loss_scaling())
-          .grad_scaler(options_.grad_scaler())
-          .fp8(run.fp8),
-      device_.type(), state_.prefix());
+  make_precision_ = [options = precision::MixedPrecisionOptions()
+                                 .mode(run.mixed_precision)
+                                 .master_weights(options_.master_weights())
+                                 .downcast_bf16(run.downcast_bf16)
+                                 .loss_scaling(options_.loss_scaling())
+                                 .grad_scaler(options_.grad_scaler())
+                                 .fp8(run.fp8),
+                     type = device_.type(), prefix = state_.prefix()] {
+    return std::make_unique<precision::MixedPrecision>(options, type, prefix);
+  };
+  precision_ = make_precision_();
   if (precision_->fp8()) options_.fp8(*precision_->fp8());
   // Said once per job, by the main process: the slowest mistake a CPU run can make.
   if (state_.rank == 0 && device_.is_cpu()) {
@@ -127,7 +129,10 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
                     .find_unused_parameters(options_.find_unused_parameters())
                     .comm_hook(parallel::comm_hook_from_name(run.comm_hook))
                     .gradient_as_bucket_view(run.gradient_as_bucket_view);
-  strategy_ = parallel::make_strategy(distributed_type_, run.sharding, std::move(ctx));
+  make_strategy_ = [type = distributed_type_, sharding = run.sharding, ctx] {
+    return parallel::make_strategy(type, sharding, ctx);
+  };
+  strategy_ = make_strategy_();
   recorder_ = std::make_unique<track::RunRecorder>(
       track::RunRecorderOptions()
           .rank(state_.rank)
@@ -216,6 +221,27 @@ Accelerator::~Accelerator() {
     std::cerr << state_.prefix() << " could not finish the trackers or the timeline: " << e.what()
               << std::endl;
   }
+}
+
+void Accelerator::free_memory() {
+  TORCH_CHECK(no_sync_depth_ == 0, state_.prefix(),
+              " free_memory: called inside no_sync() or accumulate(); leave the scope first");
+  // Note [Accelerator lifetime]: what was prepared before reaches this Accelerator no more; a
+  // kept optimizer steps as a plain LibTorch optimizer.
+  *self_ = nullptr;
+  self_ = std::make_shared<Accelerator*>(this);
+  models_.clear();
+  optimizers_.clear();
+  schedulers_.clear();
+  loaders_.clear();
+  strategy_ = make_strategy_();
+  strategy_->record_comm_spans(recorder_->timeline().enabled());
+  precision_ = make_precision_();
+  tp_applied_ = pipeline_prepared_ = split_checked_ = false;
+  micro_step_ = 0;
+  optimizer_steps_ = 0;
+  sync_gradients_ = true;
+  trim_host_cache();
 }
 
 std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(

@@ -13,6 +13,7 @@
 #include <torch/optim/schedulers/lr_scheduler.h>
 
 #include <chrono>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -547,6 +548,13 @@ class Accelerator {
   }
   /// Finishes the trackers and writes the timeline.
   void end_training() { recorder_->finish(); }
+  /// Releases every prepared model, optimizer, scheduler and loader, and starts the strategy
+  /// and the precision state over, as Accelerate's free_memory() / clear(): what a loop that
+  /// trains a new model per trial (tandem::trials::Study) calls between trials. The step count
+  /// starts again at 0; trackers, registered objects and the process group stay. Objects
+  /// prepared before are LibTorch's own again (an optimizer kept steps plainly). Collective in
+  /// effect: every rank calls it at the same point.
+  void free_memory();
   /// The per-rank timeline (disabled unless timeline_dir or TANDEM_TIMELINE is set).
   track::Timeline& timeline() { return recorder_->timeline(); }
   /// The tracking component (trackers and timeline).
@@ -627,6 +635,9 @@ class Accelerator {
   parallel::DistributedType distributed_type_ = parallel::DistributedType::kNo;
   std::unique_ptr<parallel::Strategy> strategy_;
   std::unique_ptr<precision::MixedPrecision> precision_;
+  // How strategy_ and precision_ were made, for free_memory().
+  std::function<std::unique_ptr<parallel::Strategy>()> make_strategy_;
+  std::function<std::unique_ptr<precision::MixedPrecision>()> make_precision_;
   std::unique_ptr<track::RunRecorder> recorder_;
 };
 

@@ -15,6 +15,7 @@
 #include "../common/launch.h"
 #include "../common/subprocess.h"
 #include "../common/temp_dir.h"
+#include "tandem/runtime.h"
 #include "tandem/trials/study.h"
 
 namespace tt = tandem::trials;
@@ -274,7 +275,7 @@ study_dir: )" + dir.str() + "/study\n";
   std::string line;
   while (std::getline(in, line)) {
     auto at = line.rfind("rank ");
-    if (at == std::string::npos) continue;
+    if (at == std::string::npos || line.find(" trial ", at) == std::string::npos) continue;
     line = line.substr(at);
     int rank = line[5] - '0';
     lines[rank].push_back(line.substr(7));

@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
         }
       }
       study.tell(*trial, loss_value);
+      acc.free_memory();  // the next trial prepares a new model
       std::cout << "rank " << rank << " trial " << trial->number() << " lr " << trial->params().at("lr")
                 << " pruned " << stopped << "\n";
     }

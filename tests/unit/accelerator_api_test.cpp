@@ -11,6 +11,7 @@
 
 #include "../../examples/common/mlp.h"
 #include "tandem/tandem.h"
+#include "../common/temp_dir.h"
 
 namespace {
 
@@ -81,6 +82,38 @@ TEST(AcceleratorPrepare, ModelAndOptimizerTogether) {
   static_assert(std::is_same_v<decltype(m3), std::shared_ptr<MLPImpl>>);
   EXPECT_EQ(m3.get(), ptr.get());
   (void)o3;
+}
+
+// free_memory (Accelerate's name): after it a new model trains exactly as under a fresh
+// Accelerator, and save_state holds the new model only.
+TEST(AcceleratorPrepare, FreeMemoryStartsOverForTheNextModel) {
+  auto train = [](tandem::Accelerator& acc) {
+    torch::manual_seed(3);
+    MLP model(4, 8, 3);
+    auto opt = acc.prepare(std::make_shared<torch::optim::AdamW>(model->parameters(), 0.01));
+    model = acc.prepare(model);
+    for (int s = 0; s < 3; ++s) {
+      auto x = torch::randn({5, 4});
+      acc.backward(model->forward(x).pow(2).mean());
+      opt.step();
+      opt.zero_grad();
+    }
+    return model;
+  };
+  tandem::Accelerator fresh(cpu_options());
+  auto want = train(fresh);
+  tandem::Accelerator reused(cpu_options());
+  auto first = train(reused);
+  reused.free_memory();
+  auto got = train(reused);
+  for (size_t i = 0; i < want->parameters().size(); ++i)
+    EXPECT_TRUE(torch::equal(want->parameters()[i], got->parameters()[i]));
+  tandem::testing::TempDir dir;
+  reused.save_state(dir.str());
+  EXPECT_TRUE(std::filesystem::exists(dir.path / "model.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path / "model_1.safetensors"))
+      << "the model prepared before free_memory is not part of the state";
+  (void)first;
 }
 
 // Under bf16-true a float batch is cast to bf16 (labels untouched) and trains; the cast can be
