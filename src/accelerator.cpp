@@ -79,6 +79,9 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
     host.cache_bytes = 0;
     install_host_allocator(host);
   }
+  // The profile counts from here: before the model, after the allocator it serves from.
+  if (!run.profile.empty())
+    profile_ = std::make_unique<track::RunProfile>(run.profile, state_.rank, state_.world_size);
   accumulation_steps_ = run.gradient_accumulation_steps;
   if (run.num_threads) torch::set_num_threads(*run.num_threads);
   // Refuses impossible modes before joining the job.
@@ -215,12 +218,27 @@ Accelerator::~Accelerator() {
   // callback holds the timeline by shared_ptr, never the Accelerator), so that a late use is a
   // clear error or a no-op, never a use of freed memory.
   *self_ = nullptr;
+  if (profile_) {
+    try {
+      profile_->write();
+    } catch (const std::exception& e) {
+      std::cerr << state_.prefix() << " " << e.what() << std::endl;
+    }
+  }
   try {
     end_training();  // finishes trackers and writes the timeline, if the user did not
   } catch (const std::exception& e) {
     std::cerr << state_.prefix() << " could not finish the trackers or the timeline: " << e.what()
               << std::endl;
   }
+}
+
+void Accelerator::profile_parameters(const torch::nn::Module& model) {
+  if (!profile_) return;
+  const std::string prefix = models_.size() > 1 ? "model_" + std::to_string(models_.size() - 1) + "." : "";
+  for (const auto& p : model.named_parameters())
+    profile_->add_parameter(prefix + p.key(), p.value().numel(),
+                            static_cast<int64_t>(p.value().numel() * p.value().element_size()));
 }
 
 void Accelerator::free_memory() {
@@ -261,6 +279,7 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
   parallel::broadcast_module_state(*model, *topology_->data_parallel(), true, true);
   strategy_->prepare_model(model);
   models_.push_back(model);
+  profile_parameters(*model);
   trim_host_cache();  // the flattening's sizes do not come again
   return model;
 }
@@ -347,6 +366,7 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   if (activation_checkpointing_) parallel::checkpoint_sequential_entries(stage);
   parallel::broadcast_module_state(*stage, *dp, true, true);
   models_.push_back(stage.ptr());  // saved and loaded per rank (Note [Model-parallel checkpoints])
+  profile_parameters(*stage.ptr());
   return std::make_shared<parallel::Pipeline>(stage, pp, std::move(loss), options,
                                               dp->size() > 1 ? dp : nullptr);
 }
@@ -529,6 +549,7 @@ void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer)
       parallel::broadcast_module_state(*m, *topology_->data_parallel(), false, true);
   // Periodic checkpoints, once every optimizer of the step has stepped (the last prepared one).
   if (optimizers_.empty() || optimizers_.back().get() != &optimizer) return;
+  if (profile_) profile_->step();
   bool due = options_.checkpoint_every_steps() > 0 &&
              optimizer_steps_ % options_.checkpoint_every_steps() == 0;
   if (!due && options_.checkpoint_every_minutes() > 0) {

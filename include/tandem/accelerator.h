@@ -38,6 +38,7 @@
 #include "tandem/precision/mixed_precision.h"
 #include "tandem/precision/policy.h"
 #include "tandem/state.h"
+#include "tandem/track/run_profile.h"
 #include "tandem/track/run_recorder.h"
 #include "tandem/track/timeline.h"
 #include "tandem/track/trackers.h"
@@ -588,6 +589,7 @@ class Accelerator {
   void end_build(const std::shared_ptr<nn::detail::BuildScope>& scope);
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
   void after_optimizer_step(const torch::optim::Optimizer& optimizer);
+  void profile_parameters(const torch::nn::Module& model);  // TANDEM_PROFILE
   void auto_resume();  // AcceleratorOptions::auto_resume, once
   void clip_before_step(torch::optim::Optimizer& optimizer);  // gradient_clipping
   // The parts of a checkpoint, in the order every rank saves and loads them
@@ -639,6 +641,7 @@ class Accelerator {
   std::function<std::unique_ptr<parallel::Strategy>()> make_strategy_;
   std::function<std::unique_ptr<precision::MixedPrecision>()> make_precision_;
   std::unique_ptr<track::RunRecorder> recorder_;
+  std::unique_ptr<track::RunProfile> profile_;  // TANDEM_PROFILE
 };
 
 }  // namespace tandem

@@ -424,6 +424,7 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
         options.activation_checkpointing().value_or(activation_checkpointing_of(map, env));
     c.timeline_dir =
         options.timeline_dir().empty() ? env.get(var::kTimeline).value_or("") : options.timeline_dir();
+    c.profile = env.get(var::kProfile).value_or("");
     c.host_allocator = options.host_allocator().value_or(
         env.boolean(var::kHostAllocator).value_or(!kAddressSanitizer));
     c.host_cache_mb =
@@ -466,6 +467,7 @@ std::string describe(const RunConfig& c) {
   os << "  mesh: " << c.mesh_shape.to_string() << "\n";
   os << "  activation_checkpointing: " << yes(c.activation_checkpointing) << "\n";
   os << "  timeline_dir: " << (c.timeline_dir.empty() ? "none" : c.timeline_dir) << "\n";
+  os << "  profile: " << (c.profile.empty() ? "none" : c.profile) << "\n";
   os << "  host_allocator: " << yes(c.host_allocator) << ", host_cache_mb: " << c.host_cache_mb
      << "\n";
   os << "  from the environment:";

@@ -106,6 +106,8 @@ const std::vector<EnvVar>& run_environment_table() {
        "how ZeRO stages 2 and 3 reduce a bucket: alltoall or allreduce (--env)"},
       {var::kTimeline, "", "", K::kText, R::kRunConfig, false, "/tmp/timeline",
        "write a per-rank Chrome-trace timeline into this folder (--env)"},
+      {var::kProfile, "", "", K::kText, R::kRunConfig, false, "/tmp/profile",
+       "each rank writes its memory and step-time profile to <this>.rank<r>.json when its Accelerator ends, for tandem plan (--env)"},
       {var::kHostAllocator, "", "", K::kBool, R::kRunConfig, false, "0",
        "tandem's host allocator serves large CPU blocks (default true; false: malloc serves every block) (--env)"},
       {var::kHostCacheMb, "", "", K::kNumber, R::kRunConfig, false, "64",

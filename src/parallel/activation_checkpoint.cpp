@@ -445,12 +445,29 @@ int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::str
   if (classes.empty())
     if (auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&model))
       return static_cast<int>(checkpoint_sequential_entries(*seq, options).size());
+  // Note [Tied weights are not blocks]: a module whose parameter is also used outside it (the
+  // GPT head tied to the token embedding) gets that gradient in two backward passes when it is
+  // checkpointed (its own recomputation, then the rest): data parallel would see the
+  // parameter ready twice in one step. The default rule leaves such modules to the plain
+  // backward and walks into them; it checkpoints the blocks that own what they use.
+  std::map<const void*, int> uses;
+  for (const auto& sub : model.modules(/*include_self=*/true))
+    for (const auto& p : sub->named_parameters(/*recurse=*/false)) ++uses[p.value().unsafeGetTensorImpl()];
+  auto shares_outside = [&](torch::nn::Module& m) {
+    std::map<const void*, int> inside;
+    for (const auto& sub : m.modules(/*include_self=*/true))
+      for (const auto& p : sub->named_parameters(/*recurse=*/false)) ++inside[p.value().unsafeGetTensorImpl()];
+    for (const auto& [impl, n] : inside)
+      if (uses[impl] > n) return true;
+    return false;
+  };
   Walk w;
   w.options = options;
   w.wanted = [&](const std::string&, torch::nn::Module& m, bool entry) {
     if (!classes.empty())
       return std::find(classes.begin(), classes.end(), tandem::nn::module_type_name(m)) !=
              classes.end();
+    if (shares_outside(m)) return false;
     if (entry) return true;
     auto* h = tandem::nn::hookable(m);
     return h != nullptr && !h->standard_layer();

@@ -76,6 +76,8 @@ struct RunConfig {
   double host_cache_mb = 32;
   /// Per-rank timeline folder: AcceleratorOptions::timeline_dir, else TANDEM_TIMELINE; empty: none.
   std::string timeline_dir;
+  /// TANDEM_PROFILE: each rank writes <this>.rank<r>.json (track/run_profile.h); empty: none.
+  std::string profile;
   /// TANDEM_DEBUG: the main process prints describe() at start.
   bool debug = false;
   int num_machines = 1;

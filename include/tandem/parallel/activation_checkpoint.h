@@ -175,7 +175,9 @@ std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
 /// What activation checkpointing from the configuration checkpoints (fsdp_activation_checkpointing,
 /// --activation_checkpointing): with `classes` (fsdp_transformer_layer_cls_to_wrap), every module
 /// of those classes; without, every entry of a Sequential model, else the outermost Sequential
-/// entries and modules declared with TANDEM_MODULE (not tandem::nn's standard layers). Sequential
+/// entries and modules declared with TANDEM_MODULE (not tandem::nn's standard layers), leaving out
+/// a module that shares a parameter with the rest of the model (a head tied to the embedding:
+/// Note [Tied weights are not blocks]). Sequential
 /// entries are wrapped in Checkpointed, hookable modules get a forward hook. Throws
 /// std::invalid_argument when a class names no module, a module of a named class cannot be
 /// reached (a typed member not declared with TANDEM_MODULE), or nothing at all was reached.
