@@ -218,18 +218,19 @@ void validate(const StudyConfig& c, bool needs_program) {
 
 // ---- results -------------------------------------------------------------------------------
 
-std::string trial_to_json(const TrialRecord& t) {
+namespace {
+
+json record_json(const TrialRecord& t) {
   json inter = json::array();
   for (const auto& [s, v] : t.intermediate) inter.push_back({s, std::isfinite(v) ? json(v) : json()});
   json j = {{"event", "end"},     {"trial", t.number}, {"params", params_json(t.params)},
             {"state", to_string(t.state)}, {"value", t.value && std::isfinite(*t.value) ? json(*t.value) : json()},
             {"intermediate", inter}, {"seconds", t.seconds}};
   if (!t.message.empty()) j["message"] = t.message;
-  return j.dump();
+  return j;
 }
 
-TrialRecord trial_from_json(const std::string& line) {
-  auto j = json::parse(line);
+TrialRecord record_from(const json& j) {
   TrialRecord t;
   t.number = j.at("trial").get<int>();
   for (auto& [k, v] : j.at("params").items()) t.params[k] = v.get<std::string>();
@@ -242,6 +243,12 @@ TrialRecord trial_from_json(const std::string& line) {
   if (j.contains("message")) t.message = j["message"].get<std::string>();
   return t;
 }
+
+}  // namespace
+
+std::string trial_to_json(const TrialRecord& t) { return record_json(t).dump(); }
+
+TrialRecord trial_from_json(const std::string& line) { return record_from(json::parse(line)); }
 
 ResultsLog::ResultsLog(const StudyConfig& c) {
   fs::create_directories(c.study_dir);
@@ -278,7 +285,7 @@ ResultsLog::ResultsLog(const StudyConfig& c) {
     } catch (const std::exception&) {
       continue;  // a line cut short by a kill
     }
-    auto t = trial_from_json(line);
+    auto t = record_from(j);
     next_ = std::max(next_, t.number + 1);
     if (j.value("event", "") == "start") started[t.number] = t;
     else ended[t.number] = t;
@@ -386,15 +393,15 @@ Study::Study(StudyConfig config, ProcessGroup* group)
   if (root) {
     log_ = std::make_unique<ResultsLog>(config_);
     json j = json::array();
-    for (const auto& t : log_->finished()) j.push_back(json::parse(trial_to_json(t)));
+    for (const auto& t : log_->finished()) j.push_back(record_json(t));
     json u = json::array();
-    for (const auto& t : log_->unfinished()) u.push_back(json::parse(trial_to_json(t)));
+    for (const auto& t : log_->unfinished()) u.push_back(record_json(t));
     state = json{{"finished", j}, {"unfinished", u}, {"next", log_->next_number()}}.dump();
   }
   if (group_ && group_->size() > 1) state = comm::broadcast_object(*group_, state);
   auto j = json::parse(state);
-  for (auto& t : j["finished"]) finished_.push_back(trial_from_json(t.dump()));
-  for (auto& t : j["unfinished"]) retry_.push_back(trial_from_json(t.dump()));
+  for (auto& t : j["finished"]) finished_.push_back(record_from(t));
+  for (auto& t : j["unfinished"]) retry_.push_back(record_from(t));
   next_ = j["next"].get<int>();
 }
 
@@ -418,7 +425,7 @@ std::optional<Trial> Study::ask() {
       }
     }
     if (t) log_->record_start(*t);
-    msg = t ? json::parse(trial_to_json(*t)).dump() : "";
+    msg = t ? trial_to_json(*t) : "";
   }
   if (group_ && group_->size() > 1) msg = comm::broadcast_object(*group_, msg);
   if (msg.empty()) return std::nullopt;

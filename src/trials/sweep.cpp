@@ -61,6 +61,15 @@ int launch_processes(const StudyConfig& c) {
   return 1;
 }
 
+// In a forked child: replaces it with argv[0] (exit 127 when it cannot be started).
+[[noreturn]] void exec_argv(const std::vector<std::string>& argv) {
+  std::vector<char*> a;
+  for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+  a.push_back(nullptr);
+  ::execv(a[0], a.data());
+  ::_exit(127);
+}
+
 // Runs argv, returns (exit code, output). For the one --dry_run check.
 std::pair<int, std::string> capture(const std::vector<std::string>& argv) {
   int p[2];
@@ -71,11 +80,7 @@ std::pair<int, std::string> capture(const std::vector<std::string>& argv) {
     ::dup2(p[1], 2);
     ::close(p[0]);
     ::close(p[1]);
-    std::vector<char*> a;
-    for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-    a.push_back(nullptr);
-    ::execv(a[0], a.data());
-    ::_exit(127);
+    exec_argv(argv);
   }
   ::close(p[1]);
   std::string out;
@@ -274,11 +279,7 @@ SweepResult run_sweep(const StudyConfig& c, const SweepOptions& o) {
         for (int cpu : cpus) CPU_SET(cpu, &set);
         ::sched_setaffinity(0, sizeof set, &set);
       }
-      std::vector<char*> a;
-      for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-      a.push_back(nullptr);
-      ::execv(a[0], a.data());
-      ::_exit(127);
+      exec_argv(argv);
     }
     ::setpgid(pid, pid);
     r.pid = pid;
@@ -316,15 +317,20 @@ SweepResult run_sweep(const StudyConfig& c, const SweepOptions& o) {
     for (size_t i = 0; i < running.size();) {
       auto& r = running[i];
       const size_t before = r.record.intermediate.size();
-      read_metrics(r, c.metric);
-      if (!r.pruning) {
-        // Each new report is a decision point, as a trial calling report() in-process.
+      if (r.pruning) {
+        if (Clock::now() > r.kill_at) ::kill(-r.pid, SIGKILL);
+      } else {
+        read_metrics(r, c.metric);
+      }
+      if (!r.pruning && r.record.intermediate.size() > before) {
+        // Each new report is a decision point, as a trial calling report() in-process; the
+        // other trials are judged as they stand at this poll.
+        std::vector<TrialRecord> others = log.finished();
+        for (const auto& q : running)
+          if (q.record.number != r.record.number) others.push_back(q.record);
         for (size_t k = before; k < r.record.intermediate.size(); ++k) {
           TrialRecord upto = r.record;
           upto.intermediate.resize(k + 1);
-          std::vector<TrialRecord> others = log.finished();
-          for (const auto& q : running)
-            if (q.record.number != r.record.number) others.push_back(q.record);
           if (should_prune(c.pruner, c.direction, upto, others)) {
             r.record.intermediate.resize(k + 1);
             r.pruning = true;
@@ -335,8 +341,6 @@ SweepResult run_sweep(const StudyConfig& c, const SweepOptions& o) {
             break;
           }
         }
-      } else if (Clock::now() > r.kill_at) {
-        ::kill(-r.pid, SIGKILL);
       }
       int status = 0;
       pid_t w = ::waitpid(r.pid, &status, WNOHANG);
