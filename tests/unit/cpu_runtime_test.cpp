@@ -3,6 +3,8 @@
 // reference BLAS anyway is told so, once, with the fix.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include "../common/subprocess.h"
 #include "tandem/runtime.h"
 
@@ -102,12 +104,14 @@ TEST(OpenBlasKernels, LaunchedRanksRunTheCpusKernels) {
   const auto here = tandem::cpu_runtime();
   if (here.blas_kind != "openblas") {
     // Not OpenBLAS (the wheel's MKL chooses its kernels at run time): no kernel line, and the
-    // launcher leaves OPENBLAS_CORETYPE alone.
+    // launcher leaves OPENBLAS_CORETYPE alone: unset, or the user's own value.
     EXPECT_TRUE(here.blas_core.empty());
     auto launched = run_command({TANDEM_CLI, "launch", "--num_processes", "1", "--cpu", "sh",
                                  "-c", "echo coretype=${OPENBLAS_CORETYPE:-unset}"});
     ASSERT_EQ(launched.exit_code, 0) << launched.output;
-    EXPECT_NE(launched.output.find("coretype=unset"), std::string::npos) << launched.output;
+    const char* user = std::getenv("OPENBLAS_CORETYPE");
+    const std::string want = std::string("coretype=") + (user && *user ? user : "unset") + "\n";
+    EXPECT_NE(launched.output.find(want), std::string::npos) << launched.output;
     return;
   }
   ASSERT_FALSE(here.blas_core.empty()) << tandem::cpu_runtime_report(here);
