@@ -236,9 +236,12 @@ Accelerator::~Accelerator() {
 void Accelerator::profile_parameters(const torch::nn::Module& model) {
   if (!profile_) return;
   const std::string prefix = models_.size() > 1 ? "model_" + std::to_string(models_.size() - 1) + "." : "";
+  // A tied tensor (an embedding and its head) is listed under each module holding it: once here.
+  std::set<const void*> seen;
   for (const auto& p : model.named_parameters())
-    profile_->add_parameter(prefix + p.key(), p.value().numel(),
-                            static_cast<int64_t>(p.value().numel() * p.value().element_size()));
+    if (seen.insert(p.value().unsafeGetTensorImpl()).second)
+      profile_->add_parameter(prefix + p.key(), p.value().numel(),
+                              static_cast<int64_t>(p.value().numel() * p.value().element_size()));
 }
 
 void Accelerator::free_memory() {

@@ -1,10 +1,7 @@
 // The sweep: trials as `tandem launch` jobs, followed through their metrics.jsonl.
 #include "tandem/trials/sweep.h"
 
-#include <fcntl.h>
-#include <sched.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,10 +21,13 @@
 
 #include "tandem/runtime.h"
 #include "tandem/trials/plot.h"
+#include "detail/child.h"
 
 namespace tandem::trials {
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
+
+using detail::capture;
 
 namespace {
 
@@ -61,48 +61,6 @@ int launch_processes(const StudyConfig& c) {
   return 1;
 }
 
-// In a forked child: replaces it with argv[0] (exit 127 when it cannot be started).
-[[noreturn]] void exec_argv(const std::vector<std::string>& argv) {
-  std::vector<char*> a;
-  for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
-  a.push_back(nullptr);
-  ::execv(a[0], a.data());
-  ::_exit(127);
-}
-
-// Runs argv, returns (exit code, output). For the one --dry_run check.
-std::pair<int, std::string> capture(const std::vector<std::string>& argv) {
-  int p[2];
-  if (::pipe(p) != 0) throw std::runtime_error("pipe failed");
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(p[1], 1);
-    ::dup2(p[1], 2);
-    ::close(p[0]);
-    ::close(p[1]);
-    exec_argv(argv);
-  }
-  ::close(p[1]);
-  std::string out;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::read(p[0], buf, sizeof buf)) > 0) out.append(buf, static_cast<size_t>(n));
-  ::close(p[0]);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), out};
-}
-
-std::string tail_lines(const std::string& path, int lines) {
-  std::ifstream in(path);
-  std::vector<std::string> all;
-  std::string l;
-  while (std::getline(in, l)) all.push_back(l);
-  std::string out;
-  for (size_t i = all.size() > static_cast<size_t>(lines) ? all.size() - lines : 0; i < all.size(); ++i)
-    out += "    " + all[i] + "\n";
-  return out;
-}
 
 std::string params_text(const Params& p) {
   std::string s;
@@ -260,28 +218,7 @@ SweepResult run_sweep(const StudyConfig& c, const SweepOptions& o) {
     r.start = Clock::now();
     r.slot = static_cast<int>(slot);
     const auto& cpus = cpu_slots[slot];
-    pid_t pid = ::fork();
-    if (pid < 0) throw std::runtime_error("fork failed for trial " + std::to_string(r.record.number));
-    if (pid == 0) {
-      ::setpgid(0, 0);
-      ::prctl(PR_SET_PDEATHSIG, SIGTERM);  // a killed sweep stops its trials
-      ::signal(SIGINT, SIG_DFL);
-      ::signal(SIGTERM, SIG_DFL);
-      int fd = ::open(r.log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        ::dup2(fd, 1);
-        ::dup2(fd, 2);
-      }
-      for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
-      if (!cpus.empty()) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        for (int cpu : cpus) CPU_SET(cpu, &set);
-        ::sched_setaffinity(0, sizeof set, &set);
-      }
-      exec_argv(argv);
-    }
-    ::setpgid(pid, pid);
+    const pid_t pid = detail::spawn_logged(argv, env, r.log, cpus);
     r.pid = pid;
     slot_busy[slot] = true;
     out << "trial " << r.record.number << " started: " << params_text(r.record.params) << "\n" << std::flush;
@@ -374,7 +311,7 @@ SweepResult run_sweep(const StudyConfig& c, const SweepOptions& o) {
           << " after " << (t.intermediate.empty() ? 0 : t.intermediate.back().first) << " steps, "
           << static_cast<int>(std::lround(t.seconds)) << " s"
           << (t.message.empty() ? "" : " (" + t.message + ")") << "\n";
-      if (t.state == TrialState::kFailed) out << "  last lines of " << r.log << ":\n" << tail_lines(r.log, 8);
+      if (t.state == TrialState::kFailed) out << "  last lines of " << r.log << ":\n" << detail::tail_lines(r.log, 8, "    ");
       out << std::flush;
       slot_busy[static_cast<size_t>(r.slot)] = false;
       running.erase(running.begin() + static_cast<long>(i));

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <iostream>
 
@@ -13,6 +14,7 @@
 #include "tandem/version.h"
 #include "estimate_memory_cmd.h"
 #include "launch_cmd.h"
+#include "plan_cmd.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"tandem: distributed training for LibTorch"};
@@ -76,14 +78,26 @@ int main(int argc, char** argv) {
   sweep->add_option("study", study_file, "The study file (YAML)")->required();
   sweep->add_flag("--dry_run", sweep_dry, "Check the study and print the first trial's command");
 
-  const int parsed_argc = launch.split_program(argc, argv);  // PROGRAM [ARGS...] stays untouched
+  // --- plan (flags and handler in plan_cmd.cpp) ----------------------------------------------
+  tandem::cli::PlanCommand plan(app);
+
+  int parsed_argc = launch.split_program(argc, argv);  // PROGRAM [ARGS...] stays untouched
+  parsed_argc = std::min(parsed_argc, plan.split_program(argc, argv));
   CLI11_PARSE(app, parsed_argc, argv);
 
   if (estimate_memory.chosen()) return estimate_memory.run();
   if (launch.chosen()) return launch.run();
   if (config.chosen()) return config.run();
 
+  auto self_exe = [] {
+    char self[PATH_MAX];
+    const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0) throw std::runtime_error("cannot find this executable (/proc/self/exe)");
+    self[n] = '\0';
+    return std::string(self);
+  };
   try {
+    if (plan.chosen()) return plan.run(self_exe());
     if (*merge) {
       auto r = tandem::checkpoint::merge_weights(merge_in, merge_out, merge_index);
       std::cout << "merged " << r.tensors << " tensors (" << r.bytes << " bytes) from " << r.sources
@@ -111,10 +125,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*sweep) {
-      char self[PATH_MAX];
-      const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
-      if (n <= 0) throw std::runtime_error("cannot find this executable (/proc/self/exe)");
-      self[n] = '\0';
+      const std::string self = self_exe();
       auto study = tandem::trials::load_study(study_file);
       if (sweep_dry) {
         tandem::trials::TrialRecord first;

@@ -1,0 +1,192 @@
+// The layout planner's logic (`tandem plan`), as pure functions over plain data: the model as
+// the planner sees it (its tensors, which block each belongs to, which ones tensor parallel
+// splits), the layouts a machine allows (dp, ZeRO stage, tp, pp, activation checkpointing,
+// micro-batch, optimizer offload), each layout's predicted per-rank peak memory (model states
+// from the strategies' formulas, activations and buffers from a short profiled step), and the
+// configuration file the winner becomes. The runs themselves are in planner.h.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tandem/config/config.h"
+
+namespace tandem::trials {
+
+/// One tensor of the model. `block`: the index of the repeated block it belongs to (the first
+/// numeric component of its name: "h.3.attn.qkv.weight" -> 3), kBeforeBlocks (embeddings) or
+/// kAfterBlocks (final norm, head). `tp_split`: tensor parallel keeps 1/tp of it per rank.
+struct PlanTensor {
+  static constexpr int kBeforeBlocks = -1;
+  static constexpr int kAfterBlocks = -2;
+  std::string name;
+  int64_t numel = 0;
+  int block = kBeforeBlocks;
+  bool tp_split = false;
+  /// A tensor that a module after the blocks uses too (a head tied to the token embedding):
+  /// a pipeline keeps a copy of it on its last stage, since stages share no tensor.
+  bool tied_to_head = false;
+};
+
+/// The model as the planner sees it.
+struct PlanModel {
+  std::vector<PlanTensor> tensors;
+  int64_t blocks = 0;
+  /// Attention heads, hidden width and vocabulary (0: unknown): tensor parallel splits whole
+  /// heads, 4 x hidden (the MLP) and the vocabulary.
+  int64_t heads = 0, hidden = 0, vocab = 0, context = 0;
+  /// Where it came from ("GPT 4 x 256, ...", "safetensors: model.safetensors").
+  std::string source;
+  int64_t num_parameters() const;
+};
+
+/// The example GPT's tensors (examples/common/gpt.h; track::count_gpt_parameters' count): token
+/// and position embeddings, `layers` pre-LayerNorm blocks (qkv, proj, fc, fc_proj with biases,
+/// two LayerNorms), the final LayerNorm, the head tied to the token embedding. Tensor parallel
+/// (gpt_tensor_parallel_plan) splits qkv, fc (weights and biases), proj and fc_proj (weights)
+/// and the token embedding; the position embedding, LayerNorms and row-parallel biases stay
+/// whole. Throws std::invalid_argument unless every dimension is positive.
+PlanModel gpt_plan_model(int64_t layers, int64_t hidden, int64_t heads, int64_t vocab,
+                         int64_t context);
+
+/// A safetensors checkpoint's tensors (its header only; a file, an index, or a folder holding
+/// either, as track::read_safetensors_model_size). Blocks by the first numeric name component;
+/// names outside blocks whose name says embedding ("emb", "wte", "wpe") go before the blocks,
+/// the rest after. Tensor parallel splits every tensor of two or more dimensions except
+/// position embeddings ("wpe", "position"). `heads`: 0 when unknown (read from a config.json
+/// beside the checkpoint when it names n_head or num_attention_heads).
+PlanModel safetensors_plan_model(const std::string& path, int64_t heads = 0);
+
+/// The machines the plan is for.
+struct PlanMachine {
+  int num_processes = 1;  ///< over all machines (Accelerate's meaning)
+  int num_machines = 1;
+  /// Bytes one process may use (its peak resident memory, or device memory on a GPU).
+  double memory_per_process = 0;
+  bool cuda = false;
+  int processes_per_machine() const { return num_processes / num_machines; }
+};
+
+/// One layout.
+struct Layout {
+  int dp = 1, tp = 1, pp = 1;
+  int zero_stage = 0;
+  bool activation_checkpointing = false;
+  /// Sequences per data-parallel rank in one forward (a pipeline's micro-batch).
+  int64_t micro_batch = 1;
+  /// Micro-steps per optimizer step (gradient accumulation; 1 under a pipeline).
+  int64_t accumulation = 1;
+  /// Pipeline micro-batches per step (1 without a pipeline).
+  int64_t microbatches = 1;
+  /// ZeRO's optimizer state: "" in memory, "nvme" in files, "cpu" in host memory (GPU only).
+  std::string offload;
+  /// Sequences per data-parallel rank per micro-step: what the program's loader batches
+  /// (micro_batch x microbatches).
+  int64_t batch_per_rank() const { return micro_batch * microbatches; }
+  /// "dp2 zero1 mb4 ga2", "dp1 tp2 pp2 mb2 m4 ckpt", ...
+  std::string name() const;
+  bool operator==(const Layout& o) const;
+};
+
+/// What enumerate_layouts searches.
+struct PlanSearch {
+  int64_t global_batch = 8;  ///< sequences per optimizer step, over all data-parallel ranks
+  /// Whether the program takes its pipeline micro-batches ({microbatches} in its args); else
+  /// pipelines run with microbatches = pp.
+  bool search_microbatches = true;
+  /// Largest micro-batch tried (0: no limit).
+  int64_t max_micro_batch = 0;
+  /// Where the optimizer state may go on disk ("": offload is not searched).
+  std::string offload_dir;
+  bool search_checkpointing = true;
+};
+
+/// Every layout the rules allow, each once, with why the others are out in `excluded` (one
+/// line per rule that removed some): dp x tp x pp = processes; tp divides the heads, the MLP
+/// width and the vocabulary, and stays within a machine; a pipeline has at most as many stages
+/// as the model has children (blocks + 2) and no ZeRO stage (tandem refuses the pair) and no
+/// accumulation, with at least pp micro-batches; ZeRO stages 1-3 only where dp > 1; the global
+/// batch divisible by dp, the micro-batch dividing each rank's share; offload only with a ZeRO
+/// stage (and a directory, on the CPU).
+std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine& machine,
+                                      const PlanSearch& search, std::vector<std::string>* excluded);
+
+/// Parameters on the rank of a layout that holds the most (the pipeline stage with the most,
+/// after tensor parallel's split), and the stage.
+struct RankParameters {
+  int64_t parameters = 0;
+  int64_t largest_unit = 0;  ///< the largest block (or embedding) on that rank: a ZeRO-3 unit
+  int stage = 0;
+  /// Share of the model's activations per sample on that stage (1 without a pipeline).
+  double activation_share = 1.0;
+  /// Micro-batches whose activations that stage holds at once (1F1B: min(m, pp - stage)).
+  int64_t in_flight = 1;
+};
+std::vector<RankParameters> rank_parameters(const PlanModel& model, const Layout& layout);
+
+/// What the profiled step measured (planner.h's probes), in bytes.
+struct ProbeFigures {
+  /// Resident memory of a rank before its model (LibTorch, the program, its data).
+  double baseline_rss = 0;
+  /// Peak resident memory above baseline + tensor peak (allocator slack, thread stacks, Gloo).
+  double rss_overhead = 0;
+  /// Tensor bytes that are neither model states nor activations (the batch, optimizer-step
+  /// scratch, LibTorch workspaces): probe tensor peak - 16 P - activations.
+  double workspace = 0;
+  /// Activations per sequence of the whole model, without and with activation checkpointing.
+  double activations_per_sample = 0;
+  double checkpointed_per_sample = 0;
+  /// The part of activations tensor parallel splits (from a tp = 2 probe; 0: none measured).
+  double tp_split_fraction = 0;
+  /// Extra resident memory per additional process of a job (Gloo's pairs and buffers).
+  double rss_per_peer = 0;
+  /// Whether activations came from a run (true) or from the GPT formula (false).
+  bool measured = false;
+};
+
+/// Activations per sequence of the example GPT in fp32 from its shape, for a plan without a
+/// program to probe (Korthikanti et al.'s per-layer count, 34 T h + 5 a T^2 values in 16 bits,
+/// doubled for fp32, plus the logits and their gradient); checkpointed: each block's input.
+ProbeFigures gpt_activation_formula(const PlanModel& model, int64_t seq_len, double baseline_rss);
+
+/// A layout's predicted peak per rank (the rank that holds the most), in bytes.
+struct MemoryPrediction {
+  double model_states = 0;  ///< weights, gradients, Adam's moments (formulas of DESIGN.md)
+  double buffers = 0;       ///< gradient buckets, ZeRO-3's gathered units, offload's buffers
+  double activations = 0;
+  double workspace = 0;
+  double tensor_peak = 0;   ///< the sum of the four
+  double rss_peak = 0;      ///< baseline + tensor peak + overhead
+  int stage = 0;            ///< the pipeline stage of that rank
+  int64_t parameters = 0;   ///< parameters on that rank
+};
+/// Model states with fp32 weights and AdamW for P parameters on a rank of W data-parallel
+/// ranks: DDP 16P + 4P of buckets (16P when W = 1), ZeRO-1 8P + 8P/W + 4P buckets, ZeRO-2
+/// 4P + 12P/W + the buckets in flight, ZeRO-3 16P/W + 32 L (the units in flight); optimizer
+/// state on disk drops Adam's 8 bytes per parameter for three unit-sized buffers.
+MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
+                                const ProbeFigures& probe);
+
+/// A guess of relative step time, used only to order the candidates before they are timed:
+/// recomputation, pipeline bubbles, tensor-parallel and ZeRO communication and small
+/// micro-batches cost. Lower is better.
+double layout_cost(const Layout& layout);
+
+/// The `tandem launch` flags of a layout (without the program), e.g. {"--num_processes", "4",
+/// "--use_deepspeed", "--zero_stage", "2", "--tp_size", "2"}.
+std::vector<std::string> launch_flags(const Layout& layout, const PlanMachine& machine,
+                                      const std::string& offload_dir);
+
+/// The launch configuration of a layout (Accelerate's keys; tandem launch --config_file).
+config::LaunchConfig layout_config(const Layout& layout, const PlanMachine& machine,
+                                   const std::string& offload_dir);
+
+/// The program's arguments with {batch_size}, {microbatches}, {accumulation} and {steps}
+/// replaced (`steps` < 1: {steps} is an error).
+std::vector<std::string> program_args(const std::vector<std::string>& args, const Layout& layout,
+                                      int64_t steps);
+
+}  // namespace tandem::trials
