@@ -378,6 +378,20 @@ ProbeFigures gpt_activation_formula(const PlanModel& model, int64_t seq_len, dou
   return f;
 }
 
+// Note [Planner memory model]
+// A rank's tensor peak is its model states, what its strategy holds beside them, its
+// activations and a workspace, but these do not all peak together. Measured on the example GPT
+// (4 x 256 and 4 x 512, dp 2 and 4, TANDEM_PROFILE): under data parallel the buckets live
+// through the forward and the peak is the sum (20P + activations); under every ZeRO stage the
+// peak tensor count did not move with the micro-batch (1 to 4), so it comes after the
+// activations are gone, at the end of backward or in the step. The per-stage terms are fitted
+// to those runs, as a + b/W with W = 2 and 4: ZeRO-1 12P + 8P/W, ZeRO-2 10.5P + 18P/W, ZeRO-3
+// 10P/W + 24L (L: the largest unit's parameters), within 5% of the measured tensor peaks above
+// the workspace. The DESIGN.md formulas (ZeRO-2 4P + 12P/W, ZeRO-3 16P/W) are the states alone;
+// the rest are tandem's buckets and gathers as they run today. Activations come from the probe
+// (micro-batches 1 and 2; the share tensor parallel splits from a tp 2 run), scaled by the
+// micro-batch, the stage's share of the model (by Korthikanti et al.'s per-layer weights) and,
+// under 1F1B, the micro-batches in flight on that stage (min(m, pp - stage)).
 MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
                                 const ProbeFigures& probe) {
   MemoryPrediction best;
@@ -393,29 +407,43 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
     const bool disk = layout.offload == "nvme";
     const bool host = layout.offload == "cpu";  // on a GPU: moments (and the step) in host memory
     const double moments = (disk || host) ? 0.0 : 8 * n / w;
-    constexpr double kBucketBytes = 25.0 * (1 << 20);
+    // What each strategy holds, fitted to tandem's own runs (Note [Planner memory model]):
+    // `p.buffers` peak after the activations are gone (end of backward, the step), except
+    // under data parallel, whose buckets live through the forward as well.
+    double forward_buffers = 0;
     switch (layout.zero_stage) {
       case 0:
-        p.model_states = 16 * n;
-        p.buffers = w > 1 ? 4 * n : 0;  // gradients copied into their buckets
+        p.model_states = 16 * n;  // weights, gradients, Adam's two moments
+        // Gradients copied into their buckets; a pipeline averages its stage's gradients
+        // itself, once per step, without buckets.
+        p.buffers = w > 1 && layout.pp == 1 ? 4 * n : 0;
+        forward_buffers = p.buffers;
         break;
       case 1:
-        p.model_states = 8 * n + moments;  // weights, gradients (in the buckets), moments shard
+        p.model_states = 8 * n + moments;  // weights, gradients, this rank's moments
+        p.buffers = 4 * n;  // the buckets the gradients are averaged in
         break;
       case 2:
-        p.model_states = 4 * n + 4 * n / w + moments;
-        p.buffers = std::min(4 * n, 2 * kBucketBytes);
+        p.model_states = 4 * n + 4 * n / w + moments;  // weights, gradient shard, moments
+        p.buffers = 6.5 * n + 6 * n / w;  // gradients, buckets and reduced shards in flight
         break;
       default:
-        p.model_states = 8 * n / w + moments;
-        p.buffers = 32 * l;  // the units gathered, in flight, and their gradients
+        p.model_states = 8 * n / w + moments + 2 * n / w;  // shards of all, the step's scratch
+        p.buffers = 24 * l;        // units gathered, in flight, and their gradients
+        forward_buffers = 8 * l;   // two units gathered during the forward
         break;
     }
+    if (layout.zero_stage > 0) {
+      const double measured = probe.zero_buffers[layout.zero_stage][layout.tp > 1 ? 1 : 0];
+      if (measured >= 0) p.buffers = measured * (layout.zero_stage == 3 ? l : n);
+    }
+    p.forward_buffers = forward_buffers;
     if (disk) p.buffers += 3 * 8 * l / w;  // each unit's moments streamed through 3 buffers
     p.activations = per_sample * static_cast<double>(layout.micro_batch) * r.activation_share *
                     static_cast<double>(r.in_flight) * tp_factor;
     p.workspace = probe.workspace;
-    p.tensor_peak = p.model_states + p.buffers + p.activations + p.workspace;
+    p.tensor_peak = p.workspace + p.model_states +
+                    std::max(p.buffers, p.forward_buffers + p.activations);
     const double world = static_cast<double>(layout.dp) * layout.tp * layout.pp;
     p.rss_peak = probe.baseline_rss + p.tensor_peak + probe.rss_overhead +
                  probe.rss_per_peer * (world - 1);
@@ -493,13 +521,10 @@ std::vector<std::string> program_args(const std::vector<std::string>& args, cons
     auto replace = [&](const std::string& key, const std::string& value) {
       for (size_t pos; (pos = a.find(key)) != std::string::npos;) a.replace(pos, key.size(), value);
     };
-    if (a.find("{steps}") != std::string::npos && steps < 1)
-      throw std::invalid_argument("tandem plan: {steps} in the program's arguments needs a step "
-                                  "count");
     replace("{batch_size}", std::to_string(l.batch_per_rank()));
     replace("{microbatches}", std::to_string(l.microbatches));
     replace("{accumulation}", std::to_string(l.accumulation));
-    replace("{steps}", std::to_string(steps));
+    if (steps > 0) replace("{steps}", std::to_string(steps));
     out.push_back(a);
   }
   return out;

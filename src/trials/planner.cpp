@@ -214,6 +214,29 @@ ProbeFigures probe_program(const PlannerOptions& o, const std::vector<Layout>& l
     notes->push_back("tensor parallel is not among the layouts: its activation split was not "
                      "probed");
   }
+  // What each ZeRO stage holds beside its states after the activations (its buckets, reduced
+  // shards, gathered units), on its own and under tensor parallel: a dp 2 run of the stage.
+  for (int zero = 1; zero <= 3; ++zero)
+    for (int tp : {1, 2}) {
+      const bool wanted = std::any_of(layouts.begin(), layouts.end(), [&](const Layout& l) {
+        return l.zero_stage == zero && (l.tp > 1) == (tp > 1);
+      });
+      if (!wanted || 2 * tp > o.machine.processes_per_machine()) continue;
+      Layout l;
+      l.dp = 2;
+      l.tp = tp;
+      l.zero_stage = zero;
+      PlanMachine m = one;
+      m.num_processes = 2 * tp;
+      const auto r = run(l, m, "probe_zero" + std::to_string(zero) + "_tp" + std::to_string(tp));
+      const auto p = predict_memory(o.model, l, f);
+      const double held = r.tensor_peak - f.workspace - p.model_states;
+      const auto ranks = rank_parameters(o.model, l);
+      const double per = static_cast<double>(zero == 3 ? ranks[0].largest_unit : ranks[0].parameters);
+      // Only a peak past the forward's says what the stage holds after it.
+      if (held > p.forward_buffers + p.activations && per > 0)
+        f.zero_buffers[zero][tp > 1 ? 1 : 0] = held / per;
+    }
   out << "probe: baseline " << mb(f.baseline_rss) << " MB resident, activations "
       << mb(f.activations_per_sample) << " MB per sequence (" << mb(f.checkpointed_per_sample)
       << " MB checkpointed), workspace " << mb(f.workspace) << " MB, tp splits "
@@ -348,7 +371,7 @@ PlanResult run_plan(const PlannerOptions& o_in) {
     text += "\n";
     if (program) {
       text += "# run: tandem launch --config_file " + o.output + " " + o.program + " " +
-              join(program_args(o.args, w.layout, std::max<int64_t>(1, o.timed_steps))) + "\n";
+              join(program_args(o.args, w.layout, /*steps=*/0)) + "\n";
     }
     text += "# the program takes " + std::to_string(w.layout.batch_per_rank()) +
             " sequences per data-parallel rank per micro-step";
@@ -434,6 +457,11 @@ std::string plan_to_json(const PlanResult& res, const PlannerOptions& o) {
                 {"checkpointed_per_sample", f.checkpointed_per_sample},
                 {"tp_split_fraction", f.tp_split_fraction},
                 {"rss_per_peer", f.rss_per_peer}};
+  for (int z = 1; z <= 3; ++z)
+    for (int t = 0; t < 2; ++t)
+      if (f.zero_buffers[z][t] >= 0)
+        j["probe"]["zero" + std::to_string(z) + (t ? "_tp" : "") + "_buffers_per_parameter"] =
+            f.zero_buffers[z][t];
   j["layouts"] = nlohmann::json::array();
   for (size_t i = 0; i < res.layouts.size(); ++i) {
     const auto& p = res.layouts[i];

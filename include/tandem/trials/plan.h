@@ -143,6 +143,10 @@ struct ProbeFigures {
   double tp_split_fraction = 0;
   /// Extra resident memory per additional process of a job (Gloo's pairs and buffers).
   double rss_per_peer = 0;
+  /// What each ZeRO stage holds beside its states once the activations are gone, per
+  /// parameter on the rank (stage 3: per parameter of its largest unit), measured by a dp 2
+  /// probe of that stage, [stage][tp > 1]; negative: not probed (the formula's term is used).
+  double zero_buffers[4][2] = {{-1, -1}, {-1, -1}, {-1, -1}, {-1, -1}};
   /// Whether activations came from a run (true) or from the GPT formula (false).
   bool measured = false;
 };
@@ -158,15 +162,22 @@ struct MemoryPrediction {
   double buffers = 0;       ///< gradient buckets, ZeRO-3's gathered units, offload's buffers
   double activations = 0;
   double workspace = 0;
-  double tensor_peak = 0;   ///< the sum of the four
+  double forward_buffers = 0;  ///< the part of `buffers` held during the forward as well
+  double tensor_peak = 0;   ///< workspace + states + max(buffers, forward buffers + activations)
   double rss_peak = 0;      ///< baseline + tensor peak + overhead
   int stage = 0;            ///< the pipeline stage of that rank
   int64_t parameters = 0;   ///< parameters on that rank
 };
-/// Model states with fp32 weights and AdamW for P parameters on a rank of W data-parallel
-/// ranks: DDP 16P + 4P of buckets (16P when W = 1), ZeRO-1 8P + 8P/W + 4P buckets, ZeRO-2
-/// 4P + 12P/W + the buckets in flight, ZeRO-3 16P/W + 32 L (the units in flight); optimizer
-/// state on disk drops Adam's 8 bytes per parameter for three unit-sized buffers.
+/// The peak per rank with fp32 weights and AdamW, P parameters on the rank (after tp and pp),
+/// W data-parallel ranks, L the largest unit (Note [Planner memory model] in plan.cpp):
+///   data parallel   16P + 4P buckets (none when W = 1 or under a pipeline) + activations
+///   ZeRO-1          8P + 8P/W + max(4P buckets, activations)
+///   ZeRO-2          4P + 12P/W + max(6.5P + 6P/W in flight, activations)
+///   ZeRO-3          10P/W + max(24L, 8L + activations)
+/// plus the probe's workspace; a ZeRO stage's probed buffers (ProbeFigures::zero_buffers)
+/// replace its term; optimizer state on disk (or, on a GPU, in host memory) drops
+/// Adam's 8P/W for three unit-sized buffers. Resident memory adds the probe's baseline and
+/// overhead, and its per-peer overhead for every other process.
 MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
                                 const ProbeFigures& probe);
 
@@ -185,7 +196,7 @@ config::LaunchConfig layout_config(const Layout& layout, const PlanMachine& mach
                                    const std::string& offload_dir);
 
 /// The program's arguments with {batch_size}, {microbatches}, {accumulation} and {steps}
-/// replaced (`steps` < 1: {steps} is an error).
+/// replaced ({steps} stays as it is when `steps` < 1: the printed command of a plan).
 std::vector<std::string> program_args(const std::vector<std::string>& args, const Layout& layout,
                                       int64_t steps);
 
