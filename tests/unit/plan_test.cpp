@@ -1,0 +1,285 @@
+// The layout planner without processes: the model's tensors and their per-rank counts under tp
+// and pp (checked against the example GPT's own count), the rules of enumeration, the memory
+// prediction's terms, the config file a layout becomes, and the program's placeholders.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <functional>
+#include <set>
+
+#include "../common/temp_dir.h"
+#include "tandem/checkpoint/safetensors.h"
+#include "tandem/config/config.h"
+#include "tandem/track/memory_estimate.h"
+#include "tandem/trials/plan.h"
+
+namespace tt = tandem::trials;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+tt::PlanMachine machine(int n, double memory = 1e12) {
+  tt::PlanMachine m;
+  m.num_processes = n;
+  m.memory_per_process = memory;
+  return m;
+}
+
+}  // namespace
+
+TEST(PlanModel, GptCountsWhatTheMemoryEstimateCounts) {
+  for (auto [l, h, v, c] : std::vector<std::array<int64_t, 4>>{{4, 256, 256, 64}, {12, 768, 50257, 1024}}) {
+    const auto m = tt::gpt_plan_model(l, h, 4, v, c);
+    EXPECT_EQ(m.num_parameters(), tandem::track::count_gpt_parameters({l, h, v, c}).num_parameters);
+    EXPECT_EQ(m.blocks, l);
+  }
+  EXPECT_NE(error_of([] { tt::gpt_plan_model(4, 250, 4, 256, 64); }).find("multiple of heads"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { tt::gpt_plan_model(0, 256, 4, 256, 64); }).find("positive"),
+            std::string::npos);
+}
+
+TEST(PlanModel, RankParametersFollowTheSplits) {
+  const int64_t h = 256, v = 256, c = 64;
+  const auto m = tt::gpt_plan_model(4, h, 4, v, c);
+  tt::Layout l;
+  auto one = tt::rank_parameters(m, l);
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_EQ(one[0].parameters, m.num_parameters());
+  EXPECT_EQ(one[0].largest_unit, 12 * h * h + 13 * h);  // a block
+  // Tensor parallel: the block's matrices, qkv's and fc's biases and the token embedding split.
+  l.tp = 2;
+  const int64_t block_tp = 12 * h * h / 2 + (3 * h + 4 * h) / 2 + 6 * h;
+  EXPECT_EQ(tt::rank_parameters(m, l)[0].parameters, v * h / 2 + c * h + 4 * block_tp + 2 * h);
+  // A pipeline of 2 over 6 children (embeddings, 4 blocks, head): split_sequential's rule puts
+  // the embeddings and 2 blocks on stage 0, 2 blocks and the head on stage 1, which keeps its
+  // own copy of the tied token embedding.
+  l.tp = 1;
+  l.pp = 2;
+  l.microbatches = 4;
+  const auto pp = tt::rank_parameters(m, l);
+  ASSERT_EQ(pp.size(), 2u);
+  const int64_t block = 12 * h * h + 13 * h;
+  EXPECT_EQ(pp[0].parameters, v * h + c * h + 2 * block);
+  EXPECT_EQ(pp[1].parameters, 2 * block + 2 * h + v * h);
+  EXPECT_EQ(pp[0].in_flight, 2);  // 1F1B: min(m, pp - stage)
+  EXPECT_EQ(pp[1].in_flight, 1);
+  EXPECT_NEAR(pp[0].activation_share + pp[1].activation_share, 1.0, 1e-12);
+}
+
+TEST(PlanModel, SafetensorsHeaderGivesBlocksAndTies) {
+  tandem::testing::TempDir dir;
+  const std::string path = dir.str() + "/model.safetensors";
+  // A transformers-style GPT-2 without lm_head (tied), two blocks.
+  tandem::checkpoint::NamedTensors t{
+      {"transformer.wte.weight", torch::zeros({50, 8})},
+      {"transformer.wpe.weight", torch::zeros({16, 8})},
+      {"transformer.h.0.attn.c_attn.weight", torch::zeros({8, 24})},
+      {"transformer.h.0.ln_1.weight", torch::zeros({8})},
+      {"transformer.h.1.attn.c_attn.weight", torch::zeros({8, 24})},
+      {"transformer.h.1.ln_1.weight", torch::zeros({8})},
+      {"transformer.ln_f.weight", torch::zeros({8})}};
+  tandem::checkpoint::save_safetensors(path, t);
+  const auto m = tt::safetensors_plan_model(dir.str(), /*heads=*/2);
+  EXPECT_EQ(m.blocks, 2);
+  EXPECT_EQ(m.vocab, 50);
+  EXPECT_EQ(m.hidden, 8);
+  EXPECT_EQ(m.num_parameters(), 50 * 8 + 16 * 8 + 2 * (8 * 24 + 8) + 8);
+  int tied = 0;
+  for (const auto& x : m.tensors) {
+    if (x.tied_to_head) ++tied;
+    if (x.name == "transformer.wpe.weight") EXPECT_FALSE(x.tp_split);
+    if (x.name == "transformer.h.1.ln_1.weight") EXPECT_EQ(x.block, 1);
+    if (x.name == "transformer.ln_f.weight") EXPECT_EQ(x.block, tt::PlanTensor::kAfterBlocks);
+  }
+  EXPECT_EQ(tied, 1);  // the token embedding
+  EXPECT_NE(error_of([&] { tt::safetensors_plan_model(dir.str() + "/none"); }).find("no such"),
+            std::string::npos);
+}
+
+TEST(Enumerate, FollowsTheRules) {
+  const auto m = tt::gpt_plan_model(4, 256, 4, 256, 64);
+  tt::PlanSearch s;
+  s.global_batch = 8;
+  std::vector<std::string> excluded;
+  const auto layouts = tt::enumerate_layouts(m, machine(4), s, &excluded);
+  ASSERT_FALSE(layouts.empty());
+  std::set<std::string> names;
+  for (const auto& l : layouts) {
+    EXPECT_TRUE(names.insert(l.name()).second) << "twice: " << l.name();
+    EXPECT_EQ(l.dp * l.tp * l.pp, 4) << l.name();
+    EXPECT_EQ(l.dp * l.batch_per_rank() * l.accumulation, 8) << l.name();
+    if (l.pp > 1) {
+      EXPECT_EQ(l.zero_stage, 0) << l.name();
+      EXPECT_EQ(l.accumulation, 1) << l.name();
+      EXPECT_GE(l.microbatches, l.pp) << l.name();
+    }
+    if (l.dp == 1) EXPECT_EQ(l.zero_stage, 0) << l.name();
+    EXPECT_TRUE(l.offload.empty()) << "no --offload_dir: " << l.name();
+  }
+  // Every ZeRO stage, tp 4 and pp 4, checkpointing on and off, are among them.
+  for (const char* want : {"dp4 zero3 mb2", "dp1 tp4 mb1 ga8", "dp1 pp4 mb2 m4 ckpt",
+                           "dp2 tp2 zero2 mb4", "dp4 mb1 ga2 ckpt"})
+    EXPECT_TRUE(names.count(want)) << want;
+  const std::string all = [&] {
+    std::string s2;
+    for (const auto& e : excluded) s2 += e + "\n";
+    return s2;
+  }();
+  EXPECT_NE(all.find("ZeRO stages do not combine with a pipeline"), std::string::npos) << all;
+  EXPECT_NE(all.find("--offload_dir"), std::string::npos) << all;
+
+  // 3 heads: tp 2 and 4 are out, with the reason.
+  excluded.clear();
+  const auto m3 = tt::gpt_plan_model(4, 252, 3, 256, 64);
+  for (const auto& l : tt::enumerate_layouts(m3, machine(4), s, &excluded)) EXPECT_EQ(l.tp, 1);
+  EXPECT_TRUE(std::any_of(excluded.begin(), excluded.end(), [](const std::string& e) {
+    return e.find("tp must divide the heads 3: tp2 pp1 dp2") != std::string::npos;
+  }));
+  // Two machines of 2: tp 4 would cross machines.
+  excluded.clear();
+  auto two = machine(4);
+  two.num_machines = 2;
+  for (const auto& l : tt::enumerate_layouts(m, two, s, &excluded)) EXPECT_LE(l.tp, 2);
+  // Offload searched with a directory, only under ZeRO.
+  s.offload_dir = "/tmp/x";
+  int offloaded = 0;
+  for (const auto& l : tt::enumerate_layouts(m, machine(2), s, nullptr))
+    if (!l.offload.empty()) {
+      ++offloaded;
+      EXPECT_EQ(l.offload, "nvme");
+      EXPECT_GT(l.zero_stage, 0);
+    }
+  EXPECT_GT(offloaded, 0);
+  // A global batch that no dp divides leaves nothing, said.
+  s.global_batch = 0;
+  EXPECT_NE(error_of([&] { tt::enumerate_layouts(m, machine(2), s, nullptr); }).find("positive"),
+            std::string::npos);
+}
+
+TEST(Predict, TermsFollowTheFormulas) {
+  const auto m = tt::gpt_plan_model(4, 512, 4, 256, 64);
+  const double n = static_cast<double>(m.num_parameters());
+  tt::ProbeFigures f;
+  f.baseline_rss = 100e6;
+  f.rss_overhead = 10e6;
+  f.workspace = 5e6;
+  f.activations_per_sample = 1e6;
+  f.checkpointed_per_sample = 0.25e6;
+  f.rss_per_peer = 2e6;
+  tt::Layout l;
+  l.dp = 4;
+  l.micro_batch = 2;
+  auto p = tt::predict_memory(m, l, f);
+  EXPECT_DOUBLE_EQ(p.model_states, 16 * n);
+  EXPECT_DOUBLE_EQ(p.buffers, 4 * n);
+  EXPECT_DOUBLE_EQ(p.activations, 2e6);
+  EXPECT_DOUBLE_EQ(p.tensor_peak, 5e6 + 20 * n + 2e6);
+  EXPECT_DOUBLE_EQ(p.rss_peak, 100e6 + p.tensor_peak + 10e6 + 3 * 2e6);
+  l.activation_checkpointing = true;
+  EXPECT_DOUBLE_EQ(tt::predict_memory(m, l, f).activations, 0.5e6);
+  l.activation_checkpointing = false;
+  // ZeRO-1: 8P + 8P/W, the buckets after the activations.
+  l.zero_stage = 1;
+  p = tt::predict_memory(m, l, f);
+  EXPECT_DOUBLE_EQ(p.model_states, 8 * n + 2 * n);
+  EXPECT_DOUBLE_EQ(p.tensor_peak, 5e6 + 10 * n + std::max(4 * n, 2e6));
+  // A probed buffer term replaces the formula's.
+  f.zero_buffers[1][0] = 5.0;
+  EXPECT_DOUBLE_EQ(tt::predict_memory(m, l, f).buffers, 5 * n);
+  // ZeRO-3 shrinks with W; its buffers follow the largest unit.
+  l.zero_stage = 3;
+  const auto z3_4 = tt::predict_memory(m, l, f);
+  l.dp = 2;
+  const auto z3_2 = tt::predict_memory(m, l, f);
+  EXPECT_LT(z3_4.model_states, z3_2.model_states);
+  EXPECT_DOUBLE_EQ(z3_4.buffers, z3_2.buffers);
+  // Optimizer state on disk drops the moments.
+  l.offload = "nvme";
+  EXPECT_LT(tt::predict_memory(m, l, f).model_states, z3_2.model_states);
+  // A pipeline: no buckets; the stage with the most is the one reported.
+  tt::Layout pp;
+  pp.dp = 2;
+  pp.pp = 2;
+  pp.microbatches = 2;
+  p = tt::predict_memory(m, pp, f);
+  EXPECT_DOUBLE_EQ(p.buffers, 0.0);
+  const auto ranks = tt::rank_parameters(m, pp);
+  EXPECT_EQ(p.parameters, std::max(ranks[0].parameters, ranks[1].parameters));
+}
+
+TEST(Layouts, BecomeLaunchFlagsAndAConfigTheLauncherReads) {
+  tt::Layout l;
+  l.dp = 2;
+  l.tp = 2;
+  l.zero_stage = 2;
+  l.accumulation = 2;
+  l.activation_checkpointing = true;
+  const auto m = machine(4);
+  const auto flags = tt::launch_flags(l, m, "");
+  const std::vector<std::string> want{"--num_processes", "4", "--cpu", "--use_deepspeed",
+                                      "--zero_stage", "2", "--tp_size", "2",
+                                      "--gradient_accumulation_steps", "2",
+                                      "--activation_checkpointing"};
+  EXPECT_EQ(flags, want);
+  auto cfg = tt::layout_config(l, m, "");
+  tandem::config::validate(cfg);
+  const auto back = tandem::config::parse_config(tandem::config::to_yaml(cfg), "plan.yaml");
+  EXPECT_EQ(back.distributed_type, "DEEPSPEED");
+  EXPECT_EQ(back.num_processes, 4);
+  EXPECT_EQ(back.gradient_accumulation_steps, 2);
+  EXPECT_EQ(back.deepspeed_config.at("zero_stage"), "2");
+  EXPECT_EQ(back.parallelism_config.at("parallelism_config_tp_size"), "2");
+  EXPECT_EQ(back.fsdp_config.at("fsdp_activation_checkpointing"), "true");
+  EXPECT_TRUE(tandem::config::not_acted_on(back).empty());
+  // A pipeline: MULTI_CPU with pp_size; offload to disk carries its directory.
+  tt::Layout p;
+  p.pp = 4;
+  p.microbatches = 4;
+  auto pc = tandem::config::parse_config(tandem::config::to_yaml(tt::layout_config(p, m, "")), "x");
+  EXPECT_EQ(pc.distributed_type, "MULTI_CPU");
+  EXPECT_EQ(pc.parallelism_config.at("pp_size"), "4");
+  tt::Layout o;
+  o.dp = 4;
+  o.zero_stage = 3;
+  o.offload = "nvme";
+  const auto oc = tt::layout_config(o, m, "/data/opt");
+  EXPECT_EQ(oc.deepspeed_config.at("offload_optimizer_nvme_path"), "/data/opt");
+}
+
+TEST(Layouts, PlaceholdersInTheProgramsArguments) {
+  tt::Layout l;
+  l.pp = 2;
+  l.micro_batch = 3;
+  l.microbatches = 4;
+  const std::vector<std::string> args{"--batch-size", "{batch_size}", "--microbatches",
+                                      "{microbatches}", "--steps", "{steps}", "--x={accumulation}"};
+  const std::vector<std::string> want{"--batch-size", "12", "--microbatches", "4",
+                                      "--steps", "5", "--x=1"};
+  EXPECT_EQ(tt::program_args(args, l, 5), want);
+  EXPECT_EQ(tt::program_args(args, l, 0)[5], "{steps}");  // a printed command keeps it
+  EXPECT_EQ(l.name(), "dp1 pp2 mb3 m4");
+}
+
+TEST(Predict, OrderGuessPrefersFewerCosts) {
+  tt::Layout plain;
+  plain.dp = 4;
+  plain.micro_batch = 4;
+  tt::Layout ckpt = plain;
+  ckpt.activation_checkpointing = true;
+  tt::Layout small = plain;
+  small.micro_batch = 1;
+  small.accumulation = 4;
+  EXPECT_LT(tt::layout_cost(plain), tt::layout_cost(ckpt));
+  EXPECT_LT(tt::layout_cost(plain), tt::layout_cost(small));
+}
