@@ -173,7 +173,7 @@ struct MemoryPrediction {
 ///   data parallel   16P + 4P buckets (none when W = 1 or under a pipeline) + activations
 ///   ZeRO-1          8P + 8P/W + max(4P buckets, activations)
 ///   ZeRO-2          4P + 12P/W + max(6.5P + 6P/W in flight, activations)
-///   ZeRO-3          10P/W + max(24L, 8L + activations)
+///   ZeRO-3          10P/W + max(24L (+ 8L with accumulation), 8L + activations)
 /// plus the probe's workspace; a ZeRO stage's probed buffers (ProbeFigures::zero_buffers)
 /// replace its term; optimizer state on disk (or, on a GPU, in host memory) drops
 /// Adam's 8P/W for three unit-sized buffers. Resident memory adds the probe's baseline and
