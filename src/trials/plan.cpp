@@ -26,10 +26,11 @@ int64_t PlanModel::num_parameters() const {
 PlanModel gpt_plan_model(int64_t layers, int64_t hidden, int64_t heads, int64_t vocab,
                          int64_t context) {
   if (layers < 1 || hidden < 1 || heads < 1 || vocab < 1 || context < 1)
-    throw std::invalid_argument("GPT shape: layers, hidden, heads, vocab and context must all be "
-                                "positive, got " + std::to_string(layers) + ", " +
-                                std::to_string(hidden) + ", " + std::to_string(heads) + ", " +
-                                std::to_string(vocab) + ", " + std::to_string(context));
+    throw std::invalid_argument(
+        "GPT shape: layers, hidden, heads, vocab and context must all be "
+        "positive, got " +
+        std::to_string(layers) + ", " + std::to_string(hidden) + ", " + std::to_string(heads) +
+        ", " + std::to_string(vocab) + ", " + std::to_string(context));
   if (hidden % heads != 0)
     throw std::invalid_argument("GPT shape: hidden " + std::to_string(hidden) +
                                 " must be a multiple of heads " + std::to_string(heads));
@@ -81,16 +82,21 @@ int block_of(const std::string& name) {
   return -1;
 }
 
-bool contains(const std::string& s, const char* what) { return s.find(what) != std::string::npos; }
+bool contains(const std::string& s, const char* what) {
+  return s.find(what) != std::string::npos;
+}
 
 // The header files of a checkpoint path: one .safetensors, or the shards an index names.
 std::vector<std::string> checkpoint_files(const std::string& path, std::string* dir) {
   fs::path p(path);
   if (fs::is_directory(p)) {
-    if (fs::exists(p / "model.safetensors.index.json")) p = p / "model.safetensors.index.json";
-    else if (fs::exists(p / "model.safetensors")) p = p / "model.safetensors";
+    if (fs::exists(p / "model.safetensors.index.json"))
+      p = p / "model.safetensors.index.json";
+    else if (fs::exists(p / "model.safetensors"))
+      p = p / "model.safetensors";
     else
-      throw std::invalid_argument("tandem plan: " + path + " holds neither model.safetensors nor "
+      throw std::invalid_argument("tandem plan: " + path +
+                                  " holds neither model.safetensors nor "
                                   "model.safetensors.index.json; give a checkpoint or a GPT shape "
                                   "(--layers --hidden --heads --vocab)");
   }
@@ -125,8 +131,10 @@ PlanModel safetensors_plan_model(const std::string& path, int64_t heads) {
     t.numel = n;
     t.block = block_of(name);
     const bool embedding = contains(name, "emb") || contains(name, "wte") || contains(name, "wpe");
-    if (t.block < 0) t.block = embedding ? PlanTensor::kBeforeBlocks : PlanTensor::kAfterBlocks;
-    else blocks.insert(t.block);
+    if (t.block < 0)
+      t.block = embedding ? PlanTensor::kBeforeBlocks : PlanTensor::kAfterBlocks;
+    else
+      blocks.insert(t.block);
     t.tp_split = shape.size() >= 2 && !contains(name, "wpe") && !contains(name, "position");
     if (embedding && shape.size() == 2 && !contains(name, "wpe") && !contains(name, "position")) {
       m.vocab = std::max<int64_t>(m.vocab, shape[0]);
@@ -197,7 +205,8 @@ std::vector<int64_t> divisors(int64_t n) {
 }  // namespace
 
 std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine& machine,
-                                      const PlanSearch& search, std::vector<std::string>* excluded) {
+                                      const PlanSearch& search,
+                                      std::vector<std::string>* excluded) {
   const int n = machine.num_processes;
   if (n < 1 || machine.num_machines < 1 || n % machine.num_machines != 0)
     throw std::invalid_argument("tandem plan: --num_processes " + std::to_string(n) +
@@ -224,10 +233,12 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
           continue;
         }
         std::string bad;
-        if (model.heads > 0 && model.heads % tp) bad = "heads " + std::to_string(model.heads);
+        if (model.heads > 0 && model.heads % tp)
+          bad = "heads " + std::to_string(model.heads);
         else if (model.hidden > 0 && (4 * model.hidden) % tp)
           bad = "MLP width " + std::to_string(4 * model.hidden);
-        else if (model.vocab > 0 && model.vocab % tp) bad = "vocab " + std::to_string(model.vocab);
+        else if (model.vocab > 0 && model.vocab % tp)
+          bad = "vocab " + std::to_string(model.vocab);
         if (!bad.empty()) {
           out_by("tp must divide the " + bad, shape);
           continue;
@@ -247,8 +258,10 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
       }
       const int64_t per_rank = search.global_batch / dp;
       std::vector<int> stages{0};
-      if (dp > 1 && pp == 1) stages = {0, 1, 2, 3};
-      else if (dp > 1) out_by("ZeRO stages do not combine with a pipeline in tandem", shape);
+      if (dp > 1 && pp == 1)
+        stages = {0, 1, 2, 3};
+      else if (dp > 1)
+        out_by("ZeRO stages do not combine with a pipeline in tandem", shape);
       for (int zero : stages) {
         std::vector<std::string> offloads{""};
         if (zero > 0 && machine.cuda) offloads.push_back("cpu");
@@ -264,8 +277,9 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
               if (ms.empty()) {
                 out_by("a pipeline needs at least pp micro-batches dividing each rank's " +
                            std::to_string(per_rank) + " sequences" +
-                           (search.search_microbatches ? "" : " (and {microbatches} in the args "
-                                                              "to search more than pp)"),
+                           (search.search_microbatches ? ""
+                                                       : " (and {microbatches} in the args "
+                                                         "to search more than pp)"),
                        shape);
                 continue;
               }
@@ -367,10 +381,9 @@ ProbeFigures gpt_activation_formula(const PlanModel& model, int64_t seq_len, dou
   ProbeFigures f;
   f.baseline_rss = baseline_rss;
   // fp32 values: 4 bytes each.
-  f.activations_per_sample =
-      4 * (w.before + w.after + static_cast<double>(m.blocks) * w.block);
-  f.checkpointed_per_sample = 4 * (w.before + w.after + w.block +
-                                   static_cast<double>(m.blocks * m.context * m.hidden));
+  f.activations_per_sample = 4 * (w.before + w.after + static_cast<double>(m.blocks) * w.block);
+  f.checkpointed_per_sample =
+      4 * (w.before + w.after + w.block + static_cast<double>(m.blocks * m.context * m.hidden));
   // Megatron: of a block's 34 T h + 5 a T^2, 10 T h stay whole under tensor parallel.
   const double t = static_cast<double>(m.context), h = static_cast<double>(m.hidden);
   f.tp_split_fraction = w.block > 0 ? 1.0 - (5 * t * h) / w.block : 0.0;
@@ -386,22 +399,24 @@ ProbeFigures gpt_activation_formula(const PlanModel& model, int64_t seq_len, dou
 // peak tensor count did not move with the micro-batch (1 to 4), so it comes after the
 // activations are gone, at the end of backward or in the step. The per-stage terms are fitted
 // to those runs, as a + b/W with W = 2 and 4: ZeRO-1 12P + 8P/W, ZeRO-2 10.5P + 18P/W, ZeRO-3
-// 10P/W + 24L (L: the largest unit's parameters), + 8L with gradient accumulation, within 5%
-// of the measured tensor peaks above the workspace. Under tensor parallel the ZeRO stages hold
-// more than the formulas say, and the terms differ with every model, so `tandem plan` measures
-// each stage's term (alone and under tp) with a dp 2 probe and uses the formula only where it
-// could not probe. The DESIGN.md formulas (ZeRO-2 4P + 12P/W, ZeRO-3 16P/W) are the states alone;
-// the rest are tandem's buckets and gathers as they run today. Activations come from the probe
-// (micro-batches 1 and 2; the share tensor parallel splits from a tp 2 run), scaled by the
-// micro-batch, the stage's share of the model (by Korthikanti et al.'s per-layer weights) and,
-// under 1F1B, the micro-batches in flight on that stage (min(m, pp - stage)).
+// 10P/W + 24L (L: the largest unit's parameters), + 8P/W with gradient accumulation, within
+// 5% of the measured tensor peaks above the workspace. Under tensor parallel the ZeRO stages
+// hold more than the formulas say, and the terms differ from model to model (a GPT of 8 x 256
+// holds 42 bytes per parameter of its largest block under ZeRO-3 on 4 ranks, one of 4 x 512
+// holds 27), so `tandem plan` measures each stage's term (for each tp size) with a probe at the
+// layouts' own data-parallel size and uses the formula only where it could not probe. The DESIGN.md
+// formulas (ZeRO-2 4P + 12P/W, ZeRO-3 16P/W) are the states alone; the rest are tandem's buckets
+// and gathers as they run today. Activations come from the probe (micro-batches 1 and 2; the share
+// tensor parallel splits from a tp 2 run), scaled by the micro-batch, the stage's share of the
+// model (by Korthikanti et al.'s per-layer weights) and, under 1F1B, the micro-batches in flight on
+// that stage (min(m, pp - stage)).
 MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
                                 const ProbeFigures& probe) {
   MemoryPrediction best;
   bool first = true;
   const double w = layout.dp;
-  const double per_sample =
-      layout.activation_checkpointing ? probe.checkpointed_per_sample : probe.activations_per_sample;
+  const double per_sample = layout.activation_checkpointing ? probe.checkpointed_per_sample
+                                                            : probe.activations_per_sample;
   const double tp_factor =
       1.0 - probe.tp_split_fraction + probe.tp_split_fraction / static_cast<double>(layout.tp);
   for (const auto& r : rank_parameters(model, layout)) {
@@ -424,7 +439,7 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
         break;
       case 1:
         p.model_states = 8 * n + moments;  // weights, gradients, this rank's moments
-        p.buffers = 4 * n;  // the buckets the gradients are averaged in
+        p.buffers = 4 * n;                 // the buckets the gradients are averaged in
         break;
       case 2:
         p.model_states = 4 * n + 4 * n / w + moments;  // weights, gradient shard, moments
@@ -432,27 +447,27 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
         break;
       default:
         p.model_states = 8 * n / w + moments + 2 * n / w;  // shards of all, the step's scratch
-        p.buffers = 24 * l;        // units gathered, in flight, and their gradients
-        forward_buffers = 8 * l;   // two units gathered during the forward
+        p.buffers = 24 * l;       // units gathered, in flight, and their gradients
+        forward_buffers = 8 * l;  // two units gathered during the forward
         break;
     }
-    if (layout.zero_stage > 0) {
-      const double measured = probe.zero_buffers[layout.zero_stage][layout.tp > 1 ? 1 : 0];
-      if (measured >= 0) p.buffers = measured * (layout.zero_stage == 3 ? l : n);
-    }
-    // Under ZeRO-3 with accumulation, the micro-steps between reductions keep gradients of
-    // the units (about two units' worth, measured on the example GPT).
-    if (layout.zero_stage == 3 && layout.accumulation > 1) p.buffers += 8 * l;
+    if (auto it = probe.zero_buffers.find({layout.zero_stage, layout.tp});
+        it != probe.zero_buffers.end())
+      p.buffers = it->second * (layout.zero_stage == 3 ? l : n);
+    // Under ZeRO-3 with accumulation, the micro-steps between reductions keep about two more
+    // copies of the gradient shard (measured on the example GPT: 8.8 and 10.6 bytes per
+    // parameter of the shard).
+    if (layout.zero_stage == 3 && layout.accumulation > 1) p.buffers += 8 * n / w;
     p.forward_buffers = forward_buffers;
     if (disk) p.buffers += 3 * 8 * l / w;  // each unit's moments streamed through 3 buffers
     p.activations = per_sample * static_cast<double>(layout.micro_batch) * r.activation_share *
                     static_cast<double>(r.in_flight) * tp_factor;
     p.workspace = probe.workspace;
-    p.tensor_peak = p.workspace + p.model_states +
-                    std::max(p.buffers, p.forward_buffers + p.activations);
+    p.tensor_peak =
+        p.workspace + p.model_states + std::max(p.buffers, p.forward_buffers + p.activations);
     const double world = static_cast<double>(layout.dp) * layout.tp * layout.pp;
-    p.rss_peak = probe.baseline_rss + p.tensor_peak + probe.rss_overhead +
-                 probe.rss_per_peer * (world - 1);
+    p.rss_peak =
+        probe.baseline_rss + p.tensor_peak + probe.rss_overhead + probe.rss_per_peer * (world - 1);
     p.stage = r.stage;
     p.parameters = r.parameters;
     if (first || p.rss_peak > best.rss_peak) best = p;
@@ -464,7 +479,7 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
 double layout_cost(const Layout& l) {
   double c = 1.0;
   if (l.activation_checkpointing) c *= 1.33;  // one more forward per backward
-  if (l.pp > 1)  // the 1F1B bubble
+  if (l.pp > 1)                               // the 1F1B bubble
     c *= static_cast<double>(l.microbatches + l.pp - 1) / static_cast<double>(l.microbatches);
   c *= 1.0 + 0.15 * (l.tp - 1);  // two all-reduces per block, forward and backward
   c *= 1.0 + 0.02 * l.zero_stage + (l.zero_stage == 3 ? 0.1 : 0.0);

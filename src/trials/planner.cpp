@@ -7,13 +7,14 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
+#include "detail/child.h"
 #include "tandem/config/config.h"
 #include "tandem/track/cpu_memory.h"
 #include "tandem/track/memory_estimate.h"
-#include "detail/child.h"
 
 namespace tandem::trials {
 
@@ -46,7 +47,8 @@ MeasuredRun read_run_profiles(const std::string& prefix, int world) {
     const std::string path = prefix + ".rank" + std::to_string(r) + ".json";
     std::ifstream in(path);
     if (!in)
-      throw std::runtime_error("no profile " + path + ": the program ended before its "
+      throw std::runtime_error("no profile " + path +
+                               ": the program ended before its "
                                "Accelerator did, or never made one (TANDEM_PROFILE)");
     nlohmann::json j;
     try {
@@ -111,9 +113,7 @@ MeasuredRun run_layout(const PlannerOptions& o, const Layout& layout, const Plan
   for (const auto& a : program_args(o.args, layout, steps)) argv.push_back(a);
   for (int r = 0; r < machine.num_processes; ++r)
     fs::remove(prefix + ".rank" + std::to_string(r) + ".json");
-  {
-    std::ofstream(prefix + ".cmd") << join(argv) << "\n";
-  }
+  { std::ofstream(prefix + ".cmd") << join(argv) << "\n"; }
   const pid_t pid = detail::spawn_logged(argv, {{"TANDEM_PROFILE", prefix}}, log);
   bool timed_out = false;
   const int rc = detail::wait_child(pid, o.run_timeout_s, 10.0, &timed_out);
@@ -166,7 +166,8 @@ ProbeFigures probe_program(const PlannerOptions& o, const std::vector<Layout>& l
   }
   auto run = [&](Layout l, const PlanMachine& m, const std::string& name) {
     out << "probe " << name << ": " << l.name() << " on " << m.num_processes << " process"
-        << (m.num_processes == 1 ? "" : "es") << "\n" << std::flush;
+        << (m.num_processes == 1 ? "" : "es") << "\n"
+        << std::flush;
     auto r = run_layout(o, l, m, o.probe_steps, name);
     if (!r.ok)
       throw std::invalid_argument("tandem plan: the probe run " + name + " (" + l.name() +
@@ -211,32 +212,35 @@ ProbeFigures probe_program(const PlannerOptions& o, const std::vector<Layout>& l
     f.tp_split_fraction = std::clamp(2.0 * (1.0 - factor), 0.0, 1.0);
     f.rss_per_peer = std::max(0.0, r4.rss_peak - r4.baseline_rss - r4.tensor_peak - f.rss_overhead);
   } else if (o.machine.num_processes > 1) {
-    notes->push_back("tensor parallel is not among the layouts: its activation split was not "
-                     "probed");
+    notes->push_back(
+        "tensor parallel is not among the layouts: its activation split was not "
+        "probed");
   }
   // What each ZeRO stage holds beside its states after the activations (its buckets, reduced
-  // shards, gathered units), on its own and under tensor parallel: a dp 2 run of the stage.
-  for (int zero = 1; zero <= 3; ++zero)
-    for (int tp : {1, 2}) {
-      const bool wanted = std::any_of(layouts.begin(), layouts.end(), [&](const Layout& l) {
-        return l.zero_stage == zero && (l.tp > 1) == (tp > 1);
-      });
-      if (!wanted || 2 * tp > o.machine.processes_per_machine()) continue;
-      Layout l;
-      l.dp = 2;
-      l.tp = tp;
-      l.zero_stage = zero;
-      PlanMachine m = one;
-      m.num_processes = 2 * tp;
-      const auto r = run(l, m, "probe_zero" + std::to_string(zero) + "_tp" + std::to_string(tp));
-      const auto p = predict_memory(o.model, l, f);
-      const double held = r.tensor_peak - f.workspace - p.model_states;
-      const auto ranks = rank_parameters(o.model, l);
-      const double per = static_cast<double>(zero == 3 ? ranks[0].largest_unit : ranks[0].parameters);
-      // Only a peak past the forward's says what the stage holds after it.
-      if (held > p.forward_buffers + p.activations && per > 0)
-        f.zero_buffers[zero][tp > 1 ? 1 : 0] = held / per;
-    }
+  // shards, gathered units), for each tensor-parallel size among the layouts: a run of the stage
+  // at the layouts' own data-parallel size (ZeRO has no pipeline, so dp = processes / tp), or
+  // as many processes as one machine has.
+  std::set<std::pair<int, int>> zero_tp;
+  for (const auto& l : layouts)
+    if (l.zero_stage > 0) zero_tp.insert({l.zero_stage, l.tp});
+  for (const auto& [zero, tp] : zero_tp) {
+    const int dp = std::min(o.machine.num_processes, o.machine.processes_per_machine()) / tp;
+    if (dp < 2) continue;
+    Layout l;
+    l.dp = dp;
+    l.tp = tp;
+    l.zero_stage = zero;
+    PlanMachine m = one;
+    m.num_processes = dp * tp;
+    const auto r = run(l, m, "probe_zero" + std::to_string(zero) + "_tp" + std::to_string(tp));
+    const auto p = predict_memory(o.model, l, f);
+    const double held = r.tensor_peak - f.workspace - p.model_states;
+    const auto ranks = rank_parameters(o.model, l);
+    const double per = static_cast<double>(zero == 3 ? ranks[0].largest_unit : ranks[0].parameters);
+    // Only a peak past the forward's says what the stage holds after it.
+    if (held > p.forward_buffers + p.activations && per > 0)
+      f.zero_buffers[{zero, tp}] = held / per;
+  }
   out << "probe: baseline " << mb(f.baseline_rss) << " MB resident, activations "
       << mb(f.activations_per_sample) << " MB per sequence (" << mb(f.checkpointed_per_sample)
       << " MB checkpointed), workspace " << mb(f.workspace) << " MB, tp splits "
@@ -255,8 +259,9 @@ PlanResult run_plan(const PlannerOptions& o_in) {
   if (o.seq_len <= 0) o.seq_len = o.model.context;
   if (o.seq_len > 0) o.model.context = o.seq_len;
   if (o.machine.memory_per_process <= 0)
-    throw std::invalid_argument("tandem plan: memory per process must be positive "
-                                "(--memory_per_process)");
+    throw std::invalid_argument(
+        "tandem plan: memory per process must be positive "
+        "(--memory_per_process)");
   const bool program = !o.program.empty();
   if (program) {
     if (!has(o.args, "{batch_size}"))
@@ -266,8 +271,9 @@ PlanResult run_plan(const PlannerOptions& o_in) {
           "`-- build/examples/train_gpt --batch-size {batch_size}`)");
     o.search.search_microbatches = has(o.args, "{microbatches}");
     if (!o.search.search_microbatches)
-      res.notes.push_back("pipelines run with as many micro-batches as stages: put "
-                          "{microbatches} in the program's arguments to search more");
+      res.notes.push_back(
+          "pipelines run with as many micro-batches as stages: put "
+          "{microbatches} in the program's arguments to search more");
     fs::create_directories(o.work_dir);
   }
   auto layouts = enumerate_layouts(o.model, o.machine, o.search, &res.excluded);
@@ -283,19 +289,22 @@ PlanResult run_plan(const PlannerOptions& o_in) {
       << (o.machine.num_machines == 1 ? "" : "s") << ", "
       << track::format_bytes(o.machine.memory_per_process) << " each; global batch "
       << o.search.global_batch << " x " << o.seq_len << " tokens; " << layouts.size()
-      << " layouts\n" << std::flush;
+      << " layouts\n"
+      << std::flush;
 
   if (program) {
     res.probe = probe_program(o, layouts, &res.notes);
   } else {
     if (o.model.hidden <= 0 || o.model.context <= 0)
-      throw std::invalid_argument("tandem plan: without a program to probe, activations come from "
-                                  "the GPT formula, which needs the hidden size and the sequence "
-                                  "length (--hidden, --seq_len)");
+      throw std::invalid_argument(
+          "tandem plan: without a program to probe, activations come from "
+          "the GPT formula, which needs the hidden size and the sequence "
+          "length (--hidden, --seq_len)");
     // This process has LibTorch and tandem loaded: what a rank holds before its model, roughly.
     res.probe = gpt_activation_formula(o.model, o.seq_len, track::resident_memory().current_bytes);
-    res.notes.push_back("predicted only: activations from the GPT formula, not measured (give the "
-                        "program after -- to probe and time it)");
+    res.notes.push_back(
+        "predicted only: activations from the GPT formula, not measured (give the "
+        "program after -- to probe and time it)");
   }
 
   for (const auto& l : layouts) {
@@ -427,8 +436,10 @@ std::string format_plan(const PlanResult& res, const PlannerOptions& o) {
   if (res.winner) {
     const auto& w = res.layouts[*res.winner];
     s << "best: " << w.layout.name();
-    if (w.measured && w.measured->ok) s << " (" << static_cast<int64_t>(w.tokens_per_s()) << " tokens/s)";
-    else s << " (predicted)";
+    if (w.measured && w.measured->ok)
+      s << " (" << static_cast<int64_t>(w.tokens_per_s()) << " tokens/s)";
+    else
+      s << " (predicted)";
     s << "\nlaunch flags: " << join(launch_flags(w.layout, o.machine, o.search.offload_dir));
     s << "\n";
     if (!res.config_path.empty()) s << "wrote " << res.config_path << "\n";
@@ -457,11 +468,9 @@ std::string plan_to_json(const PlanResult& res, const PlannerOptions& o) {
                 {"checkpointed_per_sample", f.checkpointed_per_sample},
                 {"tp_split_fraction", f.tp_split_fraction},
                 {"rss_per_peer", f.rss_per_peer}};
-  for (int z = 1; z <= 3; ++z)
-    for (int t = 0; t < 2; ++t)
-      if (f.zero_buffers[z][t] >= 0)
-        j["probe"]["zero" + std::to_string(z) + (t ? "_tp" : "") + "_buffers_per_parameter"] =
-            f.zero_buffers[z][t];
+  for (const auto& [key, v] : f.zero_buffers)
+    j["probe"]["zero" + std::to_string(key.first) + "_tp" + std::to_string(key.second) +
+               "_buffers_per_parameter"] = v;
   j["layouts"] = nlohmann::json::array();
   for (size_t i = 0; i < res.layouts.size(); ++i) {
     const auto& p = res.layouts[i];
@@ -488,10 +497,14 @@ std::string plan_to_json(const PlanResult& res, const PlannerOptions& o) {
                           {"stage", p.predicted.stage}}}};
     if (p.measured) {
       const auto& m = *p.measured;
-      l["measured"] = {{"ok", m.ok},           {"error", m.error},
-                       {"rss_peak", m.rss_peak}, {"baseline_rss", m.baseline_rss},
-                       {"tensor_peak", m.tensor_peak}, {"parameters", m.parameters},
-                       {"step_seconds", m.step_seconds}, {"tokens_per_s", p.tokens_per_s()},
+      l["measured"] = {{"ok", m.ok},
+                       {"error", m.error},
+                       {"rss_peak", m.rss_peak},
+                       {"baseline_rss", m.baseline_rss},
+                       {"tensor_peak", m.tensor_peak},
+                       {"parameters", m.parameters},
+                       {"step_seconds", m.step_seconds},
+                       {"tokens_per_s", p.tokens_per_s()},
                        {"log", m.log}};
     }
     j["layouts"].push_back(l);

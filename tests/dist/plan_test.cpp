@@ -32,17 +32,49 @@ constexpr bool kAsan = false;
 #endif
 
 std::vector<std::string> gpt_args() {
-  return {TRAIN_GPT, "--layers", "4", "--width", "256", "--heads", "4", "--context", "32",
-          "--batch-size", "{batch_size}", "--microbatches", "{microbatches}", "--steps",
-          "{steps}", "--eval-every", "0"};
+  return {TRAIN_GPT,
+          "--layers",
+          "4",
+          "--width",
+          "256",
+          "--heads",
+          "4",
+          "--context",
+          "32",
+          "--batch-size",
+          "{batch_size}",
+          "--microbatches",
+          "{microbatches}",
+          "--steps",
+          "{steps}",
+          "--eval-every",
+          "0"};
 }
 
 std::vector<std::string> plan_command(const std::string& dir, std::vector<std::string> extra) {
-  std::vector<std::string> a{TANDEM_CLI, "plan", "--layers", "4", "--hidden", "256", "--heads",
-                             "4", "--vocab", "256", "--seq_len", "32", "--num_processes", "2",
-                             "--global_batch_size", "4", "--max_micro_batch", "2",
-                             "--no_activation_checkpointing", "--work_dir", dir + "/runs",
-                             "--output", dir + "/plan.yaml"};
+  std::vector<std::string> a{TANDEM_CLI,
+                             "plan",
+                             "--layers",
+                             "4",
+                             "--hidden",
+                             "256",
+                             "--heads",
+                             "4",
+                             "--vocab",
+                             "256",
+                             "--seq_len",
+                             "32",
+                             "--num_processes",
+                             "2",
+                             "--global_batch_size",
+                             "4",
+                             "--max_micro_batch",
+                             "2",
+                             "--no_activation_checkpointing",
+                             "--work_dir",
+                             dir + "/runs",
+                             "--output",
+                             dir + "/plan.yaml"};
   a.insert(a.end(), extra.begin(), extra.end());
   a.push_back("--");
   for (const auto& x : gpt_args()) a.push_back(x);
@@ -69,12 +101,12 @@ TEST(Plan, PredictedPeaksMatchTheRunsAndTheWinnersConfigLaunches) {
     kinds.insert(std::to_string(l["zero_stage"].get<int>()) + "/" +
                  std::to_string(l["tp"].get<int>()) + "/" + std::to_string(l["pp"].get<int>()));
     const double pt = l["predicted"]["tensor_peak"], mt = m["tensor_peak"];
-    EXPECT_NEAR(pt / mt, 1.0, 0.10) << l["name"] << ": tensors predicted " << pt << ", measured "
-                                    << mt;
+    EXPECT_NEAR(pt / mt, 1.0, 0.10)
+        << l["name"] << ": tensors predicted " << pt << ", measured " << mt;
     if (!kAsan) {
       const double pr = l["predicted"]["rss_peak"], mr = m["rss_peak"];
-      EXPECT_NEAR(pr / mr, 1.0, 0.10) << l["name"] << ": resident predicted " << pr
-                                      << ", measured " << mr;
+      EXPECT_NEAR(pr / mr, 1.0, 0.10)
+          << l["name"] << ": resident predicted " << pr << ", measured " << mr;
     }
     // The parameters on the rank (the rank with the largest resident peak: under a pipeline,
     // which stage that is may differ from the stage predicted to hold the most).
@@ -119,9 +151,25 @@ TEST(Plan, ABudgetDropsTheLayoutsOverItAndPredictsWithoutAProgram) {
   EXPECT_NE(r.output.find("no layout fits 2.0 GB per process"), std::string::npos) << r.output;
   EXPECT_FALSE(std::filesystem::exists(dir.str() + "/none.yaml"));
   // A budget that ZeRO-3 meets and data parallel does not: the winner shards.
-  r = run_command({TANDEM_CLI, "plan", "--layers", "24", "--hidden", "2048", "--heads", "16",
-                   "--vocab", "50257", "--seq_len", "256", "--num_processes", "4",
-                   "--global_batch_size", "4", "--memory_per_process", "12GB", "--output",
+  r = run_command({TANDEM_CLI,
+                   "plan",
+                   "--layers",
+                   "24",
+                   "--hidden",
+                   "2048",
+                   "--heads",
+                   "16",
+                   "--vocab",
+                   "50257",
+                   "--seq_len",
+                   "256",
+                   "--num_processes",
+                   "4",
+                   "--global_batch_size",
+                   "4",
+                   "--memory_per_process",
+                   "12GB",
+                   "--output",
                    dir.str() + "/big.yaml"},
                   {}, 120);
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -135,10 +183,10 @@ TEST(Plan, ABudgetDropsTheLayoutsOverItAndPredictsWithoutAProgram) {
 TEST(Plan, RefusesWhatCannotTakeEffect) {
   TempDir dir;
   // A program whose arguments do not take the layout's batch.
-  auto r = run_command({TANDEM_CLI, "plan", "--layers", "2", "--hidden", "128", "--heads", "4",
-                        "--vocab", "256", "--seq_len", "32", "--num_processes", "2", "--",
-                        TRAIN_GPT, "--steps", "2"},
-                       {}, 60);
+  auto r = run_command(
+      {TANDEM_CLI, "plan", "--layers", "2", "--hidden", "128", "--heads", "4", "--vocab", "256",
+       "--seq_len", "32", "--num_processes", "2", "--", TRAIN_GPT, "--steps", "2"},
+      {}, 60);
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.output.find("{batch_size}"), std::string::npos) << r.output;
   // No model.
@@ -154,9 +202,26 @@ TEST(Plan, RefusesWhatCannotTakeEffect) {
   EXPECT_NE(r.output.find("the global batch 1 must divide among dp ranks"), std::string::npos)
       << r.output;
   // A probe that fails says which run and where its log is.
-  r = run_command({TANDEM_CLI, "plan", "--layers", "2", "--hidden", "128", "--heads", "4",
-                   "--vocab", "256", "--seq_len", "32", "--num_processes", "2", "--work_dir",
-                   dir.str() + "/bad", "--", TRAIN_GPT, "--batch-size", "{batch_size}",
+  r = run_command({TANDEM_CLI,
+                   "plan",
+                   "--layers",
+                   "2",
+                   "--hidden",
+                   "128",
+                   "--heads",
+                   "4",
+                   "--vocab",
+                   "256",
+                   "--seq_len",
+                   "32",
+                   "--num_processes",
+                   "2",
+                   "--work_dir",
+                   dir.str() + "/bad",
+                   "--",
+                   TRAIN_GPT,
+                   "--batch-size",
+                   "{batch_size}",
                    "--no-such-flag"},
                   {}, 120);
   EXPECT_EQ(r.exit_code, 2) << r.output;

@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <functional>
 #include <set>
 
+#include "../common/errors.h"
 #include "../common/temp_dir.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/config/config.h"
@@ -16,17 +16,9 @@
 #include "tandem/trials/plan.h"
 
 namespace tt = tandem::trials;
+using tandem::testing::error_of;
 
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
 
 tt::PlanMachine machine(int n, double memory = 1e12) {
   tt::PlanMachine m;
@@ -38,7 +30,8 @@ tt::PlanMachine machine(int n, double memory = 1e12) {
 }  // namespace
 
 TEST(PlanModel, GptCountsWhatTheMemoryEstimateCounts) {
-  for (auto [l, h, v, c] : std::vector<std::array<int64_t, 4>>{{4, 256, 256, 64}, {12, 768, 50257, 1024}}) {
+  for (auto [l, h, v, c] :
+       std::vector<std::array<int64_t, 4>>{{4, 256, 256, 64}, {12, 768, 50257, 1024}}) {
     const auto m = tt::gpt_plan_model(l, h, 4, v, c);
     EXPECT_EQ(m.num_parameters(), tandem::track::count_gpt_parameters({l, h, v, c}).num_parameters);
     EXPECT_EQ(m.blocks, l);
@@ -81,14 +74,13 @@ TEST(PlanModel, SafetensorsHeaderGivesBlocksAndTies) {
   tandem::testing::TempDir dir;
   const std::string path = dir.str() + "/model.safetensors";
   // A transformers-style GPT-2 without lm_head (tied), two blocks.
-  tandem::checkpoint::NamedTensors t{
-      {"transformer.wte.weight", torch::zeros({50, 8})},
-      {"transformer.wpe.weight", torch::zeros({16, 8})},
-      {"transformer.h.0.attn.c_attn.weight", torch::zeros({8, 24})},
-      {"transformer.h.0.ln_1.weight", torch::zeros({8})},
-      {"transformer.h.1.attn.c_attn.weight", torch::zeros({8, 24})},
-      {"transformer.h.1.ln_1.weight", torch::zeros({8})},
-      {"transformer.ln_f.weight", torch::zeros({8})}};
+  tandem::checkpoint::NamedTensors t{{"transformer.wte.weight", torch::zeros({50, 8})},
+                                     {"transformer.wpe.weight", torch::zeros({16, 8})},
+                                     {"transformer.h.0.attn.c_attn.weight", torch::zeros({8, 24})},
+                                     {"transformer.h.0.ln_1.weight", torch::zeros({8})},
+                                     {"transformer.h.1.attn.c_attn.weight", torch::zeros({8, 24})},
+                                     {"transformer.h.1.ln_1.weight", torch::zeros({8})},
+                                     {"transformer.ln_f.weight", torch::zeros({8})}};
   tandem::checkpoint::save_safetensors(path, t);
   const auto m = tt::safetensors_plan_model(dir.str(), /*heads=*/2);
   EXPECT_EQ(m.blocks, 2);
@@ -195,7 +187,7 @@ TEST(Predict, TermsFollowTheFormulas) {
   EXPECT_DOUBLE_EQ(p.model_states, 8 * n + 2 * n);
   EXPECT_DOUBLE_EQ(p.tensor_peak, 5e6 + 10 * n + std::max(4 * n, 2e6));
   // A probed buffer term replaces the formula's.
-  f.zero_buffers[1][0] = 5.0;
+  f.zero_buffers[{1, 1}] = 5.0;
   EXPECT_DOUBLE_EQ(tt::predict_memory(m, l, f).buffers, 5 * n);
   // ZeRO-3 shrinks with W; its buffers follow the largest unit.
   l.zero_stage = 3;
@@ -227,9 +219,16 @@ TEST(Layouts, BecomeLaunchFlagsAndAConfigTheLauncherReads) {
   l.activation_checkpointing = true;
   const auto m = machine(4);
   const auto flags = tt::launch_flags(l, m, "");
-  const std::vector<std::string> want{"--num_processes", "4", "--cpu", "--use_deepspeed",
-                                      "--zero_stage", "2", "--tp_size", "2",
-                                      "--gradient_accumulation_steps", "2",
+  const std::vector<std::string> want{"--num_processes",
+                                      "4",
+                                      "--cpu",
+                                      "--use_deepspeed",
+                                      "--zero_stage",
+                                      "2",
+                                      "--tp_size",
+                                      "2",
+                                      "--gradient_accumulation_steps",
+                                      "2",
                                       "--activation_checkpointing"};
   EXPECT_EQ(flags, want);
   auto cfg = tt::layout_config(l, m, "");
@@ -262,10 +261,11 @@ TEST(Layouts, PlaceholdersInTheProgramsArguments) {
   l.pp = 2;
   l.micro_batch = 3;
   l.microbatches = 4;
-  const std::vector<std::string> args{"--batch-size", "{batch_size}", "--microbatches",
-                                      "{microbatches}", "--steps", "{steps}", "--x={accumulation}"};
+  const std::vector<std::string> args{"--batch-size",      "{batch_size}", "--microbatches",
+                                      "{microbatches}",    "--steps",      "{steps}",
+                                      "--x={accumulation}"};
   const std::vector<std::string> want{"--batch-size", "12", "--microbatches", "4",
-                                      "--steps", "5", "--x=1"};
+                                      "--steps",      "5",  "--x=1"};
   EXPECT_EQ(tt::program_args(args, l, 5), want);
   EXPECT_EQ(tt::program_args(args, l, 0)[5], "{steps}");  // a printed command keeps it
   EXPECT_EQ(l.name(), "dp1 pp2 mb3 m4");

@@ -82,7 +82,8 @@ PlanCommand::PlanCommand(CLI::App& app) {
                    "Where the runs' logs, profiles and plan.json go (default: OUTPUT.runs, or "
                    "plan_runs)")
       ->group(run);
-  sub_->add_option(both("output"), output_, "The winner's config file (tandem launch --config_file)")
+  sub_->add_option(both("output"), output_,
+                   "The winner's config file (tandem launch --config_file)")
       ->group(run);
 }
 
@@ -153,7 +154,9 @@ int PlanCommand::run(const std::string& tandem_exe) const {
     o.timed_steps = timed_steps_;
     o.run_timeout_s = run_timeout_;
     o.output = output_;
-    o.work_dir = !work_dir_.empty() ? work_dir_ : !output_.empty() ? output_ + ".runs" : "plan_runs";
+    o.work_dir = !work_dir_.empty() ? work_dir_
+                 : !output_.empty() ? output_ + ".runs"
+                                    : "plan_runs";
     o.out = &std::cout;
     const auto result = trials::run_plan(o);
     std::cout << trials::format_plan(result, o);

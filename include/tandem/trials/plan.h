@@ -144,9 +144,9 @@ struct ProbeFigures {
   /// Extra resident memory per additional process of a job (Gloo's pairs and buffers).
   double rss_per_peer = 0;
   /// What each ZeRO stage holds beside its states once the activations are gone, per
-  /// parameter on the rank (stage 3: per parameter of its largest unit), measured by a dp 2
-  /// probe of that stage, [stage][tp > 1]; negative: not probed (the formula's term is used).
-  double zero_buffers[4][2] = {{-1, -1}, {-1, -1}, {-1, -1}, {-1, -1}};
+  /// parameter on the rank (stage 3: per parameter of its largest unit), measured by a probe of
+  /// that stage at the layouts' data-parallel size, by (stage, tp); absent: the formula's term.
+  std::map<std::pair<int, int>, double> zero_buffers;
   /// Whether activations came from a run (true) or from the GPT formula (false).
   bool measured = false;
 };
@@ -163,17 +163,17 @@ struct MemoryPrediction {
   double activations = 0;
   double workspace = 0;
   double forward_buffers = 0;  ///< the part of `buffers` held during the forward as well
-  double tensor_peak = 0;   ///< workspace + states + max(buffers, forward buffers + activations)
-  double rss_peak = 0;      ///< baseline + tensor peak + overhead
-  int stage = 0;            ///< the pipeline stage of that rank
-  int64_t parameters = 0;   ///< parameters on that rank
+  double tensor_peak = 0;      ///< workspace + states + max(buffers, forward buffers + activations)
+  double rss_peak = 0;         ///< baseline + tensor peak + overhead
+  int stage = 0;               ///< the pipeline stage of that rank
+  int64_t parameters = 0;      ///< parameters on that rank
 };
 /// The peak per rank with fp32 weights and AdamW, P parameters on the rank (after tp and pp),
 /// W data-parallel ranks, L the largest unit (Note [Planner memory model] in plan.cpp):
 ///   data parallel   16P + 4P buckets (none when W = 1 or under a pipeline) + activations
 ///   ZeRO-1          8P + 8P/W + max(4P buckets, activations)
 ///   ZeRO-2          4P + 12P/W + max(6.5P + 6P/W in flight, activations)
-///   ZeRO-3          10P/W + max(24L (+ 8L with accumulation), 8L + activations)
+///   ZeRO-3          10P/W + max(24L (+ 8P/W with accumulation), 8L + activations)
 /// plus the probe's workspace; a ZeRO stage's probed buffers (ProbeFigures::zero_buffers)
 /// replace its term; optimizer state on disk (or, on a GPU, in host memory) drops
 /// Adam's 8P/W for three unit-sized buffers. Resident memory adds the probe's baseline and
