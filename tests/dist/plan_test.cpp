@@ -228,3 +228,27 @@ TEST(Plan, RefusesWhatCannotTakeEffect) {
   EXPECT_NE(r.output.find("probe run probe_mb1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("probe_mb1.log"), std::string::npos) << r.output;
 }
+
+TEST(Plan, RefusesRunFlagsThatWouldNotAct) {
+  // Run settings without a program to run, {steps} counts without {steps}, and both ways of
+  // choosing what runs.
+  const std::vector<std::string> shape{TANDEM_CLI,  "plan", "--layers", "2", "--hidden", "128",
+                                       "--heads",   "4",    "--vocab",  "256",
+                                       "--seq_len", "32",   "--num_processes", "2"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = shape;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_command(a, {}, 60);
+  };
+  auto r = with({"--measure_all"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--measure_all acts on runs of the program"), std::string::npos)
+      << r.output;
+  r = with({"--timed_steps", "4", "--", TRAIN_GPT, "--batch-size", "{batch_size}"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("--timed_steps sets {steps}"), std::string::npos) << r.output;
+  r = with({"--measure_all", "--candidates", "2", "--", TRAIN_GPT, "--batch-size",
+            "{batch_size}"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.output.find("drop --candidates or --measure_all"), std::string::npos) << r.output;
+}

@@ -3,6 +3,7 @@
 
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <iostream>
 
 #include "tandem/checkpoint/model_io.h"
@@ -105,6 +106,32 @@ int PlanCommand::run(const std::string& tandem_exe) const {
     std::cerr << "tandem plan: give the model one way: a safetensors checkpoint, or a GPT shape "
                  "(--layers --hidden --heads --vocab --seq_len)\n";
     return 2;
+  }
+  // Flags that act only on runs of the program, or on {steps}: refused where they would not.
+  auto given = [&](const char* flag) { return sub_->count(flag) > 0; };
+  if (given("--measure_all") && given("--candidates")) {
+    std::cerr << "tandem plan: --measure_all runs every layout that fits; drop --candidates or "
+                 "--measure_all\n";
+    return 2;
+  }
+  auto has_steps = std::any_of(command_.begin(), command_.end(), [](const std::string& a) {
+    return a.find("{steps}") != std::string::npos;
+  });
+  for (const char* flag : {"--candidates", "--measure_all", "--probe_steps", "--timed_steps",
+                           "--run_timeout", "--work_dir"}) {
+    if (!given(flag)) continue;
+    if (command_.empty()) {
+      std::cerr << "tandem plan: " << flag << " acts on runs of the program, and none was given: "
+                << "put the program after --, or drop " << flag << "\n";
+      return 2;
+    }
+    if ((std::string(flag) == "--probe_steps" || std::string(flag) == "--timed_steps") &&
+        !has_steps) {
+      std::cerr << "tandem plan: " << flag << " sets {steps} in the program's arguments, and they "
+                << "have none: put {steps} where the program reads its step count, or drop "
+                << flag << "\n";
+      return 2;
+    }
   }
   try {
     trials::PlannerOptions o;
