@@ -339,6 +339,9 @@ PlanResult run_plan(const PlannerOptions& o_in) {
       p.measured = run_layout(o, p.layout, o.machine, o.timed_steps, "run" + std::to_string(i));
       if (!p.measured->ok)
         out << "  failed: " << p.measured->error << "\n";
+      else if (!o.machine.cuda && p.measured->rss_peak > o.machine.memory_per_process)
+        res.notes.push_back(p.layout.name() + " was predicted to fit and measured " +
+                            mb(p.measured->rss_peak) + " MB: over the budget, not chosen");
       else
         out << "  peak resident " << mb(p.measured->rss_peak) << " MB (predicted "
             << mb(p.predicted.rss_peak) << "), tensors " << mb(p.measured->tensor_peak)

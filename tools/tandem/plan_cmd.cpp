@@ -158,6 +158,12 @@ int PlanCommand::run(const std::string& tandem_exe) const {
     o.machine.num_processes = num_processes_;
     o.machine.num_machines = num_machines_;
     o.machine.cuda = !cpu_ && torch::cuda::is_available();
+    if (o.machine.cuda && !command_.empty()) {
+      std::cerr << "tandem plan: probing and timing a program on GPUs is not supported yet: a "
+                   "run's profile (TANDEM_PROFILE) reads host memory, not the device's. Give "
+                   "--cpu to plan CPU processes, or leave the program out to predict only\n";
+      return 2;
+    }
     if (!memory_.empty()) {
       o.machine.memory_per_process = static_cast<double>(checkpoint::parse_size(memory_));
     } else if (o.machine.cuda) {
