@@ -433,7 +433,12 @@ std::string format_plan(const PlanResult& res, const PlannerOptions& o) {
     }
     s << "\n";
   }
-  if (hidden) s << "(" << hidden << " more layouts, not run, in the plan's JSON)\n";
+  if (hidden)
+    s << "(" << hidden << " more layouts not shown"
+      << (o.program.empty()
+              ? ""
+              : ", not run; all are in " + (fs::path(o.work_dir) / "plan.json").string())
+      << ")\n";
   for (const auto& e : res.excluded) s << "excluded: " << e << "\n";
   for (const auto& n : res.notes) s << "note: " << n << "\n";
   if (res.winner) {

@@ -128,8 +128,8 @@ int PlanCommand::run(const std::string& tandem_exe) const {
     if ((std::string(flag) == "--probe_steps" || std::string(flag) == "--timed_steps") &&
         !has_steps) {
       std::cerr << "tandem plan: " << flag << " sets {steps} in the program's arguments, and they "
-                << "have none: put {steps} where the program reads its step count, or drop "
-                << flag << "\n";
+                << "have none: put {steps} where the program reads its step count, or drop " << flag
+                << "\n";
       return 2;
     }
   }
