@@ -454,10 +454,13 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
     if (auto it = probe.zero_buffers.find({layout.zero_stage, layout.tp});
         it != probe.zero_buffers.end())
       p.buffers = it->second * (layout.zero_stage == 3 ? l : n);
-    // Under ZeRO-3 with accumulation, the micro-steps between reductions keep about two more
-    // copies of the gradient shard (measured on the example GPT: 8.8 and 10.6 bytes per
-    // parameter of the shard).
-    if (layout.zero_stage == 3 && layout.accumulation > 1) p.buffers += 8 * n / w;
+    // Under ZeRO-3 with accumulation, the micro-steps between reductions keep more gradient
+    // (measured on the example GPT: 8.8-10.6 bytes per parameter of the shard with LibTorch
+    // 1.13, about 4.4 with 2.12, whose zero_grad frees gradients): probed where it can be.
+    if (layout.zero_stage == 3 && layout.accumulation > 1) {
+      const auto it = probe.zero3_accumulation.find(layout.tp);
+      p.buffers += (it != probe.zero3_accumulation.end() ? it->second : 8.0) * n / w;
+    }
     p.forward_buffers = forward_buffers;
     if (disk) p.buffers += 3 * 8 * l / w;  // each unit's moments streamed through 3 buffers
     p.activations = per_sample * static_cast<double>(layout.micro_batch) * r.activation_share *

@@ -240,6 +240,19 @@ ProbeFigures probe_program(const PlannerOptions& o, const std::vector<Layout>& l
     // Only a peak past the forward's says what the stage holds after it.
     if (held > p.forward_buffers + p.activations && per > 0)
       f.zero_buffers[{zero, tp}] = held / per;
+    // ZeRO-3 with accumulation: what the micro-steps between reductions keep, from a second
+    // run with 2 accumulation steps.
+    const bool accumulates =
+        std::any_of(layouts.begin(), layouts.end(), [&, tp = tp](const Layout& x) {
+          return x.zero_stage == 3 && x.tp == tp && x.accumulation > 1;
+        });
+    if (zero == 3 && accumulates) {
+      Layout a = l;
+      a.accumulation = 2;
+      const auto ra = run(a, m, "probe_zero3_tp" + std::to_string(tp) + "_ga2");
+      f.zero3_accumulation[tp] = std::max(0.0, ra.tensor_peak - r.tensor_peak) /
+                                 (static_cast<double>(ranks[0].parameters) / dp);
+    }
   }
   out << "probe: baseline " << mb(f.baseline_rss) << " MB resident, activations "
       << mb(f.activations_per_sample) << " MB per sequence (" << mb(f.checkpointed_per_sample)
@@ -476,6 +489,8 @@ std::string plan_to_json(const PlanResult& res, const PlannerOptions& o) {
                 {"checkpointed_per_sample", f.checkpointed_per_sample},
                 {"tp_split_fraction", f.tp_split_fraction},
                 {"rss_per_peer", f.rss_per_peer}};
+  for (const auto& [tp, v] : f.zero3_accumulation)
+    j["probe"]["zero3_tp" + std::to_string(tp) + "_accumulation_per_shard_parameter"] = v;
   for (const auto& [key, v] : f.zero_buffers)
     j["probe"]["zero" + std::to_string(key.first) + "_tp" + std::to_string(key.second) +
                "_buffers_per_parameter"] = v;

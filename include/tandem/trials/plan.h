@@ -147,6 +147,9 @@ struct ProbeFigures {
   /// parameter on the rank (stage 3: per parameter of its largest unit), measured by a probe of
   /// that stage at the layouts' data-parallel size, by (stage, tp); absent: the formula's term.
   std::map<std::pair<int, int>, double> zero_buffers;
+  /// What ZeRO-3 holds more with gradient accumulation (between micro-steps), per parameter of
+  /// the rank's shard (P/W), by tp: a second probe with 2 accumulation steps; absent: 8.
+  std::map<int, double> zero3_accumulation;
   /// Whether activations came from a run (true) or from the GPT formula (false).
   bool measured = false;
 };
