@@ -108,9 +108,11 @@ study_dir: study
     if (v < best) best = v, best_lr = e["params"]["lr"];
     if (lr < smallest_lr) smallest_lr = lr, at_smallest = v;
   }
-  // The known-good region of this model and budget: learning rates between 1e-3 and 1e-1.
+  // The known-good region of this model and budget: learning rates between 1e-3 and 0.3 (under
+  // 1e-3 it barely learns in 30 steps; 0.8 diverges). Within it the losses are level (3.70-3.78
+  // from 0.008 to 0.14 on LibTorch 2.12), so which of them is best differs between builds.
   EXPECT_GE(std::stod(best_lr), 1e-3) << r.output;
-  EXPECT_LE(std::stod(best_lr), 1e-1) << r.output;
+  EXPECT_LE(std::stod(best_lr), 0.3) << r.output;
   EXPECT_LT(best, at_smallest - 0.3) << "the best trial learned; the smallest rate barely did";
   char want[64];
   std::snprintf(want, sizeof want, "best: %.6g\n", best);
