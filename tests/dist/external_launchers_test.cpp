@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <thread>
 
 #include "../common/subprocess.h"
@@ -81,17 +82,28 @@ TEST(ExternalLaunchers, KubernetesPyTorchJobVariables) {
 }
 
 TEST(ExternalLaunchers, Torchrun) {
-  if (access("/usr/bin/torchrun", X_OK) != 0 && system("command -v torchrun >/dev/null 2>&1") != 0)
-    GTEST_SKIP() << "torchrun is not installed";
-  // Debian 12's torchrun (PyTorch 1.13 on Python 3.11) fails before starting any worker.
-  auto probe = run_command(
-      {"torchrun", "--standalone", "--nproc_per_node", "1", "--no_python", "true"}, {}, 60);
-  if (probe.exit_code != 0)
-    GTEST_SKIP() << "torchrun does not run on this machine (it fails on `true` too): "
-                 << probe.output.substr(probe.output.size() > 300 ? probe.output.size() - 300 : 0);
+  // The test environment's torchrun (beside TANDEM_PYTHON, PyTorch 2.x) must run; without one,
+  // torchrun on PATH where it works (Debian 12's, PyTorch 1.13 on Python 3.11, fails before
+  // starting any worker).
+  std::string torchrun = "torchrun";
+  const std::string configured = TANDEM_TEST_PYTHON;
+  if (!configured.empty()) {
+    torchrun = (std::filesystem::path(configured).parent_path() / "torchrun").string();
+    ASSERT_EQ(access(torchrun.c_str(), X_OK), 0)
+        << torchrun << " is missing: the environment of scripts/install-torch2.sh has torchrun";
+  } else {
+    if (system("command -v torchrun >/dev/null 2>&1") != 0)
+      GTEST_SKIP() << "torchrun is not installed (configure with -DTANDEM_PYTHON=...)";
+    auto probe = run_command(
+        {torchrun, "--standalone", "--nproc_per_node", "1", "--no_python", "true"}, {}, 60);
+    if (probe.exit_code != 0)
+      GTEST_SKIP() << "torchrun does not run on this machine (it fails on `true` too): "
+                   << probe.output.substr(probe.output.size() > 300 ? probe.output.size() - 300
+                                                                    : 0);
+  }
   auto r = run_command(
-      {"torchrun", "--standalone", "--nproc_per_node", "2", "--no_python", kWorker, "all"},
-      {{"TANDEM_TEST_TIMEOUT_S", "20"}}, 120);
+      {torchrun, "--standalone", "--nproc_per_node", "2", "--no_python", kWorker, "all"},
+      {{"TANDEM_TEST_TIMEOUT_S", "20"}, {"PYTHONNOUSERSITE", "1"}}, 120);
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "collectives OK"), 2) << r.output;

@@ -260,8 +260,11 @@ TEST(Safetensors, Float8) {
 
 namespace {
 
-// The Python interpreter with numpy: /usr/bin/python3 first, then python3 on PATH; "" if none.
+// The Python interpreter with numpy: the test environment's (TANDEM_PYTHON at configure time,
+// which has numpy), else /usr/bin/python3, else python3 on PATH; "" if none has numpy.
 std::string python_with_numpy() {
+  const std::string configured = TANDEM_TEST_PYTHON;
+  if (!configured.empty()) return configured;
   for (const char* py : {"/usr/bin/python3", "python3"}) {
     std::string cmd = std::string(py) + " -c 'import numpy' >/dev/null 2>&1";
     if (std::system(cmd.c_str()) == 0) return py;
@@ -284,7 +287,7 @@ std::string run_capture(const std::string& cmd, int* status) {
 
 TEST(Safetensors, PythonNumpyReaderAgrees) {
   std::string py = python_with_numpy();
-  if (py.empty()) GTEST_SKIP() << "no python3 with numpy";
+  if (py.empty()) GTEST_SKIP() << "no python3 with numpy (configure with -DTANDEM_PYTHON=...)";
   TempDir dir;
   NamedTensors tensors;
   for (Dtype d : all_dtypes()) {
