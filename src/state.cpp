@@ -131,6 +131,14 @@ ProcessState ProcessState::from_env(const EnvMap& env) {
   if (auto v = get(env, config::var::kErrorFile)) s.error_file = *v;
   if (auto v = get(env, config::var::kLocalAddr)) s.local_addr = *v;
   if (auto v = get(env, "GLOO_SOCKET_IFNAME")) s.socket_ifname = *v;
+  if (s.launcher == LauncherKind::kTorchrun) {
+    if (auto v = get(env, "TORCHELASTIC_USE_AGENT_STORE"); v && *v == "True") {
+      const auto attempt = get(env, "TORCHELASTIC_RESTART_COUNT");
+      s.agent_store_prefix =
+          "/worker/attempt_" +
+          std::to_string(attempt ? parse_int("TORCHELASTIC_RESTART_COUNT", *attempt) : 0);
+    }
+  }
   return s;
 }
 

@@ -43,6 +43,12 @@ struct ProcessState {
   std::string error_file;
   std::string local_addr;
   std::string socket_ifname;
+  /// Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the agent already hosts the store at
+  /// MASTER_ADDR:MASTER_PORT and every rank, rank 0 included, connects to it as a client, its
+  /// keys under this prefix ("/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", as PyTorch's
+  /// env:// rendezvous does), so that a restarted worker group meets none of the last one's
+  /// keys. Empty: rank 0 hosts the store.
+  std::string agent_store_prefix;
 
   /// Reads the state from a given environment. Throws std::invalid_argument naming the
   /// variable and its value when a value is malformed or inconsistent.

@@ -191,7 +191,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
   const auto secs = std::chrono::duration_cast<std::chrono::seconds>(options.timeout()).count();
   c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(st.master_port);
-  so.isServer = st.rank == 0;
+  // Under torchrun the agent hosts the store: every rank is its client (ProcessState::
+  // agent_store_prefix).
+  const bool agent_store = !st.agent_store_prefix.empty();
+  so.isServer = st.rank == 0 && !agent_store;
   so.waitWorkers = false;
   so.timeout = options.timeout();
   // Note [Rendezvous generations]: a process may build its world group more than once (an
@@ -210,7 +213,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
     static std::mutex hosted_mutex;
     static auto* hosted = new std::map<std::string, c10::intrusive_ptr<c10d::Store>>();
     std::lock_guard<std::mutex> lock(hosted_mutex);
-    auto it = st.rank == 0 ? hosted->find(where) : hosted->end();
+    auto it = so.isServer ? hosted->find(where) : hosted->end();
     if (it != hosted->end()) {
       tcp = it->second;
     } else {
@@ -218,20 +221,23 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
         // Note [Loopback rendezvous]: a job on one machine never needs the store off loopback.
         tcp = compat::make_tcp_store(st.master_addr, so, is_loopback(st.master_addr));
       } catch (const std::exception& e) {
-        if (st.rank == 0)
+        if (so.isServer)
           throw std::runtime_error(
               st.prefix() + " cannot host the rendezvous store at " + where + ": " +
               first_line(e.what()) + ". The port is probably in use by another program or job: "
               "pick a free one with --main_process_port (or MASTER_PORT), or leave it unset so "
               "that tandem launch picks a free port.");
-        throw std::runtime_error(st.prefix() + " cannot reach rank 0's rendezvous store at " +
+        throw std::runtime_error(st.prefix() + " cannot reach " +
+                                 (agent_store ? "torchrun's" : "rank 0's") +
+                                 " rendezvous store at " +
                                  where + " within " + std::to_string(secs) + " s: " +
                                  first_line(e.what()) +
                                  ". Check MASTER_ADDR/MASTER_PORT and that rank 0 is running.");
       }
-      if (st.rank == 0) (*hosted)[where] = tcp;
+      if (so.isServer) (*hosted)[where] = tcp;
     }
   }
+  if (agent_store) tcp = c10::make_intrusive<c10d::PrefixStore>(st.agent_store_prefix, tcp);
 
   // Count arrivals ourselves so that a timeout can say how many ranks came.
   tcp->add(key, 1);

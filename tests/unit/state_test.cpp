@@ -42,6 +42,22 @@ TEST(ProcessState, Torchrun) {
   EXPECT_EQ(s.master_port, 1234);
 }
 
+TEST(ProcessState, TorchrunsAgentHostsTheStore) {
+  // torchrun's agent hosts the store; its workers connect as clients, keys under the attempt.
+  EnvMap env{{"RANK", "0"},         {"WORLD_SIZE", "2"},       {"MASTER_ADDR", "127.0.0.1"},
+             {"MASTER_PORT", "29400"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+             {"TORCHELASTIC_RESTART_COUNT", "2"}};
+  EXPECT_EQ(ProcessState::from_env(env).agent_store_prefix, "/worker/attempt_2");
+  env.erase("TORCHELASTIC_RESTART_COUNT");
+  EXPECT_EQ(ProcessState::from_env(env).agent_store_prefix, "/worker/attempt_0");
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  EXPECT_EQ(ProcessState::from_env(env).agent_store_prefix, "");
+  // tandem launch: rank 0 hosts the store, whatever the environment says.
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  env["TANDEM_LAUNCHER"] = "1";
+  EXPECT_EQ(ProcessState::from_env(env).agent_store_prefix, "");
+}
+
 TEST(ProcessState, TandemLauncher) {
   auto s = ProcessState::from_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
                                    {"LOCAL_WORLD_SIZE", "2"}, {"TANDEM_LAUNCHER", "1"},
