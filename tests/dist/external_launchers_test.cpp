@@ -1,6 +1,6 @@
 // Programs started without `tandem launch`: the variables that srun, mpirun and a Kubernetes
 // PyTorchJob set (as docs/launching.md shows them) are enough for a job of two ranks; torchrun
-// runs a tandem program directly when it is installed.
+// runs a tandem program directly (the test environment's torchrun), and restarts it after a crash.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -8,14 +8,17 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <sstream>
 #include <thread>
 
 #include "../common/subprocess.h"
+#include "../common/temp_dir.h"
 
 using tandem::testing::count_of;
 using tandem::testing::free_port;
 using tandem::testing::run_command;
 using tandem::testing::RunResult;
+using tandem::testing::TempDir;
 
 namespace {
 
@@ -81,30 +84,76 @@ TEST(ExternalLaunchers, KubernetesPyTorchJobVariables) {
   });
 }
 
-TEST(ExternalLaunchers, Torchrun) {
-  // The test environment's torchrun (beside TANDEM_PYTHON, PyTorch 2.x) must run; without one,
-  // torchrun on PATH where it works (Debian 12's, PyTorch 1.13 on Python 3.11, fails before
-  // starting any worker).
-  std::string torchrun = "torchrun";
+// The torchrun to test with: the test environment's (beside TANDEM_PYTHON, PyTorch 2.x), which
+// must be there; without one, torchrun on PATH where it works (Debian 12's, PyTorch 1.13 on
+// Python 3.11, fails before starting any worker); "" (with the reason in `why`) otherwise.
+std::string find_torchrun(std::string* why) {
   const std::string configured = TANDEM_TEST_PYTHON;
   if (!configured.empty()) {
-    torchrun = (std::filesystem::path(configured).parent_path() / "torchrun").string();
-    ASSERT_EQ(access(torchrun.c_str(), X_OK), 0)
-        << torchrun << " is missing: the environment of scripts/install-torch2.sh has torchrun";
-  } else {
-    if (system("command -v torchrun >/dev/null 2>&1") != 0)
-      GTEST_SKIP() << "torchrun is not installed (configure with -DTANDEM_PYTHON=...)";
-    auto probe = run_command(
-        {torchrun, "--standalone", "--nproc_per_node", "1", "--no_python", "true"}, {}, 60);
-    if (probe.exit_code != 0)
-      GTEST_SKIP() << "torchrun does not run on this machine (it fails on `true` too): "
-                   << probe.output.substr(probe.output.size() > 300 ? probe.output.size() - 300
-                                                                    : 0);
+    std::string torchrun = (std::filesystem::path(configured).parent_path() / "torchrun").string();
+    if (access(torchrun.c_str(), X_OK) != 0) {
+      ADD_FAILURE() << torchrun
+                    << " is missing: the environment of scripts/install-torch2.sh has torchrun";
+      return "";
+    }
+    return torchrun;
   }
+  if (system("command -v torchrun >/dev/null 2>&1") != 0) {
+    *why = "torchrun is not installed (configure with -DTANDEM_PYTHON=...)";
+    return "";
+  }
+  auto probe = run_command(
+      {"torchrun", "--standalone", "--nproc_per_node", "1", "--no_python", "true"}, {}, 60);
+  if (probe.exit_code != 0) {
+    *why = "torchrun does not run on this machine (it fails on `true` too): " +
+           probe.output.substr(probe.output.size() > 300 ? probe.output.size() - 300 : 0);
+    return "";
+  }
+  return "torchrun";
+}
+
+TEST(ExternalLaunchers, Torchrun) {
+  std::string why;
+  const std::string torchrun = find_torchrun(&why);
+  if (torchrun.empty()) GTEST_SKIP() << why;
   auto r = run_command(
       {torchrun, "--standalone", "--nproc_per_node", "2", "--no_python", kWorker, "all"},
       {{"TANDEM_TEST_TIMEOUT_S", "20"}, {"PYTHONNOUSERSITE", "1"}}, 120);
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "collectives OK"), 2) << r.output;
+}
+
+// torchrun restarts the whole group when a rank fails (--max_restarts): the restarted ranks meet
+// in the agent's store under the new attempt's prefix, not in the failed attempt's keys, and
+// resume from their state files to the same weights as a run without the crash.
+TEST(ExternalLaunchers, TorchrunRestartsACrashedGroup) {
+  std::string why;
+  const std::string torchrun = find_torchrun(&why);
+  if (torchrun.empty()) GTEST_SKIP() << why;
+  auto run = [&](const std::vector<std::string>& worker_args, const std::string& restarts) {
+    std::vector<std::string> argv{torchrun, "--standalone", "--nproc_per_node", "2",
+                                  "--max_restarts", restarts, "--no_python", RESTART_WORKER};
+    argv.insert(argv.end(), worker_args.begin(), worker_args.end());
+    return run_command(argv, {{"PYTHONNOUSERSITE", "1"}}, 180);
+  };
+  auto finals = [](const std::string& out) {
+    std::vector<std::string> lines;
+    std::istringstream in(out);
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("final ", 0) == 0) lines.push_back(line);
+    return lines;
+  };
+  TempDir clean_dir, crash_dir;
+  auto clean = run({clean_dir.str(), "30"}, "0");
+  ASSERT_EQ(clean.exit_code, 0) << clean.output;
+  auto crashed = run({crash_dir.str(), "30", "11"}, "1");
+  ASSERT_FALSE(crashed.timed_out) << crashed.output;
+  ASSERT_EQ(crashed.exit_code, 0) << crashed.output;
+  EXPECT_EQ(count_of(crashed.output, "rank 1 crashes at step 11"), 1) << crashed.output;
+  EXPECT_EQ(count_of(crashed.output, "resumes at step"), 2) << crashed.output;
+  auto want = finals(clean.output), got = finals(crashed.output);
+  ASSERT_EQ(want.size(), 2u) << clean.output;
+  EXPECT_EQ(want[0], want[1]);
+  EXPECT_EQ(got, want) << crashed.output;
 }

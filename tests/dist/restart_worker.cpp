@@ -1,7 +1,8 @@
 // A rank of the restart test: trains a tiny linear model by data-parallel SGD (gradients
 // averaged with an allreduce every step), keeps its own state file, and with a crash step set,
-// rank 1 exits with code 1 at that step on the first attempt (TANDEM_RESTART_COUNT=0). After
-// `tandem launch --max_restarts` starts every rank again, they resume from their state files.
+// rank 1 exits with code 1 at that step on the first attempt (TANDEM_RESTART_COUNT=0, or torchrun's
+// TORCHELASTIC_RESTART_COUNT). After `tandem launch --max_restarts` (or torchrun's) starts every
+// rank again, they resume from their state files.
 //
 // Usage: restart_worker STATE_DIR STEPS [CRASH_STEP]
 // Prints "final <step> <w0> <w1> <w2> <w3>" with the weights as hexadecimal floats (exact).
@@ -77,6 +78,7 @@ int main(int argc, char** argv) {
   const int steps = std::atoi(argv[2]);
   const int crash_step = argc > 3 ? std::atoi(argv[3]) : -1;
   const char* rc = std::getenv("TANDEM_RESTART_COUNT");
+  if (rc == nullptr) rc = std::getenv("TORCHELASTIC_RESTART_COUNT");  // under torchrun
   const int restart = rc ? std::atoi(rc) : 0;
   at::set_num_threads(1);
 
