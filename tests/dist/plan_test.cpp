@@ -110,8 +110,9 @@ TEST(Plan, PredictedPeaksMatchTheRunsAndTheWinnersConfigLaunches) {
     }
     // The parameters on the rank (the rank with the largest resident peak: under a pipeline,
     // which stage that is may differ from the stage predicted to hold the most).
-    if (l["pp"].get<int>() == 1)
+    if (l["pp"].get<int>() == 1) {
       EXPECT_EQ(l["predicted"]["parameters"], m["parameters"]) << l["name"];
+    }
   }
   // dp 2 under every ZeRO stage, tp 2 and pp 2: every kind of layout was run.
   EXPECT_EQ(kinds, (std::set<std::string>{"0/1/1", "1/1/1", "2/1/1", "3/1/1", "0/2/1", "0/1/2"}));

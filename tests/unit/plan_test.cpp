@@ -90,9 +90,15 @@ TEST(PlanModel, SafetensorsHeaderGivesBlocksAndTies) {
   int tied = 0;
   for (const auto& x : m.tensors) {
     if (x.tied_to_head) ++tied;
-    if (x.name == "transformer.wpe.weight") EXPECT_FALSE(x.tp_split);
-    if (x.name == "transformer.h.1.ln_1.weight") EXPECT_EQ(x.block, 1);
-    if (x.name == "transformer.ln_f.weight") EXPECT_EQ(x.block, tt::PlanTensor::kAfterBlocks);
+    if (x.name == "transformer.wpe.weight") {
+      EXPECT_FALSE(x.tp_split);
+    }
+    if (x.name == "transformer.h.1.ln_1.weight") {
+      EXPECT_EQ(x.block, 1);
+    }
+    if (x.name == "transformer.ln_f.weight") {
+      EXPECT_EQ(x.block, tt::PlanTensor::kAfterBlocks);
+    }
   }
   EXPECT_EQ(tied, 1);  // the token embedding
   EXPECT_NE(error_of([&] { tt::safetensors_plan_model(dir.str() + "/none"); }).find("no such"),
@@ -116,7 +122,9 @@ TEST(Enumerate, FollowsTheRules) {
       EXPECT_EQ(l.accumulation, 1) << l.name();
       EXPECT_GE(l.microbatches, l.pp) << l.name();
     }
-    if (l.dp == 1) EXPECT_EQ(l.zero_stage, 0) << l.name();
+    if (l.dp == 1) {
+      EXPECT_EQ(l.zero_stage, 0) << l.name();
+    }
     EXPECT_TRUE(l.offload.empty()) << "no --offload_dir: " << l.name();
   }
   // Every ZeRO stage, tp 4 and pp 4, checkpointing on and off, are among them.
