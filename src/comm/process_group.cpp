@@ -195,6 +195,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
   // agent_store_prefix).
   const bool agent_store = !st.agent_store_prefix.empty();
   so.isServer = st.rank == 0 && !agent_store;
+  if (agent_store && !compat::kStoreClientSpeaksTorchrun2)
+    throw std::runtime_error(
+        st.prefix() + " torchrun's agent hosts the rendezvous store at " + where +
+        " (TORCHELASTIC_USE_AGENT_STORE=True), and this tandem is built on LibTorch " +
+        TORCH_VERSION + ", whose store client does not speak PyTorch 2.x's store protocol. "
+        "Launch with `tandem launch` (--nproc_per_node N becomes --num_processes N), or build "
+        "tandem on LibTorch 2.x (scripts/build-torch2.sh). Note [Agent store protocol]");
   so.waitWorkers = false;
   so.timeout = options.timeout();
   // Note [Rendezvous generations]: a process may build its world group more than once (an

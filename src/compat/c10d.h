@@ -60,6 +60,17 @@ constexpr bool kStoreCanListenOnLoopback = true;
 constexpr bool kStoreCanListenOnLoopback = false;
 #endif
 
+// Note [Agent store protocol]: PyTorch 2.x's TCPStore speaks another protocol than 1.13's (a
+// validation message first, renumbered queries): LibTorch 1.13's client, connected to the store of
+// a PyTorch 2.x torchrun agent, has its connection reset in a background thread and the process
+// ends in std::terminate (seen with torchrun of PyTorch 2.12). A 1.13 build therefore refuses the
+// agent's store (ProcessGroup::create says so and names the fix) instead of connecting to it.
+#if TORCH_VERSION_MAJOR >= 2
+constexpr bool kStoreClientSpeaksTorchrun2 = true;
+#else
+constexpr bool kStoreClientSpeaksTorchrun2 = false;
+#endif
+
 /// A TCPStore; with `loopback_only` on a LibTorch that can, the server listens on 127.0.0.1
 /// only. Throws std::runtime_error with the system's reason when the port cannot be bound.
 inline c10::intrusive_ptr<::c10d::TCPStore> make_tcp_store(const std::string& host,

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <torch/version.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -120,6 +121,16 @@ TEST(ExternalLaunchers, Torchrun) {
       {torchrun, "--standalone", "--nproc_per_node", "2", "--no_python", kWorker, "all"},
       {{"TANDEM_TEST_TIMEOUT_S", "20"}, {"PYTHONNOUSERSITE", "1"}}, 120);
   ASSERT_FALSE(r.timed_out) << r.output;
+  const bool configured = !std::string(TANDEM_TEST_PYTHON).empty();
+  if (TORCH_VERSION_MAJOR < 2 && (configured || r.exit_code != 0)) {
+    // Note [Agent store protocol]: a LibTorch 1.13 build refuses a PyTorch 2.x agent's store
+    // (the test environment's torchrun is 2.x), naming the fix, before connecting to it.
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    // (torchrun stops the other rank when the first one fails: one message or two.)
+    EXPECT_GE(count_of(r.output, "does not speak PyTorch 2.x's store protocol"), 1) << r.output;
+    EXPECT_NE(r.output.find("Launch with `tandem launch`"), std::string::npos) << r.output;
+    return;
+  }
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "collectives OK"), 2) << r.output;
 }
@@ -131,6 +142,9 @@ TEST(ExternalLaunchers, TorchrunRestartsACrashedGroup) {
   std::string why;
   const std::string torchrun = find_torchrun(&why);
   if (torchrun.empty()) GTEST_SKIP() << why;
+  if (TORCH_VERSION_MAJOR < 2)
+    GTEST_SKIP() << "LibTorch 1.13 refuses the store of a PyTorch 2.x torchrun (the refusal is "
+                    "ExternalLaunchers.Torchrun's check on this build)";
   auto run = [&](const std::vector<std::string>& worker_args, const std::string& restarts) {
     std::vector<std::string> argv{torchrun, "--standalone", "--nproc_per_node", "2",
                                   "--max_restarts", restarts, "--no_python", RESTART_WORKER};
