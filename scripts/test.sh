@@ -19,9 +19,34 @@ case "$sanitize" in
   *) echo "TANDEM_SANITIZE=$sanitize: expected address, thread or empty" >&2; exit 2 ;;
 esac
 build=${TANDEM_BUILD_DIR:-$default_dir}
+started=$(date +%s)
 "$root/scripts/install-deps.sh"
 venv=$("$root/scripts/install-torch2.sh")
+installed=$(date +%s)
 status=0
+timings=$(mktemp /tmp/tandem-timings-XXXXXX)
+trap 'rm -f "$timings" "$timings".*' EXIT
+
+# Builds with `build_cmd` in `dir`, runs its tests, and appends where the time went to $timings
+# (scripts/timings.py: configure, compile, link and test times, the slowest of each).
+build_and_test() {
+  local label=$1 dir=$2
+  shift 2
+  local skip=0 t0 t1 t2 rc=0
+  [ -f "$dir/.ninja_log" ] && skip=$(wc -l < "$dir/.ninja_log")
+  t0=$(date +%s)
+  "${build_cmd[@]}" || rc=1
+  t1=$(date +%s)
+  if [ $rc -eq 0 ]; then
+    # One test per core: the multi-process tests spend most of their time waiting on each other.
+    (cd "$dir" && ctest --output-on-failure -j "$(nproc)" --output-junit "$timings.$label.xml" "$@") \
+      || rc=1
+  fi
+  t2=$(date +%s)
+  python3 "$root/scripts/timings.py" "$label" "$dir" "$skip" $((t1 - t0)) $((t2 - t1)) \
+    "$timings.$label.xml" >> "$timings" 2>&1 || true
+  return $rc
+}
 
 echo "== tandem tests: LibTorch 1.13 (Debian), sanitizers: ${sanitize:-none}, in $build" >&2
 (
@@ -29,19 +54,18 @@ echo "== tandem tests: LibTorch 1.13 (Debian), sanitizers: ${sanitize:-none}, in
     # shellcheck source=../tests/sanitizers/env.sh
     source "$root/tests/sanitizers/env.sh"
   fi
-  TANDEM_BUILD_DIR=$build "$root/scripts/build.sh" -DTANDEM_SANITIZE="$sanitize" \
-    -DTANDEM_PYTHON="$venv/bin/python"
-  cd "$build"
-  # One test per core: the multi-process tests spend most of their time waiting on each other.
-  ctest --output-on-failure -j "$(nproc)" "$@"
+  build_cmd=(env TANDEM_BUILD_DIR="$build" "$root/scripts/build.sh" -DTANDEM_SANITIZE="$sanitize"
+             -DTANDEM_PYTHON="$venv/bin/python")
+  build_and_test "libtorch-1.13" "$build" "$@"
 ) || status=1
 
 if [ "${TANDEM_TORCH2:-1}" != 0 ]; then
   echo "== tandem tests: LibTorch 2.12 with CUDA (PyPI's wheel), in $root/build-torch2" >&2
   (
-    TANDEM_BUILD_DIR=$root/build-torch2 "$root/scripts/build-torch2.sh"
-    cd "$root/build-torch2"
-    ctest --output-on-failure -j "$(nproc)" "$@"
+    build_cmd=(env TANDEM_BUILD_DIR="$root/build-torch2" "$root/scripts/build-torch2.sh")
+    build_and_test "libtorch-2.12" "$root/build-torch2" "$@"
   ) || status=1
 fi
+echo "== timings: install $((installed - started)) s, in all $(($(date +%s) - started)) s" >&2
+cat "$timings" >&2
 exit $status

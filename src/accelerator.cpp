@@ -453,9 +453,24 @@ void Accelerator::backward(const at::Tensor& loss) {
   check_model_split("backward");
   auto l = precision_->loss_for_backward(loss, accumulation_steps_);
   const auto begin = track::Timeline::Clock::now();
-  {
+  if (!sync_gradients_ || no_sync_depth_ > 0) ++unsynced_backwards_;
+  try {
     auto no_autocast = autocast(false);
     l.backward();
+  } catch (const c10::Error& e) {
+    // Note [Buffers written around autograd]: tandem's own writes into a prepared model
+    // between a forward and its backward (buffer broadcasts after optimizer steps, ZeRO's
+    // gathers and updates into flat storage) do not count as in-place modifications, so when
+    // autograd finds one, the program made it; say where to look.
+    const std::string what = e.what();
+    if (what.find("modified by an inplace operation") == std::string::npos) throw;
+    throw std::runtime_error(
+        state_.prefix() + " backward: " + what.substr(0, what.find("\nException raised from")) +
+        "\n(tandem writes buffers and sharded parameters around autograd's version counters, so "
+        "the modification is the program's: usually an optimizer step or an in-place op on "
+        "a tensor between its forward and this backward, e.g. stepping one model's optimizer "
+        "before the backward of a loss that still goes through its weights; step after the "
+        "backward, or recompute the forward)");
   }
   strategy_->after_backward();
   recorder_->record_backward(begin, track::Timeline::Clock::now(), strategy_->reducers());
@@ -521,6 +536,32 @@ at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) {
   return precision_->metric_result(comm::gather(*topology_->metrics(), precision_->metric_input(t)));
 }
 
+std::tuple<int64_t, int64_t, int64_t> Accelerator::split_range(int64_t rows,
+                                                               bool apply_padding) const {
+  // Accelerate's split: ranks in order, the first rows % ranks one row more.
+  const auto& group = *topology_->metrics();
+  const int64_t n = group.size(), r = group.rank();
+  const int64_t base = rows / n, extra = rows % n;
+  const int64_t begin = r * base + std::min(r, extra);
+  const int64_t end = begin + base + (r < extra ? 1 : 0);
+  return {begin, end, apply_padding ? base + (extra > 0 ? 1 : 0) : end - begin};
+}
+
+at::Tensor Accelerator::split_between_processes(const at::Tensor& inputs,
+                                                bool apply_padding) const {
+  TORCH_CHECK(inputs.dim() > 0, state_.prefix(),
+              " split_between_processes: expected a tensor with a first dimension to split, "
+              "found a scalar; pass a tensor of shape [n, ...]");
+  const auto [begin, end, padded] = split_range(inputs.size(0), apply_padding);
+  auto mine = inputs.narrow(0, begin, end - begin);
+  if (padded > end - begin && end > begin) {
+    std::vector<at::Tensor> parts{mine};
+    for (int64_t k = end - begin; k < padded; ++k) parts.push_back(mine.narrow(0, end - begin - 1, 1));
+    mine = at::cat(parts);
+  }
+  return mine;
+}
+
 at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) {
   return precision_->metric_result(
       comm::reduce(*topology_->metrics(), precision_->metric_input(tensor), op));
@@ -546,7 +587,15 @@ void Accelerator::clip_before_step(torch::optim::Optimizer& optimizer) {
 }
 
 void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer) {
-  ++optimizer_steps_;
+  // One boundary however many optimizers step in it (a GAN's two); an optimizer that steps
+  // again begins the next.
+  if (stepped_in_boundary_.empty() ||
+      std::find(stepped_in_boundary_.begin(), stepped_in_boundary_.end(), &optimizer) !=
+          stepped_in_boundary_.end()) {
+    ++optimizer_steps_;
+    stepped_in_boundary_.clear();
+  }
+  stepped_in_boundary_.push_back(&optimizer);
   if (options_.broadcast_buffers())
     for (auto& m : models_)
       parallel::broadcast_module_state(*m, *topology_->data_parallel(), false, true);
@@ -595,6 +644,7 @@ void AcceleratedOptimizer::step() {
     skipped_ = true;
     return;
   }
+  if (acc) acc->unsynced_backwards_ = 0;  // the step consumes the window's gradients
   if (acc) acc->clip_before_step(*optimizer_);
   {
     auto span = acc ? acc->timeline().scope("optimizer step", "compute") : track::Timeline::Scope();
@@ -614,6 +664,24 @@ void AcceleratedOptimizer::step() {
 void AcceleratedOptimizer::zero_grad() {
   Accelerator* acc = owner();
   if (acc && !acc->sync_gradients()) return;
+  if (acc && acc->unsynced_backwards_ > 0) {
+    // Inside an accumulation window (the zero_grad() of a loop that clears before its forward,
+    // inside accumulate()): the micro-steps before this one would be lost.
+    const std::string message =
+        acc->state_.prefix() + " zero_grad: this call clears the gradients of " +
+        std::to_string(acc->unsynced_backwards_) + " earlier micro-step" +
+        (acc->unsynced_backwards_ == 1 ? "" : "s") + " of the accumulation window "
+        "(gradient_accumulation_steps " + std::to_string(acc->accumulation_steps_) +
+        "), so the step uses only this micro-step's gradients. Call zero_grad() after "
+        "step(), not before the forward (the README's loop)";
+    acc->unsynced_backwards_ = 0;
+    if (acc->options_.strict_zero_grad()) throw std::runtime_error(message);
+    if (!acc->zero_grad_warned_)
+      std::cerr << message
+                << "; said once (AcceleratorOptions().strict_zero_grad(true) makes it an error)"
+                << std::endl;
+    acc->zero_grad_warned_ = true;
+  }
   optimizer_->zero_grad();
   if (acc) {
     acc->precision_->zero_grad(*optimizer_);

@@ -125,8 +125,17 @@ struct AcceleratorOptions {
   /// parallel::Checkpointed, so that their activations are recomputed in backward (Accelerate's
   /// fsdp_activation_checkpointing; env TANDEM_ACTIVATION_CHECKPOINTING). Default off.
   TORCH_ARG(std::optional<bool>, activation_checkpointing) = std::nullopt;
-  /// Re-broadcast buffers (e.g. BatchNorm statistics) from rank 0 after every optimizer step.
+  /// Re-broadcast buffers (e.g. BatchNorm statistics) from rank 0 after every optimizer step,
+  /// so that every forward starts from rank 0's buffers, as PyTorch's DDP broadcasts them before
+  /// each forward. The values are written around autograd's version counters (Note [Buffers
+  /// written around autograd]): a backward still pending over a saved buffer (a GAN's generator
+  /// after its discriminator stepped) is not refused.
   TORCH_ARG(bool, broadcast_buffers) = true;
+  /// A prepared optimizer's zero_grad() that discards gradients accumulated by earlier
+  /// micro-steps of the same accumulation window (a zero_grad() before the forward, inside
+  /// `accumulate()`) is an error instead of a warning. Either way the gradients are cleared as
+  /// asked; the README's loop shows where the call belongs (after step()).
+  TORCH_ARG(bool, strict_zero_grad) = false;
   /// no, bf16, fp16, bf16-true, fp16-true or fp8 (env TANDEM_MIXED_PRECISION, set by
   /// `tandem launch --mixed_precision`; default no). See docs/mixed_precision.md.
   TORCH_ARG(std::optional<std::string>, mixed_precision) = std::nullopt;
@@ -274,6 +283,21 @@ class Accelerator {
   Holder prepare(Holder model) {
     prepare_model(model.ptr());
     return model;
+  }
+  /// A module held by value (`Net model; acc.prepare(model);`) is refused when the program is
+  /// compiled, with the fix: LibTorch itself needs a module in a shared_ptr for
+  /// `named_modules()`, `clone()` and its children, and the Accelerator keeps the model alive
+  /// while it trains. `auto model = std::make_shared<Net>();` (and `model->forward(x)`), or a
+  /// TORCH_MODULE holder, changes no other line of the model.
+  template <class M, std::enable_if_t<std::is_base_of_v<torch::nn::Module, std::decay_t<M>> &&
+                                          !detail::is_module_holder_v<std::decay_t<M>>,
+                                      int> = 0>
+  void prepare(M&& /*model*/) {
+    static_assert(!std::is_base_of_v<torch::nn::Module, std::decay_t<M>>,
+                  "tandem: prepare() takes a module in a std::shared_ptr or a TORCH_MODULE "
+                  "holder, not a module held by value: declare `auto model = "
+                  "std::make_shared<Net>();` (LibTorch's named_modules() and clone() need the "
+                  "shared_ptr too), then `model = acc.prepare(model);`");
   }
   /// prepare_model() for a `shared_ptr<Impl>`; returns the same pointer type.
   template <class Impl, std::enable_if_t<std::is_base_of_v<torch::nn::Module, Impl>, int> = 0>
@@ -463,6 +487,22 @@ class Accelerator {
   }
   /// Waits for every process.
   void wait_for_everyone() { comm::wait_for_everyone(*topology_->barrier()); }
+  /// This data-parallel rank's part of `inputs` along dim 0 (Accelerate's
+  /// split_between_processes): contiguous parts in rank order, the first `rows % ranks` ranks
+  /// one row more. With apply_padding every rank gets as many rows as the first, the short ones
+  /// repeating their last row (gather_for_metrics does not drop those: slice the gathered result
+  /// to the input's rows). Ranks of one tensor- or pipeline-parallel group get the same part.
+  at::Tensor split_between_processes(const at::Tensor& inputs, bool apply_padding = false) const;
+  /// The same for a list (a prompt list, file names): this rank's elements.
+  template <class T>
+  std::vector<T> split_between_processes(const std::vector<T>& inputs,
+                                         bool apply_padding = false) const {
+    const auto [begin, end, padded] =
+        split_range(static_cast<int64_t>(inputs.size()), apply_padding);
+    std::vector<T> out(inputs.begin() + begin, inputs.begin() + end);
+    while (static_cast<int64_t>(out.size()) < padded && !out.empty()) out.push_back(out.back());
+    return out;
+  }
 
   // ---- helpers --------------------------------------------------------------------------------
   /// Seeds LibTorch's CPU (and CUDA) generators; device_specific adds the process index.
@@ -571,7 +611,10 @@ class Accelerator {
   const config::RunConfig& run_config() const { return config_; }
   /// The shared state of the prepared loaders.
   const data::LoaderState& loader_state() const { return *loader_state_; }
-  /// Number of optimizer steps taken (on boundaries).
+  /// Optimizer-step boundaries so far: one per training step however many optimizers step in
+  /// it (a GAN's discriminator and generator steps count once), counted as the first of them
+  /// steps; an optimizer that steps again starts the next boundary. Steps skipped off the
+  /// accumulation boundary or for fp16 overflow do not count.
   int64_t step() const { return optimizer_steps_; }
 
  private:
@@ -600,6 +643,8 @@ class Accelerator {
   void check_model_split(const char* where);
   // The line the main process prints at construction: strategy, mesh, precision, accumulation.
   std::string layout_line() const;
+  // split_between_processes: [begin, end) of this data-parallel rank and the padded length.
+  std::tuple<int64_t, int64_t, int64_t> split_range(int64_t rows, bool apply_padding) const;
 
   AcceleratorOptions options_;
   config::RunConfig config_;  // Note [The environment is read in one place]
@@ -619,6 +664,12 @@ class Accelerator {
   bool sync_gradients_ = true;
   int no_sync_depth_ = 0;
   int64_t optimizer_steps_ = 0;
+  // Optimizers that stepped since the last boundary began (step() counts boundaries).
+  std::vector<const torch::optim::Optimizer*> stepped_in_boundary_;
+  // backward() calls off the synchronisation boundary since the gradients were last cleared or
+  // stepped: a zero_grad() that clears them discards micro-steps (strict_zero_grad).
+  int64_t unsynced_backwards_ = 0;
+  bool zero_grad_warned_ = false;
   LoadedState loaded_;  // what the last load_state restored
   bool auto_resume_pending_ = false;  // AcceleratorOptions::auto_resume, not yet done
   std::chrono::steady_clock::time_point last_checkpoint_ = std::chrono::steady_clock::now();

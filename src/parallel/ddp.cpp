@@ -277,7 +277,7 @@ void GradientReducer::after_backward() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     // No hook fired at all in this backward (and so no engine callback finished it).
-    pending = sync_ && !callback_queued_ && !finalized_since_check_;
+    pending = sync_ && !callback_queued_ && !finalized_since_check_ && !untouched_ok_;
     finalized_since_check_ = false;
   }
   if (pending) finalize();
@@ -315,7 +315,9 @@ void GradientReducer::finalize() {
     wait_launched();
     reset();
     throw std::runtime_error(
-        pg_->prefix() + " parameters got their gradient twice in one synchronised backward (" +
+        pg_->prefix() + " parameters" +
+        (options_.model_label().empty() ? "" : " of " + options_.model_label()) +
+        " got their gradient twice in one synchronised backward (" +
         names + "): call backward once per step, or wrap all but the last micro-step in "
         "accelerator.no_sync(model) / accelerator.accumulate(model)");
   }
@@ -327,7 +329,9 @@ void GradientReducer::finalize() {
     wait_launched();
     reset();
     throw std::runtime_error(
-        pg_->prefix() + " these parameters received no gradient in this backward: " + names +
+        pg_->prefix() + " these parameters" +
+        (options_.model_label().empty() ? "" : " of " + options_.model_label()) +
+        " received no gradient in this backward: " + names +
         ". If parts of the model are unused in some steps, pass "
         "AcceleratorOptions().find_unused_parameters(true); otherwise make sure every parameter "
         "takes part in the loss (or set requires_grad(false) on the ones that should not train).");
@@ -381,6 +385,18 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool pa
     for (auto& p : module.parameters()) add(p);
   if (buffers)
     for (auto& b : module.buffers()) add(b);
+  // Note [Buffers written around autograd]: after an optimizer step (parameters false) the
+  // buffers are written through an alias of their memory with a version counter of its own, so
+  // that a backward still pending over a saved buffer is not refused (a GAN's generator forward,
+  // its discriminator's step, then the generator's backward: BatchNorm saves its running
+  // statistics). PyTorch's DDP broadcasts before the next forward instead, where no backward is
+  // pending; every forward here starts from the same values as there (rank 0's after its last
+  // step), and a train-mode BatchNorm's backward does not read the running statistics it saved.
+  // At prepare (parameters true) nothing is pending and the writes count as usual.
+  auto writable = [parameters](const at::Tensor& t) -> at::Tensor {
+    if (parameters || !t.is_contiguous()) return t.detach();
+    return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options());
+  };
   // Note [Bounded broadcasts]: small tensors travel together, in flat chunks of at most
   // kChunkBytes per (dtype, device), and a large contiguous tensor that Gloo carries as it is
   // travels in place. A flat copy of the whole model (what one broadcast per dtype needs) would
@@ -389,7 +405,7 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool pa
   std::map<std::pair<int, std::string>, std::vector<at::Tensor>> groups;
   for (auto& t : tensors) groups[{static_cast<int>(t.scalar_type()), t.device().str()}].push_back(t);
   at::NoGradGuard no_grad;
-  auto send = [&pg](const std::vector<at::Tensor>& ts) {
+  auto send = [&pg, &writable](const std::vector<at::Tensor>& ts) {
     if (ts.empty()) return;
     std::vector<at::Tensor> flat_parts;
     for (auto& t : ts) flat_parts.push_back(t.detach().reshape({-1}));
@@ -398,7 +414,7 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool pa
     pg.broadcast(flat, 0);
     int64_t off = 0;
     for (auto& t : ts) {
-      t.detach().copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+      writable(t).copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
       off += t.numel();
     }
   };
@@ -408,7 +424,7 @@ void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool pa
     for (auto& t : ts) {
       const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
       if (bytes >= kChunkBytes / 4 && t.is_contiguous() && wire_dtype(t) == t.scalar_type()) {
-        auto in_place = t.detach();
+        auto in_place = writable(t);
         pg.broadcast(in_place, 0);
         continue;
       }

@@ -28,15 +28,28 @@ const std::vector<std::pair<DistributedType, std::string>>& type_names() {
 
 using ::tandem::detail::upper;
 
+}  // namespace
+
+std::string model_label(const torch::nn::Module& model, int index) {
+  return "model " + std::to_string(index) + " (" + model.name() + ")";
+}
+
+namespace {
+
 // Data parallel: one gradient reducer per prepared model (none in a one-process run).
 class DdpStrategy : public Strategy {
  public:
   explicit DdpStrategy(StrategyContext ctx) : ctx_(std::move(ctx)) {}
   std::string name() const override { return "ddp"; }
   void prepare_model(const std::shared_ptr<torch::nn::Module>& model) override {
-    if (ctx_.pg->size() > 1)
-      reducers_.push_back(std::make_unique<GradientReducer>(model->named_parameters().pairs(),
-                                                            ctx_.pg, ctx_.reducer));
+    if (ctx_.pg->size() <= 1) return;
+    ++models_;
+    auto options = ctx_.reducer;
+    options.model_label(model_label(*model, models_));
+    reducers_.push_back(
+        std::make_unique<GradientReducer>(model->named_parameters().pairs(), ctx_.pg, options));
+    // A second model: a backward may reach one and not the other (a GAN's two losses).
+    for (auto& r : reducers_) r->allow_untouched_backward(reducers_.size() > 1);
   }
   bool prepare_optimizer(torch::optim::Optimizer&) override { return false; }
   void set_sync(bool sync) override {
@@ -54,6 +67,7 @@ class DdpStrategy : public Strategy {
  private:
   StrategyContext ctx_;
   std::vector<std::unique_ptr<GradientReducer>> reducers_;
+  int models_ = 0;
 };
 
 }  // namespace

@@ -406,6 +406,33 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
         any = torch::nn::AnyModule(layer);
       }
       replace_child(parent, name, replacement, any);
+      // Note [Planned typed members held by torch::nn holders]: now only `named` holds the
+      // replaced module, unless a typed member of the parent (or another holder) does: a
+      // torch::nn holder's calls cannot be redirected, and the model would compute with this
+      // rank's shard (usually dying in its own reshape first), so it is refused here, before
+      // any step, unless the plan says the model calls its planned children through
+      // planned_child.
+      if (n > 1 && !tandem::nn::hookable(child) && !plan.calls_planned_children &&
+          named[path].use_count() > 1) {
+        std::string type = child.name(), holder = type;
+        const std::string torch_ns = "torch::nn::";
+        if (holder.rfind(torch_ns, 0) == 0) {
+          holder = holder.substr(torch_ns.size());
+          if (holder.size() > 4 && holder.compare(holder.size() - 4, 4, "Impl") == 0)
+            holder.resize(holder.size() - 4);
+        }
+        refuse("the plan replaced it, but a member of its parent still holds the " + type +
+               " (a typed `torch::nn::" + holder + " " + name + ";` called as `" + name +
+               "(x)`), which would compute with this rank's shard and no collective. Declare "
+               "the member with tandem's hookable holder, `tandem::nn::" + holder + " " + name +
+               ";` (tandem/nn/module.h: one change per holder), whose calls go to the planned "
+               "layer; or call the planned layer, `if (auto tp = "
+               "tandem::parallel::planned_child(*this, \"" + name + "\")) return "
+               "tp->forward(x);`, and say so with plan.through_planned_child(). Code that "
+               "derives sizes from the full width (a head count) must follow the split: take "
+               "them from the layer's output (`x.size(-1) / head_dim` heads on this rank), as "
+               "docs/model_parallel.md shows");
+      }
       // Note [Planned typed members]: a hookable module (tandem::nn::Linear, Embedding) that
       // the parent also holds as a typed member has its calls redirected to the planned layer,
       // so `up(x)` and `up->forward(x)` compute the tensor-parallel layer.

@@ -9,7 +9,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <iomanip>
 #include <iostream>
+#include <mutex>
 #include <map>
 #include <set>
 #include <sstream>
@@ -80,6 +82,10 @@ struct Unit {
   bool prefetched = false;  // issued ahead of its use
   std::chrono::steady_clock::time_point issued;
   struct UnitHooks* hooks = nullptr;
+  // Note [Clearing sharded gradients through the model]: the marker each parameter's .grad
+  // holds once its gradient went into the shard (undefined: none planted), and its version then.
+  std::vector<at::Tensor> markers;
+  std::vector<int64_t> marker_versions;
 };
 
 // The timeline's view of stage 3's all-gathers (Strategy::take_comm_spans).
@@ -300,8 +306,31 @@ class ZeroHook : public CommHook {
   ProcessGroup::ReduceScatterAlgorithm algorithm_;
 };
 
+struct ShardedOptimizer;
+
+// Note [Clearing sharded gradients through the model]: from stage 2 on, a parameter's gradient
+// lives in its unit's shard (shard_param.grad()) once reduced, and the parameter's own .grad is
+// released. LibTorch programs clear gradients through the model too (`model->zero_grad()`, a
+// loop of `p.grad().zero_()`), which would never reach the shards: the next step would add the
+// old gradient in. So each released .grad holds a marker instead, a meta tensor of the
+// parameter's shape (no memory): `zero_grad()` through the module resets it (set_to_none) or
+// replaces it with a zeroed detached copy, and `p.grad().zero_()` bumps its version. The next
+// backward's first gradient hook (a tensor hook, which runs before autograd accumulates into
+// .grad) reads every marker, zeroes the shard's slice of each parameter cleared through any of
+// these routes (all of a unit's parameters cleared and none zeroed in place: the shard gradient
+// is dropped, as set_to_none does), and removes the markers, so autograd accumulates into an
+// empty .grad as before. A parameter whose marker is untouched keeps its shard gradient, which
+// the backward adds to, as .grad accumulates under data parallel.
+struct MarkerCheck {
+  ShardedOptimizer* owner = nullptr;
+  std::mutex mu;
+  bool planted = false;
+  void check();
+};
+
 struct ShardedOptimizer {
   torch::optim::Optimizer* optimizer = nullptr;
+  std::shared_ptr<MarkerCheck> markers = std::make_shared<MarkerCheck>();
   std::unique_ptr<GradientReducer> reducer;
   std::vector<Unit> units;
   std::vector<size_t> unit_of_bucket;
@@ -309,6 +338,62 @@ struct ShardedOptimizer {
   std::shared_ptr<ProcessGroup> replicas;  // Note [Hybrid sharding]; null without replicas
   std::unique_ptr<StateOnDisk> disk;       // Note [Optimizer state on disk]; null: in memory
 };
+
+void plant_markers(ShardedOptimizer& s, Unit& u) {
+  std::lock_guard<std::mutex> lock(s.markers->mu);
+  u.markers.resize(u.params.size());
+  u.marker_versions.resize(u.params.size(), 0);
+  for (size_t j = 0; j < u.params.size(); ++j) {
+    auto& g = u.params[j].mutable_grad();
+    if (g.defined()) {
+      u.markers[j] = at::Tensor();
+      continue;
+    }
+    u.markers[j] = at::empty(u.params[j].sizes(), u.params[j].options().device(at::kMeta));
+    u.marker_versions[j] = u.markers[j]._version();
+    g = u.markers[j];
+    s.markers->planted = true;
+  }
+}
+
+void MarkerCheck::check() {
+  std::lock_guard<std::mutex> lock(mu);
+  if (!planted || !owner) return;
+  planted = false;
+  at::NoGradGuard no_grad;
+  for (auto& u : owner->units) {
+    if (u.markers.empty()) continue;
+    auto& shard_grad = u.shard_param.mutable_grad();
+    bool all_none = true;
+    std::vector<size_t> cleared;
+    for (size_t j = 0; j < u.params.size(); ++j) {
+      auto& marker = u.markers[j];
+      if (!marker.defined()) {
+        all_none = false;
+        continue;
+      }
+      auto& g = u.params[j].mutable_grad();
+      const bool none = !g.defined();
+      const bool replaced = !none && !g.is_same(marker);
+      const bool zeroed = !none && !replaced && marker._version() != u.marker_versions[j];
+      if (none || replaced || zeroed) cleared.push_back(j);
+      if (!none) all_none = false;
+      if (g.defined() && g.is_meta()) g.reset();  // autograd starts a fresh .grad
+      marker = at::Tensor();
+    }
+    if (cleared.empty() || !shard_grad.defined()) continue;
+    if (all_none && cleared.size() == u.params.size()) {
+      shard_grad.reset();
+      continue;
+    }
+    const int64_t begin = u.shard.offset, end = u.shard.offset + u.shard.numel;
+    for (size_t j : cleared) {
+      const int64_t a = std::max(begin, u.offsets[j]);
+      const int64_t b = std::min(end, u.offsets[j] + u.params[j].numel());
+      if (a < b) shard_grad.narrow(0, a - begin, b - a).zero_();
+    }
+  }
+}
 
 // Each unit's index among its parameter group's units: the index of its shard in the
 // optimizer's group, which names its state in checkpoints (optimizer_param_key).
@@ -336,6 +421,7 @@ void ZeroHook::finish(GradBucket& b, Work& w) {
   // Stage 3: the unit's backward is over (all of its gradients are in): free its parameters.
   release_unit(u);
   if (u.hooks) u.hooks->after_reduction();
+  if (stage_ >= 2) plant_markers(*owner_, u);
   // No rank used this unit: its gradient stays as it was (undefined after zero_grad, so the
   // optimizer leaves the unit alone), as data parallel leaves unused parameters' .grad. (The
   // unused map spans the replicas too, so every rank returns here alike.)
@@ -389,6 +475,73 @@ class ZeroStrategy : public Strategy {
   void prepare_model(const std::shared_ptr<torch::nn::Module>& model) override {
     models_.push_back(model);
     if (options_.stage() != 3) return;
+    const size_t before = units_.size();
+    find_units(model);
+    // FSDP's root wrap: a model declared with TANDEM_MODULE whose forward reaches no other unit
+    // is one unit itself, gathered for its forward and backward, released in between.
+    if (units_.size() == before && options_.auto_wrap_policy() != "NO_WRAP" &&
+        tandem::nn::hookable(*model) && !is_unit(*model))
+      add_hooked(model, "");
+    report_units(*model, before);
+  }
+  // Note [A model ZeRO-3 cannot reach]: a model whose modules are all held by typed torch::nn
+  // members (`torch::nn::Linear fc1;` called as `fc1(x)`) has no module a wrapper or a hook
+  // reaches, so no parameter could be released between uses: stage 3 would keep every weight
+  // whole on every rank while saying "zero-3". LibTorch has no forward hooks on its own
+  // modules, so instead of pretending, such a model is refused with the fixes; a model with
+  // some units says how much of it is sharded.
+  void report_units(const torch::nn::Module& model, size_t before) {
+    std::set<const void*> in_units;
+    int64_t unit_elements = 0;
+    for (size_t k = before; k < units_.size(); ++k)
+      for (const auto& p : units_[k]->parameters())
+        if (p.requires_grad() && in_units.insert(p.unsafeGetTensorImpl()).second)
+          unit_elements += p.numel();
+    std::set<const void*> all;
+    std::map<const void*, int> names;  // tied parameters (several names) stay in the root
+    int64_t elements = 0;
+    for (const auto& p : model.named_parameters()) {
+      ++names[p.value().unsafeGetTensorImpl()];
+      if (p.value().requires_grad() && all.insert(p.value().unsafeGetTensorImpl()).second)
+        elements += p.value().numel();
+    }
+    for (const auto& [key, n] : names)
+      if (n > 1 && in_units.erase(key)) unit_elements = -1;
+    if (unit_elements < 0) {
+      unit_elements = 0;
+      for (size_t k = before; k < units_.size(); ++k)
+        for (const auto& p : units_[k]->parameters())
+          if (in_units.count(p.unsafeGetTensorImpl())) unit_elements += p.numel();
+    }
+    const std::string label = model_label(model, static_cast<int>(models_.size()));
+    if (all.empty()) return;
+    if (in_units.empty())
+      throw std::invalid_argument(
+          ctx_.pg->prefix() + " " + options_.origin() + ": ZeRO-3 finds no module of " + label +
+          " that it can gather and release (its " + std::to_string(all.size()) +
+          " parameters would stay whole on every rank, which is ZeRO-2's memory under "
+          "ZeRO-3's name): its layers are typed torch::nn members called directly, which no "
+          "wrapper or hook reaches. Declare the model with TANDEM_MODULE(" + model.name() +
+          ") instead of TORCH_MODULE, which makes the whole model one unit (FSDP's root "
+          "wrap), or its blocks with TANDEM_MODULE(Block) and its layers as tandem::nn::Linear "
+          "(tandem/nn/module.h: one change per holder), or hold them in a torch::nn::Sequential "
+          "or tandem::parallel::Sharded; or ask for ZeRO stage 2 (--zero_stage 2), which "
+          "shards this model's gradients and optimizer state");
+    if (ctx_.pg->rank() == 0) {
+      std::ostringstream os;
+      os << ctx_.pg->prefix() << " zero-3 on " << label << ": " << (units_.size() - before)
+         << " unit" << (units_.size() - before == 1 ? "" : "s") << ", " << in_units.size()
+         << " of " << all.size() << " parameters sharded (" << std::fixed
+         << std::setprecision(1) << 100.0 * static_cast<double>(unit_elements) /
+                static_cast<double>(std::max<int64_t>(1, elements))
+         << "% of the elements)";
+      if (in_units.size() < all.size())
+        os << "; the rest (tied parameters and those outside every unit) stay whole on every "
+              "rank";
+      std::cerr << os.str() << std::endl;
+    }
+  }
+  void find_units(const std::shared_ptr<torch::nn::Module>& model) {
     // Note [ZeRO-3 units on hooks]: the units are the modules the user wrapped in Sharded, the
     // Sequential entries the auto-wrap policy picks (wrapped in Sharded in place), and hookable
     // modules (TANDEM_MODULE types, tandem::nn layers) anywhere in the model, which get a
@@ -896,7 +1049,19 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
         options_.nvme_path(),
         "rank" + std::to_string(rank) + "-optimizer" + std::to_string(sharded_.size()), pg.prefix());
   }
+  if (stage >= 2) {  // Note [Clearing sharded gradients through the model]
+    s->markers->owner = s.get();
+    std::weak_ptr<MarkerCheck> weak = s->markers;
+    for (const auto& u : s->units)
+      for (const auto& p : u.params)
+        p.register_hook([weak](const at::Tensor&) {
+          if (auto m = weak.lock()) m->check();
+        });
+  }
   sharded_.push_back(std::move(s));
+  // A second model or optimizer: a backward may reach one and not the other (a GAN's losses).
+  for (auto& o : sharded_)
+    o->reducer->allow_untouched_backward(sharded_.size() > 1 || models_.size() > 1);
   return true;
 }
 

@@ -12,6 +12,16 @@ command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 cmake -S "$src/tests/consumer" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" \
   "${launcher[@]}" > "$work/configure.log" || { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/build" > "$work/build.log" || { cat "$work/build.log"; exit 1; }
-export LD_LIBRARY_PATH="$work/prefix/lib:${LD_LIBRARY_PATH:-}"
+# A clean environment for the libraries: the installed CLI and the consumer find libtandem and
+# LibTorch through their RPATHs, not through LD_LIBRARY_PATH.
+unset LD_LIBRARY_PATH
+for f in "$work/prefix/bin/tandem" "$work/build/consumer"; do
+  if ldd "$f" | grep -q "not found"; then
+    echo "run.sh: $f misses libraries without LD_LIBRARY_PATH:" >&2
+    ldd "$f" | grep "not found" >&2
+    exit 1
+  fi
+done
+"$work/prefix/bin/tandem" --version
 "$work/build/consumer"
 "$work/prefix/bin/tandem" launch --num_processes 2 --cpu "$work/build/consumer"

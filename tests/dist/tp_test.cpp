@@ -231,13 +231,14 @@ TEST(TensorParallel, AcceleratorTensorTimesDataParallelEqualsOneProcess) {
 }
 
 // A module written with typed members and called directly (`up(x)`) cannot be reached by a
-// plan: its first backward is refused on every rank, naming the tensor and the fix, instead of
-// each tp rank training its own half-model.
+// plan: parallelize refuses it on every rank, naming the member and the fixes, before the
+// model's own code meets a half-width layer or each tp rank trains its own half-model.
 TEST(TensorParallel, TypedMembersCalledDirectlyAreRefused) {
   auto r = launch(2, kWorker, {"typed", "direct"}, with_flags({"--tp_size", "2"}));
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_GE(count_of(r.output, "tensor parallel: a gradient reached the original tensor of "), 1)
-      << r.output;
+  EXPECT_GE(count_of(r.output, "parallelize_module: up (torch::nn::LinearImpl"), 1) << r.output;
+  EXPECT_GE(count_of(r.output, "`tandem::nn::Linear up;`"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "typed_loss_step0"), 0) << r.output;
   EXPECT_GE(count_of(r.output, "planned_child"), 1) << r.output;
   EXPECT_EQ(count_of(r.output, "typed trained rank"), 0) << r.output;
 }

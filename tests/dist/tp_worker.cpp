@@ -491,8 +491,9 @@ void print_state_dict_check(tandem::Accelerator& acc, torch::nn::Module& model,
 }
 
 // Modules written as LibTorch users write them: typed members, registered, and called. `direct`
-// calls them as members (`up(x)`), which a plan cannot reach: refused at the first backward;
-// otherwise through the planned child (examples::call_child), which trains as the dense model.
+// calls them as members (`up(x)`), which a plan cannot reach: refused at parallelize; otherwise
+// through the planned child (examples::call_child, the plan saying so with
+// through_planned_child()), which trains as the dense model.
 struct TypedMlpImpl : torch::nn::Module {
   explicit TypedMlpImpl(bool direct) : direct(direct) {
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
@@ -533,7 +534,7 @@ void typed(const std::string& variant) {
   if (variant == "sequential")
     plan.colwise("0").rowwise("2");
   else
-    plan.colwise("up").rowwise("down");
+    plan.colwise("up").rowwise("down").through_planned_child(variant == "planned");
   acc.parallelize(*model, plan);
   model = acc.prepare(model);
   auto adam = torch::optim::AdamWOptions(1e-2);

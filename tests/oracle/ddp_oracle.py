@@ -1,7 +1,9 @@
 """PyTorch's DistributedDataParallel and tandem train the same model from the same weights on the
-same data and batches, on 2 processes over Gloo; the final weights agree.
+same data and batches, on 2 processes over Gloo; the final weights agree. With `bn` the model has a
+BatchNorm1d: DDP broadcasts rank 0's buffers before every forward, tandem after every optimizer
+step; the weights and the saved BatchNorm statistics (rank 0's) agree too.
 
-Usage: ddp_oracle.py ORACLE_TOOL TANDEM_CLI WORK_DIR
+Usage: ddp_oracle.py ORACLE_TOOL TANDEM_CLI WORK_DIR [bn]
 """
 import os
 import sys
@@ -17,14 +19,22 @@ from common import fresh_dir, fail, run
 STEPS, WORLD, BATCH = 8, 2, 8
 
 
+BATCHNORM = len(sys.argv) > 4 and sys.argv[4] == "bn"
+
+
 class Net(torch.nn.Module):  # oracle_tool's Net
     def __init__(self):
         super().__init__()
         self.fc1 = torch.nn.Linear(10, 16)
+        if BATCHNORM:
+            self.bn = torch.nn.BatchNorm1d(16)
         self.fc2 = torch.nn.Linear(16, 3)
 
     def forward(self, x):
-        return self.fc2(torch.tanh(self.fc1(x)))
+        h = self.fc1(x)
+        if BATCHNORM:
+            h = self.bn(h)
+        return self.fc2(torch.tanh(h))
 
 
 def worker(rank, work, store):
@@ -57,7 +67,7 @@ if __name__ == "__main__":
               os.path.join(work, "data.safetensors"))
     mp.spawn(worker, args=(work, os.path.join(work, "store")), nprocs=WORLD, join=True)
     run([cli, "launch", "--num_processes", str(WORLD), "--cpu", "--num_cpu_threads_per_process", "1",
-         tool, "train-ddp", work, str(STEPS)])
+         tool, "train-ddp", work, str(STEPS)] + (["bn"] if BATCHNORM else []))
     ours = load_file(os.path.join(work, "tandem", "model.safetensors"))
     theirs = load_file(os.path.join(work, "pytorch.safetensors"))
     init = load_file(os.path.join(work, "init.safetensors"))
@@ -67,9 +77,14 @@ if __name__ == "__main__":
     for name in theirs:
         if torch.equal(theirs[name], init[name]):
             fail(f"PyTorch's {name} did not train")
+        if not theirs[name].is_floating_point():  # num_batches_tracked
+            if not torch.equal(ours[name], theirs[name]):
+                fail(f"{name}: tandem {ours[name].tolist()}, PyTorch DDP {theirs[name].tolist()}")
+            continue
         diff = (ours[name] - theirs[name]).abs().max().item()
         worst = max(worst, diff)
         if not torch.allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6):
             fail(f"{name}: tandem and PyTorch DDP differ by up to {diff}")
-    print(f"tandem == PyTorch {torch.__version__} DDP after {STEPS} steps on {WORLD} processes "
+    print(f"tandem == PyTorch {torch.__version__} DDP{' with BatchNorm' if BATCHNORM else ''} "
+          f"after {STEPS} steps on {WORLD} processes "
           f"(largest difference {worst:.3g})")

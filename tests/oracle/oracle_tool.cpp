@@ -9,8 +9,9 @@
 //                                       state/ (Accelerator::save_state after an AdamW step)
 //   oracle_tool read-safetensors DIR    DIR/plain.safetensors and the sharded DIR/hf/
 //   oracle_tool write-tensorboard DIR   event file under DIR/run
-//   oracle_tool train-ddp DIR STEPS     (under tandem launch) DIR/init.safetensors + DIR/data.safetensors
-//                                       -> DIR/tandem/model.safetensors
+//   oracle_tool train-ddp DIR STEPS [bn]  (under tandem launch) DIR/init.safetensors +
+//                                       DIR/data.safetensors -> DIR/tandem/model.safetensors; bn:
+//                                       the net with a BatchNorm1d (buffers broadcast by DDP)
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
@@ -177,33 +178,39 @@ int write_tensorboard(const fs::path& dir) {
 }
 
 struct NetImpl : torch::nn::Module {
-  NetImpl() {
+  explicit NetImpl(bool batchnorm) {
     fc1 = register_module("fc1", torch::nn::Linear(10, 16));
+    if (batchnorm) bn = register_module("bn", torch::nn::BatchNorm1d(16));
     fc2 = register_module("fc2", torch::nn::Linear(16, 3));
   }
-  at::Tensor forward(const at::Tensor& x) { return fc2(torch::tanh(fc1(x))); }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = fc1(x);
+    if (bn) h = bn(h);
+    return fc2(torch::tanh(h));
+  }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
 };
 TORCH_MODULE(Net);
 
 // The DDP case of tests/oracle/ddp_peer.py: the same weights, data, batches and steps.
-int train_ddp(const fs::path& dir, int steps) {
+int train_ddp(const fs::path& dir, int steps, bool batchnorm) {
   tandem::Accelerator acc(tandem::AcceleratorOptions().cpu(true));
-  Net net;
+  Net net(batchnorm);
   tandem::checkpoint::load_model(*net, (dir / "init.safetensors").string());
   tandem::checkpoint::SafetensorsFile data((dir / "data.safetensors").string());
   const auto x = data.tensor("x"), y = data.tensor("y");
-  auto opt = std::make_shared<torch::optim::SGD>(net->parameters(),
+  auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(),
                                                  torch::optim::SGDOptions(0.1).momentum(0.9));
-  acc.prepare(net, opt);
+  auto [prepared, opt] = acc.prepare(net, sgd);
   const int64_t global_batch = 8, n = acc.num_processes(), r = acc.process_index();
   for (int s = 0; s < steps; ++s) {
     // Global batch s, rows r, r + n, ...: what DistributedSampler(shuffle=False) gives rank r.
     auto rows = torch::arange(s * global_batch + r, (s + 1) * global_batch, n);
-    opt->zero_grad();
+    opt.zero_grad();
     auto loss = torch::nn::functional::cross_entropy(net(x.index_select(0, rows)), y.index_select(0, rows));
     acc.backward(loss);
-    opt->step();
+    opt.step();
   }
   if (acc.is_main_process()) tandem::checkpoint::save_model(*net, (dir / "tandem").string());
   acc.wait_for_everyone();
@@ -221,7 +228,9 @@ int main(int argc, char** argv) {
     if (cmd == "write-safetensors") return write_safetensors(dir);
     if (cmd == "read-safetensors") return read_safetensors(dir);
     if (cmd == "write-tensorboard") return write_tensorboard(dir);
-    if (cmd == "train-ddp") return train_ddp(dir, argc > 3 ? std::atoi(argv[3]) : 10);
+    if (cmd == "train-ddp")
+      return train_ddp(dir, argc > 3 ? std::atoi(argv[3]) : 10,
+                       argc > 4 && std::string(argv[4]) == "bn");
   } catch (const std::exception& e) {
     fail(e.what());
   }

@@ -5,6 +5,8 @@
 #include <torch/arg.h>
 #include <torch/data/example.h>
 
+#include <c10/util/ArrayRef.h>
+
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -87,6 +89,16 @@ struct Collate<torch::data::Example<Data, Target>> {
   }
 };
 
+template <class Data>
+struct Collate<torch::data::Example<Data, torch::data::example::NoTarget>> {
+  using Batch = torch::data::Example<Data, torch::data::example::NoTarget>;
+  static Batch apply(std::vector<Batch>& items) {
+    std::vector<at::Tensor> data;
+    for (auto& e : items) data.push_back(e.data);
+    return Batch(at::stack(data));
+  }
+};
+
 template <>
 struct Collate<at::Tensor> {
   using Batch = at::Tensor;
@@ -111,6 +123,13 @@ torch::data::Example<Data, Target> to_device(const torch::data::Example<Data, Ta
                                              std::optional<c10::ScalarType> floating = std::nullopt) {
   return {to_device(e.data, device, floating), to_device(e.target, device, floating)};
 }
+template <class Data>
+torch::data::Example<Data, torch::data::example::NoTarget> to_device(
+    const torch::data::Example<Data, torch::data::example::NoTarget>& e,
+    std::optional<c10::Device> device, std::optional<c10::ScalarType> floating = std::nullopt) {
+  return torch::data::Example<Data, torch::data::example::NoTarget>(
+      to_device(e.data, device, floating));
+}
 /// Row count of a batch (first dim of its data).
 inline int64_t batch_rows(const at::Tensor& t) { return t.dim() ? t.size(0) : 1; }
 template <class Data, class Target>
@@ -134,6 +153,58 @@ class ResumableLoader {
 };
 
 namespace detail {
+
+template <class T>
+struct is_vector : std::false_type {};
+template <class T, class A>
+struct is_vector<std::vector<T, A>> : std::true_type {
+  using element = T;
+};
+
+template <class D, class = void>
+struct has_get : std::false_type {};
+template <class D>
+struct has_get<D, std::void_t<decltype(std::declval<D&>().get(size_t{}))>> : std::true_type {};
+
+template <class V>
+struct VectorElement {
+  using type = typename is_vector<V>::element;
+};
+template <class E>
+struct CollatedBatch {
+  using type = typename Collate<E>::Batch;
+};
+
+/// How a loader reads a data set. One with `get(size_t)` (a LibTorch Dataset, or any
+/// map-style set) gives examples that the loader collates. One with only
+/// `get_batch(ArrayRef<size_t>)` (LibTorch's `dataset.map(transform)`, a MapDataset) applies its
+/// own transforms: per-example ones (Normalize, Lambda) before collation, and a batch transform
+/// such as `Stack<>` as the collation itself; when it ends in a per-example transform, the
+/// examples come back as a vector, which the loader collates.
+template <class D, bool = has_get<D>::value>
+struct DatasetReader {
+  using Example = decltype(std::declval<D&>().get(size_t{}));
+  static constexpr bool collates = false;
+  using Batch = typename Collate<Example>::Batch;
+  static std::vector<Example> fetch(D& d, const std::vector<size_t>& idx) {
+    std::vector<Example> items;
+    items.reserve(idx.size());
+    for (size_t i : idx) items.push_back(d.get(i));
+    return items;
+  }
+};
+template <class D>
+struct DatasetReader<D, false> {
+  using Fetched = std::decay_t<decltype(std::declval<D&>().get_batch(c10::ArrayRef<size_t>()))>;
+  static constexpr bool collates = !is_vector<Fetched>::value;
+  using Example = typename std::conditional_t<collates, std::enable_if<true, Fetched>,
+                                              VectorElement<Fetched>>::type;
+  using Batch = typename std::conditional_t<collates, std::enable_if<true, Fetched>,
+                                            CollatedBatch<Example>>::type;
+  static Fetched fetch(D& d, const std::vector<size_t>& idx) {
+    return d.get_batch(c10::ArrayRef<size_t>(idx));
+  }
+};
 
 /// A bounded queue filled by a producer thread, drained by the training loop. The producer is
 /// stopped and joined when the consumer lets go (breaking out of an epoch early is fine).
@@ -281,14 +352,21 @@ class EpochIterator {
 
 }  // namespace detail
 
-/// This rank's loader over a map-style data set (anything with `get(size_t)` and `size()`
-/// returning an optional size, like LibTorch's datasets). The order is PyTorch's
+/// This rank's loader over a map-style data set: anything with `size()` returning an optional
+/// size and `get(size_t)` (LibTorch's datasets), or LibTorch's mapped data sets
+/// (`dataset.map(Normalize<>(0.1307, 0.3081)).map(Stack<>())`, whose transforms apply as they
+/// do under LibTorch's own loader: detail::DatasetReader). The order is PyTorch's
 /// DistributedSampler's; each full pass advances the epoch (so the next pass reshuffles), and
 /// set_epoch sets it explicitly.
-template <class Dataset, class Example = decltype(std::declval<Dataset&>().get(size_t{}))>
+template <class Dataset>
 class DataLoader : public ResumableLoader {
+  using Reader = detail::DatasetReader<Dataset>;
+
  public:
-  using Batch = typename Collate<Example>::Batch;
+  using Example = typename Reader::Example;
+  using Batch = typename Reader::Batch;
+  /// Collates one batch's examples (a data set that collates itself, ending in a batch
+  /// transform such as Stack, takes none).
   using CollateFn = std::function<Batch(std::vector<Example>&)>;
   using iterator = detail::EpochIterator<Batch>;
 
@@ -298,7 +376,16 @@ class DataLoader : public ResumableLoader {
         options_(options),
         placement_(placement),
         state_(std::move(state)),
-        collate_(collate ? std::move(collate) : CollateFn(&Collate<Example>::apply)) {
+        collate_(std::move(collate)) {
+    if constexpr (Reader::collates) {
+      if (collate_)
+        throw std::invalid_argument(
+            "prepare_data_loader: this data set makes its own batches (it ends in a batch "
+            "transform such as torch::data::transforms::Stack), so a collate function would "
+            "never run; pass none, or drop the batch transform and collate in the function");
+    } else {
+      if (!collate_) collate_ = CollateFn(&Collate<Example>::apply);
+    }
     auto n = dataset_->size();
     if (!n) throw std::invalid_argument("prepare_data_loader: the data set has no size(); use "
                                         "prepare_stream_loader for streams");
@@ -350,15 +437,19 @@ class DataLoader : public ResumableLoader {
       if (*next >= total) return std::nullopt;
       const int64_t begin = *next * bs;
       const int64_t end = std::min<int64_t>(begin + bs, static_cast<int64_t>(indices->size()));
-      std::vector<Example> items;
+      std::vector<size_t> idx;
       int64_t valid = 0;
       for (int64_t k = begin; k < end; ++k) {
-        items.push_back(ds->get(static_cast<size_t>((*indices)[static_cast<size_t>(k)])));
+        idx.push_back(static_cast<size_t>((*indices)[static_cast<size_t>(k)]));
         if (static_cast<size_t>(k) >= mask->size() || !(*mask)[static_cast<size_t>(k)]) ++valid;
       }
       ++*next;
-      Batch b = to_device(collate(items), device, floating);
-      return detail::Produced<Batch>{std::move(b), valid};
+      auto fetched = Reader::fetch(*ds, idx);
+      if constexpr (Reader::collates) {
+        return detail::Produced<Batch>{to_device(fetched, device, floating), valid};
+      } else {
+        return detail::Produced<Batch>{to_device(collate(fetched), device, floating), valid};
+      }
     };
     auto pos = position_;
     auto on_end = [this] { sampler_->set_epoch(sampler_->epoch() + 1); };

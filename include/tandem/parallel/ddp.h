@@ -66,6 +66,9 @@ struct ReducerOptions {
   /// the unused-parameter map spans it; the hook reduces across the replicas itself. Null: the
   /// reducer's group.
   TORCH_ARG(std::shared_ptr<ProcessGroup>, average_over) = nullptr;
+  /// Which model the parameters belong to, as refusals that list parameter names say it
+  /// ("model 2 (Generator)"); empty: the names alone (one prepared model).
+  TORCH_ARG(std::string, model_label) = "";
 };
 
 /// When each bucket's allreduce started and ended in the last synchronised backward, and when
@@ -102,6 +105,11 @@ class GradientReducer {
   /// or no parameter at all). Called by Accelerator::backward after autograd returns; does
   /// nothing when the engine callback already finished the step.
   void after_backward();
+  /// Whether a backward that reaches none of these parameters on this rank is fine (nothing is
+  /// reduced, nothing said), as PyTorch's DDP leaves a model its backward did not reach: the
+  /// strategies allow it once a second model or optimizer is prepared (a GAN's discriminator
+  /// loss leaves its generator alone). Otherwise such a backward is an error naming them.
+  void allow_untouched_backward(bool allow) { untouched_ok_ = allow; }
 
   /// Buckets as indices into parameter_names(), in launch order.
   const std::vector<std::vector<size_t>>& buckets() const { return buckets_; }
@@ -160,6 +168,7 @@ class GradientReducer {
   bool callback_queued_ = false;
   bool finalized_since_check_ = false;  // finalize ran since the last after_backward()
   bool sync_ = true;
+  bool untouched_ok_ = false;
   int64_t reductions_ = 0;
   ReductionTimeline timeline_;
   mutable std::mutex mu_;

@@ -254,6 +254,12 @@ struct PlanEntry {
 ///       .colwise_from_sequence("head");
 struct TensorParallelPlan {
   std::vector<PlanEntry> entries;
+  /// The model calls the planned modules it holds in typed torch::nn members through
+  /// planned_child (`if (auto tp = planned_child(*this, "up")) return tp->forward(x);`).
+  /// Without it, parallelize_module refuses a planned module that a typed torch::nn member
+  /// still holds (called as `up(x)` it would compute with this rank's shard and no
+  /// collective); tandem's hookable holders (tandem::nn::Linear) need neither.
+  bool calls_planned_children = false;
 
   TensorParallelPlan& add(PlanEntry entry);
   TensorParallelPlan& colwise(const std::string& pattern, int64_t parts = 1,
@@ -271,6 +277,11 @@ struct TensorParallelPlan {
   /// kRankRandom: the modules matching `pattern` draw from this tp rank's stream, seeded
   /// `seed` (the same on every rank).
   TensorParallelPlan& rank_random(const std::string& pattern, uint64_t seed);
+  /// Sets calls_planned_children.
+  TensorParallelPlan& through_planned_child(bool yes = true) {
+    calls_planned_children = yes;
+    return *this;
+  }
 };
 
 /// Whether `path` matches `pattern` (`*`: any characters except '.').

@@ -2,8 +2,15 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "tandem/parallel/strategy.h"
+
+namespace tandem::parallel {
+/// "model 2 (Generator)": how refusals that list parameter names say which model they are of
+/// (the index counts the prepared models from 1).
+std::string model_label(const torch::nn::Module& model, int index);
+}  // namespace tandem::parallel
 
 namespace tandem::parallel::detail {
 
