@@ -261,6 +261,8 @@ void Accelerator::free_memory() {
   tp_applied_ = pipeline_prepared_ = split_checked_ = false;
   micro_step_ = 0;
   optimizer_steps_ = 0;
+  stepped_in_boundary_.clear();
+  unsynced_backwards_ = 0;
   sync_gradients_ = true;
   trim_host_cache();
 }

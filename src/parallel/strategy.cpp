@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "detail/strategies.h"
+#include "tandem/nn/module.h"
 #include "tandem/checkpoint/model_io.h"
 
 namespace tandem::parallel {
@@ -31,7 +32,7 @@ using ::tandem::detail::upper;
 }  // namespace
 
 std::string model_label(const torch::nn::Module& model, int index) {
-  return "model " + std::to_string(index) + " (" + model.name() + ")";
+  return "model " + std::to_string(index) + " (" + tandem::nn::module_type_name(model) + ")";
 }
 
 namespace {

@@ -521,7 +521,8 @@ class ZeroStrategy : public Strategy {
           " that it can gather and release (its " + std::to_string(all.size()) +
           " parameters would stay whole on every rank, which is ZeRO-2's memory under "
           "ZeRO-3's name): its layers are typed torch::nn members called directly, which no "
-          "wrapper or hook reaches. Declare the model with TANDEM_MODULE(" + model.name() +
+          "wrapper or hook reaches. Declare the model with TANDEM_MODULE(" +
+          tandem::nn::module_type_name(model) +
           ") instead of TORCH_MODULE, which makes the whole model one unit (FSDP's root "
           "wrap), or its blocks with TANDEM_MODULE(Block) and its layers as tandem::nn::Linear "
           "(tandem/nn/module.h: one change per holder), or hold them in a torch::nn::Sequential "

@@ -6,6 +6,7 @@
 // optimizer; what cannot take effect refused by name.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -58,17 +59,20 @@ TEST(UserPrograms, TypedMemberConvnetEqualsOneProcessUnderEveryLayout) {
     std::string zero_grad;
   };
   const std::vector<Case> cases = {
-      {2, {}, "module"},          {2, zero(1), "grad_loop"}, {2, zero(2), "module"},
-      {2, zero(2), "grad_loop"},  {2, zero(2), "after"},     {3, {}, "grad_loop"},
-      {3, zero(2), "module"},
+      {2, {}, "module"},         {2, zero(1), "grad_loop"}, {2, zero(2), "module"},
+      {2, zero(2), "grad_loop"}, {3, {}, "grad_loop"},      {3, zero(2), "module"},
   };
+  std::map<std::string, std::vector<float>> refs;  // one process, by global batch and variant
   for (const auto& c : cases) {
     const std::string name = "mnist-" + std::to_string(c.n) + "-" +
                              (c.flags.empty() ? "ddp" : "zero" + c.flags.back()) + "-" + c.zero_grad;
-    auto ref = train(1, "mnist", {}, {"--zero_grad", c.zero_grad}, 8 * c.n, name + "-ref");
+    const std::string key = std::to_string(c.n) + "-" + c.zero_grad;
+    if (!refs.count(key))
+      refs[key] = train(1, "mnist", {}, {"--zero_grad", c.zero_grad}, 8 * c.n, "ref-" + key).state;
+    const auto& ref = refs[key];
     auto got = train(c.n, "mnist", c.flags, {"--zero_grad", c.zero_grad}, 8, name);
-    ASSERT_FALSE(ref.state.empty()) << name;
-    EXPECT_LE(max_rel_diff(got.state, ref.state), 1e-5) << name << "\n" << got.run.output;
+    ASSERT_FALSE(ref.empty()) << name;
+    EXPECT_LE(max_rel_diff(got.state, ref), 1e-5) << name << "\n" << got.run.output;
     EXPECT_EQ(count_of(got.run.output, "mnist trained 6 steps"), 1) << got.run.output;
   }
   // Accumulation (2 micro-steps, zero_grad after the step) on 2 ranks.
@@ -77,18 +81,32 @@ TEST(UserPrograms, TypedMemberConvnetEqualsOneProcessUnderEveryLayout) {
   auto ref = train(1, "mnist", {"--gradient_accumulation_steps", "2"}, {}, 16, "mnist-acc-ref");
   auto got = train(2, "mnist", acc_flags, {}, 8, "mnist-acc");
   EXPECT_LE(max_rel_diff(got.state, ref.state), 1e-5) << got.run.output;
-  // bf16 autocast under ZeRO-2 against bf16 on one process.
-  auto bf16 = zero(2);
-  bf16.insert(bf16.end(), {"--mixed_precision", "bf16"});
-  ref = train(1, "mnist", {"--mixed_precision", "bf16"}, {"--zero_grad", "module"}, 16,
-              "mnist-bf16-ref");
-  got = train(2, "mnist", bf16, {"--zero_grad", "module"}, 8, "mnist-bf16");
-  EXPECT_LE(max_rel_diff(got.state, ref.state), 1e-5) << got.run.output;
+  // bf16 autocast under ZeRO-2 against data parallel in bf16 on the same per-rank batches (the
+  // same bf16 kernels: within 1e-5), and against one process on the global batch within bf16's
+  // resolution (a batch of another size takes other kernel blocking, so other bf16 roundings:
+  // measured 6.7e-4 after 6 steps).
+  const std::vector<std::string> bf16{"--mixed_precision", "bf16"};
+  auto bf16_zero2 = zero(2);
+  bf16_zero2.insert(bf16_zero2.end(), bf16.begin(), bf16.end());
+  ref = train(1, "mnist", bf16, {"--zero_grad", "module"}, 16, "mnist-bf16-ref");
+  auto ddp_bf16 = train(2, "mnist", bf16, {"--zero_grad", "module"}, 8, "mnist-bf16-ddp");
+  got = train(2, "mnist", bf16_zero2, {"--zero_grad", "module"}, 8, "mnist-bf16");
+  EXPECT_LE(max_rel_diff(got.state, ddp_bf16.state), 1e-5) << got.run.output;
+  EXPECT_LE(max_rel_diff(got.state, ref.state), 1.0 / 128) << got.run.output;
   // ZeRO-3: refused by name.
   auto r = launch(2, kWorker, {"mnist"}, LaunchOptions().flags(zero(3)).timeout_s(120));
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "ZeRO-3 finds no module of model 1 (Net)"), 1) << r.output;
+  EXPECT_GE(count_of(r.output, "TANDEM_MODULE(Net)"), 1) << r.output;
   EXPECT_GE(count_of(r.output, "--zero_stage 2"), 1) << r.output;
+  // Declared with TANDEM_MODULE, the whole model is one ZeRO-3 unit (FSDP's root wrap), said
+  // in its line, and trains as one process does.
+  got = train(2, "mnist", zero(3), {"--zero_grad", "module", "--tandem_module"}, 8, "mnist-zero3");
+  EXPECT_LE(max_rel_diff(got.state, refs.at("2-module")), 1e-5) << got.run.output;
+  EXPECT_EQ(count_of(got.run.output, "zero-3 on model 1 (HookedNet): 1 unit, 8 of 8 parameters "
+                                     "sharded (100.0% of the elements)"),
+            1)
+      << got.run.output;
 }
 
 // zero_grad() before the forward inside an accumulation window discards the earlier micro-steps:
@@ -139,4 +157,16 @@ TEST(UserPrograms, GanWithBatchNormEqualsHandWrittenDataParallel) {
     EXPECT_LE(max_rel_diff(got.state, ref), 1e-5) << name << "\n" << got.run.output;
     EXPECT_EQ(count_of(got.run.output, "gan trained 6 steps"), 1) << got.run.output;
   }
+}
+
+// Accelerate's split_between_processes: 7 rows on 3 ranks are 3, 2, 2 in rank order; padded, every
+// rank has 3, the short ones repeating their last row; a list likewise.
+TEST(UserPrograms, SplitBetweenProcessesAsAccelerate) {
+  auto r = launch(3, kWorker, {"split"}, LaunchOptions().timeout_s(120));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* line : {"split plain rank 0: 0 1 2\n", "split plain rank 1: 3 4\n",
+                           "split plain rank 2: 5 6\n", "split padded rank 0: 0 1 2\n",
+                           "split padded rank 1: 3 4 4\n", "split padded rank 2: 5 6 6\n",
+                           "split list rank 1: d e e\n"})
+    EXPECT_EQ(count_of(r.output, line), 1) << line << "\n" << r.output;
 }

@@ -4,9 +4,10 @@
 //          torch::data data set mapped through Normalize and Stack, NLL loss, SGD; gradients
 //          cleared through the module before the forward (--zero_grad module), a loop over
 //          `p.grad().zero_()` (grad_loop), or the prepared optimizer after (after) or before
-//          (before) the step
+//          (before) the step; --tandem_module: the Net declared with TANDEM_MODULE
 //   lstm   a word-level LSTM language model returning its state, carried (detached) from batch
 //          to batch, Adam
+//   split  split_between_processes of 7 rows and of a list, plain and padded
 //   gan    LibTorch's DCGAN loop: a generator and a discriminator with BatchNorm, two Adam
 //          optimizers, `zero_grad()` through each module, the generator's forward before the
 //          discriminator's step and its backward after; each rank also trains a plain copy with
@@ -21,6 +22,7 @@
 
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -32,16 +34,24 @@ struct Args {
   std::string out, ref_out;
   int64_t batch = 8;  // per rank
   int steps = 6;
+  bool tandem_module = false;  // mnist: the Net declared with TANDEM_MODULE
 };
 
-void write_state(tandem::Accelerator& acc, torch::nn::Module& model, const std::string& path) {
-  auto state = acc.get_state_dict(model);  // every rank: ZeRO-3 gathers
+void write_floats(std::ofstream& out, const torch::Tensor& t) {
+  auto f = t.detach().to(torch::kFloat).contiguous();
+  out.write(static_cast<const char*>(f.data_ptr()), f.numel() * sizeof(float));
+}
+
+// The models' states (parameters, then buffers, as get_state_dict lists them) from the main
+// process, one after the other.
+void write_state(tandem::Accelerator& acc, const std::vector<torch::nn::Module*>& models,
+                 const std::string& path) {
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> states;
+  for (auto* m : models) states.push_back(acc.get_state_dict(*m));  // every rank: ZeRO-3 gathers
   if (!acc.is_main_process() || path.empty()) return;
   std::ofstream out(path, std::ios::binary);
-  for (auto& [name, t] : state) {
-    auto f = t.to(torch::kFloat).contiguous();
-    out.write(static_cast<const char*>(f.data_ptr()), f.numel() * sizeof(float));
-  }
+  for (const auto& state : states)
+    for (const auto& [name, t] : state) write_floats(out, t);
 }
 
 // ---- mnist --------------------------------------------------------------------------------------
@@ -83,10 +93,14 @@ struct Net : torch::nn::Module {
   torch::nn::Linear fc1, fc2;
 };
 
-int mnist(const Args& a) {
+// The same Net declared with TANDEM_MODULE (one changed line in a real program: the holder's
+// declaration), which ZeRO-3 can gather and release as one unit.
+struct HookedNetImpl : Net {};
+TANDEM_MODULE(HookedNet);
+
+template <class Model>
+int mnist(const Args& a, Model model) {
   tandem::Accelerator acc;  // tandem
-  torch::manual_seed(1);
-  auto model = std::make_shared<Net>();
   model = acc.prepare(model);  // tandem
   auto sgd = std::make_shared<torch::optim::SGD>(model->parameters(),
                                                  torch::optim::SGDOptions(0.05).momentum(0.5));
@@ -111,7 +125,7 @@ int mnist(const Args& a) {
     if (a.zero_grad == "after") optimizer.zero_grad();
   }
   acc.print("mnist trained", acc.step(), "steps");
-  write_state(acc, *model, a.out);
+  write_state(acc, {model.get()}, a.out);
   return 0;
 }
 
@@ -161,7 +175,7 @@ int lstm(const Args& a) {
     optimizer.zero_grad();
   }
   acc.print("lstm trained", acc.step(), "steps");
-  write_state(acc, *model, a.out);
+  write_state(acc, {model.get()}, a.out);
   return 0;
 }
 
@@ -169,9 +183,12 @@ int lstm(const Args& a) {
 
 constexpr int64_t kNoise = 8;
 
+// As in LibTorch's DCGAN, the layers before a BatchNorm have no bias (its gradient is zero in
+// exact arithmetic, and Adam would turn rounding noise into steps).
 struct GeneratorImpl : torch::nn::Module {
   GeneratorImpl()
-      : fc1(register_module("fc1", torch::nn::Linear(kNoise, 32))),
+      : fc1(register_module("fc1", torch::nn::Linear(
+                                       torch::nn::LinearOptions(kNoise, 32).bias(false)))),
         bn1(register_module("bn1", torch::nn::BatchNorm1d(32))),
         fc2(register_module("fc2", torch::nn::Linear(32, 16))) {}
   torch::Tensor forward(torch::Tensor x) {
@@ -185,7 +202,8 @@ TORCH_MODULE(Generator);
 
 struct DiscriminatorImpl : torch::nn::Module {
   DiscriminatorImpl()
-      : fc1(register_module("fc1", torch::nn::Linear(16, 24))),
+      : fc1(register_module("fc1",
+                            torch::nn::Linear(torch::nn::LinearOptions(16, 24).bias(false)))),
         bn1(register_module("bn1", torch::nn::BatchNorm1d(24))),
         fc2(register_module("fc2", torch::nn::Linear(24, 1))) {}
   torch::Tensor forward(torch::Tensor x) {
@@ -243,7 +261,7 @@ int gan(const Args& a) {
     for (auto& p : m.parameters()) {
       if (!p.grad().defined()) continue;
       auto g = p.grad().clone();
-      pg.allreduce(g);
+      pg.allreduce(g, tandem::ReduceOp::kSum);
       p.mutable_grad().copy_(g / world);
     }
   };
@@ -276,33 +294,38 @@ int gan(const Args& a) {
         }));
   }
   acc.print("gan trained", acc.step(), "steps");
-  // Generator then discriminator, parameters and buffers (state dicts list both).
-  auto both = [&](const std::string& path, torch::nn::Module& g, torch::nn::Module& d) {
-    auto sg = acc.get_state_dict(g);
-    auto sd = acc.get_state_dict(d);
-    if (!acc.is_main_process() || path.empty()) return;
-    std::ofstream out(path, std::ios::binary);
-    for (auto* s : {&sg, &sd})
-      for (auto& [name, t] : *s) {
-        auto f = t.to(torch::kFloat).contiguous();
-        out.write(static_cast<const char*>(f.data_ptr()), f.numel() * sizeof(float));
-      }
-  };
-  both(a.out, *G, *D);
+  // Generator then discriminator, parameters then buffers.
+  write_state(acc, {G.ptr().get(), D.ptr().get()}, a.out);
   if (acc.is_main_process() && !a.ref_out.empty()) {
     std::ofstream out(a.ref_out, std::ios::binary);
     for (torch::nn::Module* m : {static_cast<torch::nn::Module*>(G_ref.ptr().get()),
                                  static_cast<torch::nn::Module*>(D_ref.ptr().get())}) {
-      for (auto& t : m->parameters()) {
-        auto f = t.detach().to(torch::kFloat).contiguous();
-        out.write(static_cast<const char*>(f.data_ptr()), f.numel() * sizeof(float));
-      }
-      for (auto& t : m->buffers()) {
-        auto f = t.to(torch::kFloat).contiguous();
-        out.write(static_cast<const char*>(f.data_ptr()), f.numel() * sizeof(float));
-      }
+      for (auto& t : m->parameters()) write_floats(out, t);
+      for (auto& t : m->buffers()) write_floats(out, t);
     }
   }
+  return 0;
+}
+
+// ---- split ----------------------------------------------------------------------------------------
+
+// split_between_processes on 7 rows (and a list of 7 names), with and without padding.
+int split(const Args&) {
+  tandem::Accelerator acc;
+  auto rows = torch::arange(7);
+  auto show = [&](const char* what, const torch::Tensor& t) {
+    std::ostringstream os;
+    os << "split " << what << " rank " << acc.process_index() << ":";
+    for (int64_t i = 0; i < t.size(0); ++i) os << " " << t[i].item<int64_t>();
+    std::cout << os.str() << std::endl;
+  };
+  show("plain", acc.split_between_processes(rows));
+  show("padded", acc.split_between_processes(rows, /*apply_padding=*/true));
+  std::vector<std::string> names{"a", "b", "c", "d", "e", "f", "g"};
+  std::ostringstream os;
+  os << "split list rank " << acc.process_index() << ":";
+  for (const auto& n : acc.split_between_processes(names, true)) os << " " << n;
+  std::cout << os.str() << std::endl;
   return 0;
 }
 
@@ -311,17 +334,23 @@ int gan(const Args& a) {
 int main(int argc, char** argv) {
   CLI::App app("tandem user-program worker");
   Args a;
-  app.add_option("mode", a.mode)->check(CLI::IsMember({"mnist", "lstm", "gan"}));
+  app.add_option("mode", a.mode)->check(CLI::IsMember({"mnist", "lstm", "gan", "split"}));
   app.add_option("--zero_grad", a.zero_grad)
       ->check(CLI::IsMember({"after", "before", "module", "grad_loop"}));
   app.add_option("--out", a.out);
   app.add_option("--ref_out", a.ref_out);
   app.add_option("--batch", a.batch);
   app.add_option("--steps", a.steps);
+  app.add_flag("--tandem_module", a.tandem_module);
   CLI11_PARSE(app, argc, argv);
   try {
-    if (a.mode == "mnist") return mnist(a);
+    if (a.mode == "mnist") {
+      torch::manual_seed(1);
+      if (a.tandem_module) return mnist(a, HookedNet());
+      return mnist(a, std::make_shared<Net>());
+    }
     if (a.mode == "lstm") return lstm(a);
+    if (a.mode == "split") return split(a);
     return gan(a);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;

@@ -279,3 +279,62 @@ TEST(StreamLoader, RanksTakeEveryNthBatchAndStopTogether) {
   EXPECT_EQ(per_rank[1], (std::vector<int64_t>{2, 3, 8, 9}));
   EXPECT_EQ(per_rank[2], (std::vector<int64_t>{4, 5, 10}));
 }
+
+// LibTorch's own data sets as LibTorch programs write them: a Dataset mapped through a per-example
+// transform and Stack (the collation), one mapped through a per-example transform only (the
+// loader collates), and a TensorDataset (examples without targets). Each batch holds the rows
+// the sampler gave this rank, transformed as LibTorch's own loader transforms them.
+TEST(Loader, LibTorchMapDatasetsAndExampleTypes) {
+  namespace datasets = torch::data::datasets;
+  namespace transforms = torch::data::transforms;
+  using torch::data::Example;
+  // The data: sample i is a 1x2x2 image of i with target i (Normalize works on [C, H, W]).
+  struct Pairs : datasets::Dataset<Pairs> {
+    Example<> get(size_t i) override {
+      return {torch::full({1, 2, 2}, static_cast<float>(i)),
+              torch::tensor(static_cast<int64_t>(i))};
+    }
+    torch::optional<size_t> size() const override { return 10; }
+  };
+  const auto normalize = transforms::Normalize<>(1.0, 2.0);  // (x - 1) / 2
+  for (int64_t r = 0; r < 2; ++r) {
+    auto stacked = Pairs().map(normalize).map(transforms::Stack<>());
+    DataLoader<decltype(stacked)> a(stacked, DataLoaderOptions().batch_size(3), place(r, 2),
+                                    std::make_shared<LoaderState>());
+    auto per_example = Pairs().map(normalize);
+    DataLoader<decltype(per_example)> b(per_example, DataLoaderOptions().batch_size(3),
+                                        place(r, 2), std::make_shared<LoaderState>());
+    auto ib = b.begin();
+    int64_t batches = 0;
+    for (auto& batch : a) {
+      ASSERT_TRUE(ib != b.end());
+      EXPECT_EQ(batch.data.sizes(), (std::vector<int64_t>{batch.target.size(0), 1, 2, 2}));
+      // Rank r's samples are r, r + 2, ...: data (i - 1) / 2 for target i.
+      EXPECT_TRUE(torch::allclose(batch.data.flatten(1).select(1, 3),
+                                  (batch.target.to(torch::kFloat) - 1) / 2));
+      EXPECT_EQ(batch.target[0].item<int64_t>() % 2, r);
+      EXPECT_TRUE(torch::equal(batch.data, ib->data));
+      EXPECT_TRUE(torch::equal(batch.target, ib->target));
+      ++ib;
+      ++batches;
+    }
+    EXPECT_EQ(batches, 2);  // 5 samples per rank in batches of 3
+  }
+  // A data set that stacks its own batches takes no collate function: refused by name.
+  auto stacked = Pairs().map(transforms::Stack<>());
+  try {
+    DataLoader<decltype(stacked)> c(
+        stacked, DataLoaderOptions().batch_size(3), place(0, 1), std::make_shared<LoaderState>(),
+        [](std::vector<Example<>>& items) { return items.front(); });
+    ADD_FAILURE() << "a collate function with Stack was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("makes its own batches"), std::string::npos) << e.what();
+  }
+  // Examples without targets (TensorDataset): collated by data alone.
+  auto tensors = datasets::TensorDataset(torch::arange(6).view({6, 1}));
+  DataLoader<datasets::TensorDataset> d(tensors, DataLoaderOptions().batch_size(4), place(1, 2),
+                                        std::make_shared<LoaderState>());
+  auto it = d.begin();
+  ASSERT_TRUE(it != d.end());
+  EXPECT_TRUE(torch::equal(it->data.view({-1}), torch::tensor({1, 3, 5})));
+}
