@@ -19,11 +19,12 @@ def main():
     log = os.path.join(build, ".ninja_log")
     if os.path.exists(log):
         with open(log) as f:
-            lines = [l for l in f.read().splitlines() if l and not l.startswith("#")]
-        if len(lines) < skip:  # the log was rewritten (recompacted): take it whole
+            raw = f.read().splitlines()
+        if len(raw) < skip:  # ninja rewrote (recompacted) the log: take it whole
             skip = 0
+        lines = [l for l in raw[skip:] if l and not l.startswith("#")]
         starts, ends = [], []
-        for line in lines[skip:]:
+        for line in lines:
             parts = line.split("\t")
             if len(parts) < 4:
                 continue
