@@ -466,7 +466,7 @@ void Accelerator::backward(const at::Tensor& loss) {
     // autograd finds one, the program made it; say where to look.
     const std::string what = e.what();
     if (what.find("modified by an inplace operation") == std::string::npos) throw;
-    throw std::runtime_error(
+    TORCH_CHECK(false,
         state_.prefix() + " backward: " + what.substr(0, what.find("\nException raised from")) +
         "\n(tandem writes buffers and sharded parameters around autograd's version counters, so "
         "the modification is the program's: usually an optimizer step or an in-place op on "
@@ -642,11 +642,11 @@ void AcceleratedOptimizer::step() {
   if (acc) acc->check_model_split("optimizer step");
   skipped_ = acc && !acc->sync_gradients();
   if (skipped_) return;
+  if (acc) acc->unsynced_backwards_ = 0;  // the boundary's step (even one skipped for overflow)
   if (acc && acc->sync_gradients() && !acc->precision_->before_step(acc->pg_.get())) {  // inf/NaN on some rank: every rank skips
     skipped_ = true;
     return;
   }
-  if (acc) acc->unsynced_backwards_ = 0;  // the step consumes the window's gradients
   if (acc) acc->clip_before_step(*optimizer_);
   {
     auto span = acc ? acc->timeline().scope("optimizer step", "compute") : track::Timeline::Scope();

@@ -177,6 +177,7 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                    [this](const StateReader& r) {
                      optimizer_steps_ = state_of(r, "optimizer_steps").get<int64_t>();
                      stepped_in_boundary_.clear();
+                     unsynced_backwards_ = 0;
                      micro_step_ = state_of(r, "micro_step").get<int64_t>();
                      sync_gradients_ = state_of(r, "sync_gradients").get<bool>();
                      const auto n = checkpoint::checkpoint_number(r.dir());

@@ -277,7 +277,10 @@ void GradientReducer::after_backward() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     // No hook fired at all in this backward (and so no engine callback finished it).
-    pending = sync_ && !callback_queued_ && !finalized_since_check_ && !untouched_ok_;
+    // With find_unused_parameters every rank completes the reduction (zeros for what it did
+    // not reach), so that a rank whose branch skipped the model still joins the collectives.
+    pending = sync_ && !callback_queued_ && !finalized_since_check_ &&
+              (!untouched_ok_ || options_.find_unused_parameters());
     finalized_since_check_ = false;
   }
   if (pending) finalize();

@@ -412,8 +412,12 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
       // rank's shard (usually dying in its own reshape first), so it is refused here, before
       // any step, unless the plan says the model calls its planned children through
       // planned_child.
+      // `named` holds one reference per path the module is registered under.
+      long in_named = 0;
+      for (const auto& item : named)
+        if (item.value().get() == &child) ++in_named;
       if (n > 1 && !tandem::nn::hookable(child) && !plan.calls_planned_children &&
-          named[path].use_count() > 1) {
+          named[path].use_count() > in_named) {
         std::string type = child.name(), holder = type;
         const std::string torch_ns = "torch::nn::";
         if (holder.rfind(torch_ns, 0) == 0) {

@@ -86,6 +86,7 @@ struct Unit {
   // holds once its gradient went into the shard (undefined: none planted), and its version then.
   std::vector<at::Tensor> markers;
   std::vector<int64_t> marker_versions;
+  bool reduced_since_plant = false;  // stages 2-3: its gradient went into the shard
 };
 
 // The timeline's view of stage 3's all-gathers (Strategy::take_comm_spans).
@@ -321,11 +322,16 @@ struct ShardedOptimizer;
 // is dropped, as set_to_none does), and removes the markers, so autograd accumulates into an
 // empty .grad as before. A parameter whose marker is untouched keeps its shard gradient, which
 // the backward adds to, as .grad accumulates under data parallel.
+// Markers are planted when the backward is over (Strategy::after_backward), never during it:
+// a unit reduced early in a backward would otherwise have its markers taken by the check of a
+// later parameter's hook in the same backward, and a later clearing would be missed.
 struct MarkerCheck {
   ShardedOptimizer* owner = nullptr;
   std::mutex mu;
   bool planted = false;
   void check();
+  void plant();  // every unit reduced since the last planting
+  void drop();   // the strategy lets go: no marker stays in a parameter's .grad
 };
 
 struct ShardedOptimizer {
@@ -337,10 +343,11 @@ struct ShardedOptimizer {
   std::shared_ptr<ProcessGroup> pg;
   std::shared_ptr<ProcessGroup> replicas;  // Note [Hybrid sharding]; null without replicas
   std::unique_ptr<StateOnDisk> disk;       // Note [Optimizer state on disk]; null: in memory
+  ~ShardedOptimizer() { markers->drop(); }
 };
 
+// A unit's markers (MarkerCheck::mu held).
 void plant_markers(ShardedOptimizer& s, Unit& u) {
-  std::lock_guard<std::mutex> lock(s.markers->mu);
   u.markers.resize(u.params.size());
   u.marker_versions.resize(u.params.size(), 0);
   for (size_t j = 0; j < u.params.size(); ++j) {
@@ -354,6 +361,30 @@ void plant_markers(ShardedOptimizer& s, Unit& u) {
     g = u.markers[j];
     s.markers->planted = true;
   }
+}
+
+void MarkerCheck::plant() {
+  std::lock_guard<std::mutex> lock(mu);
+  if (!owner) return;
+  for (auto& u : owner->units)
+    if (u.reduced_since_plant) {
+      u.reduced_since_plant = false;
+      plant_markers(*owner, u);
+    }
+}
+
+void MarkerCheck::drop() {
+  std::lock_guard<std::mutex> lock(mu);
+  if (!owner) return;
+  for (auto& u : owner->units) {
+    for (size_t j = 0; j < u.markers.size(); ++j) {
+      auto& g = u.params[j].mutable_grad();
+      if (u.markers[j].defined() && g.defined() && g.is_meta()) g.reset();
+    }
+    u.markers.clear();
+  }
+  planted = false;
+  owner = nullptr;
 }
 
 void MarkerCheck::check() {
@@ -421,7 +452,13 @@ void ZeroHook::finish(GradBucket& b, Work& w) {
   // Stage 3: the unit's backward is over (all of its gradients are in): free its parameters.
   release_unit(u);
   if (u.hooks) u.hooks->after_reduction();
-  if (stage_ >= 2) plant_markers(*owner_, u);
+  // Markers when this backward's reduction is over: the last bucket finishes at the end of the
+  // backward (the engine's callback), after every gradient hook of it, also for a program that
+  // calls loss.backward() itself.
+  if (stage_ >= 2) {
+    u.reduced_since_plant = true;
+    if (b.is_last) owner_->markers->plant();
+  }
   // No rank used this unit: its gradient stays as it was (undefined after zero_grad, so the
   // optimizer leaves the unit alone), as data parallel leaves unused parameters' .grad. (The
   // unused map spans the replicas too, so every rank returns here alike.)
@@ -479,8 +516,7 @@ class ZeroStrategy : public Strategy {
     find_units(model);
     // FSDP's root wrap: a model declared with TANDEM_MODULE whose forward reaches no other unit
     // is one unit itself, gathered for its forward and backward, released in between.
-    if (units_.size() == before && options_.auto_wrap_policy() != "NO_WRAP" &&
-        tandem::nn::hookable(*model) && !is_unit(*model))
+    if (units_.size() == before && tandem::nn::hookable(*model) && !is_unit(*model))
       add_hooked(model, "");
     report_units(*model, before);
   }
@@ -584,6 +620,9 @@ class ZeroStrategy : public Strategy {
   }
   void after_backward() override {
     for (auto& s : sharded_) s->reducer->after_backward();
+    // Note [Clearing sharded gradients through the model]: the backward is over.
+    if (options_.stage() >= 2)
+      for (auto& s : sharded_) s->markers->plant();
     // Stage 3 without synchronisation (accumulation micro-steps): no reduction freed the units
     // that backward gathered; free them here.
     if (!sync_)

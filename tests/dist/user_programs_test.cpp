@@ -75,6 +75,14 @@ TEST(UserPrograms, TypedMemberConvnetEqualsOneProcessUnderEveryLayout) {
     EXPECT_LE(max_rel_diff(got.state, ref), 1e-5) << name << "\n" << got.run.output;
     EXPECT_EQ(count_of(got.run.output, "mnist trained 6 steps"), 1) << got.run.output;
   }
+  // Several ZeRO-2 units (2 KB buckets), reduced at different points of each backward, cleared
+  // through the module and through a p.grad().zero_() loop.
+  for (const char* route : {"module", "grad_loop"}) {
+    auto got = train(2, "mnist", zero(2), {"--zero_grad", route, "--small_buckets"}, 8,
+                std::string("mnist-buckets-") + route);
+    EXPECT_LE(max_rel_diff(got.state, refs.at(std::string("2-") + route)), 1e-5)
+        << route << "\n" << got.run.output;
+  }
   // Accumulation (2 micro-steps, zero_grad after the step) on 2 ranks.
   auto acc_flags = zero(2);
   acc_flags.insert(acc_flags.end(), {"--gradient_accumulation_steps", "2"});

@@ -4,7 +4,8 @@
 //          torch::data data set mapped through Normalize and Stack, NLL loss, SGD; gradients
 //          cleared through the module before the forward (--zero_grad module), a loop over
 //          `p.grad().zero_()` (grad_loop), or the prepared optimizer after (after) or before
-//          (before) the step; --tandem_module: the Net declared with TANDEM_MODULE
+//          (before) the step; --tandem_module: the Net declared with TANDEM_MODULE;
+//          --small_buckets: 2 KB gradient buckets (several ZeRO-2 units)
 //   lstm   a word-level LSTM language model returning its state, carried (detached) from batch
 //          to batch, Adam
 //   split  split_between_processes of 7 rows and of a list, plain and padded
@@ -35,6 +36,7 @@ struct Args {
   int64_t batch = 8;  // per rank
   int steps = 6;
   bool tandem_module = false;  // mnist: the Net declared with TANDEM_MODULE
+  bool small_buckets = false;  // mnist: 2 KB buckets (several ZeRO-2 units)
 };
 
 void write_floats(std::ofstream& out, const torch::Tensor& t) {
@@ -100,7 +102,9 @@ TANDEM_MODULE(HookedNet);
 
 template <class Model>
 int mnist(const Args& a, Model model) {
-  tandem::Accelerator acc;  // tandem
+  tandem::AcceleratorOptions options;
+  if (a.small_buckets) options.bucket_cap_mb(0.002).first_bucket_cap_mb(0.002);  // 4 buckets
+  tandem::Accelerator acc(options);  // tandem
   model = acc.prepare(model);  // tandem
   auto sgd = std::make_shared<torch::optim::SGD>(model->parameters(),
                                                  torch::optim::SGDOptions(0.05).momentum(0.5));
@@ -342,6 +346,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", a.batch);
   app.add_option("--steps", a.steps);
   app.add_flag("--tandem_module", a.tandem_module);
+  app.add_flag("--small_buckets", a.small_buckets);
   CLI11_PARSE(app, argc, argv);
   try {
     if (a.mode == "mnist") {
