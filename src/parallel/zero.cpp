@@ -322,7 +322,8 @@ struct ShardedOptimizer;
 // is dropped, as set_to_none does), and removes the markers, so autograd accumulates into an
 // empty .grad as before. A parameter whose marker is untouched keeps its shard gradient, which
 // the backward adds to, as .grad accumulates under data parallel.
-// Markers are planted when the backward is over (Strategy::after_backward), never during it:
+// Markers are planted when the backward's reduction is over (the last bucket's finish), never
+// during it:
 // a unit reduced early in a backward would otherwise have its markers taken by the check of a
 // later parameter's hook in the same backward, and a later clearing would be missed.
 struct MarkerCheck {
@@ -527,28 +528,24 @@ class ZeroStrategy : public Strategy {
   // modules, so instead of pretending, such a model is refused with the fixes; a model with
   // some units says how much of it is sharded.
   void report_units(const torch::nn::Module& model, size_t before) {
-    std::set<const void*> in_units;
-    int64_t unit_elements = 0;
-    for (size_t k = before; k < units_.size(); ++k)
-      for (const auto& p : units_[k]->parameters())
-        if (p.requires_grad() && in_units.insert(p.unsafeGetTensorImpl()).second)
-          unit_elements += p.numel();
+    // Parameters under several names (tied) stay in the root, resident, whatever module holds
+    // them.
+    std::map<const void*, int> names;
     std::set<const void*> all;
-    std::map<const void*, int> names;  // tied parameters (several names) stay in the root
     int64_t elements = 0;
     for (const auto& p : model.named_parameters()) {
       ++names[p.value().unsafeGetTensorImpl()];
       if (p.value().requires_grad() && all.insert(p.value().unsafeGetTensorImpl()).second)
         elements += p.value().numel();
     }
-    for (const auto& [key, n] : names)
-      if (n > 1 && in_units.erase(key)) unit_elements = -1;
-    if (unit_elements < 0) {
-      unit_elements = 0;
-      for (size_t k = before; k < units_.size(); ++k)
-        for (const auto& p : units_[k]->parameters())
-          if (in_units.count(p.unsafeGetTensorImpl())) unit_elements += p.numel();
-    }
+    std::set<const void*> in_units;
+    int64_t unit_elements = 0;
+    for (size_t k = before; k < units_.size(); ++k)
+      for (const auto& p : units_[k]->parameters()) {
+        const void* key = p.unsafeGetTensorImpl();
+        if (p.requires_grad() && names[key] == 1 && in_units.insert(key).second)
+          unit_elements += p.numel();
+      }
     const std::string label = model_label(model, static_cast<int>(models_.size()));
     if (all.empty()) return;
     if (in_units.empty())
@@ -620,9 +617,6 @@ class ZeroStrategy : public Strategy {
   }
   void after_backward() override {
     for (auto& s : sharded_) s->reducer->after_backward();
-    // Note [Clearing sharded gradients through the model]: the backward is over.
-    if (options_.stage() >= 2)
-      for (auto& s : sharded_) s->markers->plant();
     // Stage 3 without synchronisation (accumulation micro-steps): no reduction freed the units
     // that backward gathered; free them here.
     if (!sync_)
