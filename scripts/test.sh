@@ -48,6 +48,11 @@ build_and_test() {
   return $rc
 }
 
+# The programs (tests, workers, examples, benchmarks, the CLI) at -O0: they are thin loops around
+# the library and LibTorch, which keep the build type's level; code generation for LibTorch's
+# templates is most of their compile time (cmake/TandemPrograms.cmake).
+program_flags=(-DTANDEM_PROGRAM_OPTIMIZATION=-O0)
+
 echo "== tandem tests: LibTorch 1.13 (Debian), sanitizers: ${sanitize:-none}, in $build" >&2
 (
   if [ -n "$sanitize" ]; then
@@ -55,14 +60,15 @@ echo "== tandem tests: LibTorch 1.13 (Debian), sanitizers: ${sanitize:-none}, in
     source "$root/tests/sanitizers/env.sh"
   fi
   build_cmd=(env TANDEM_BUILD_DIR="$build" "$root/scripts/build.sh" -DTANDEM_SANITIZE="$sanitize"
-             -DTANDEM_PYTHON="$venv/bin/python")
+             -DTANDEM_PYTHON="$venv/bin/python" "${program_flags[@]}")
   build_and_test "libtorch-1.13" "$build" "$@"
 ) || status=1
 
 if [ "${TANDEM_TORCH2:-1}" != 0 ]; then
   echo "== tandem tests: LibTorch 2.12 with CUDA (PyPI's wheel), in $root/build-torch2" >&2
   (
-    build_cmd=(env TANDEM_BUILD_DIR="$root/build-torch2" "$root/scripts/build-torch2.sh")
+    build_cmd=(env TANDEM_BUILD_DIR="$root/build-torch2" "$root/scripts/build-torch2.sh"
+               "${program_flags[@]}")
     build_and_test "libtorch-2.12" "$root/build-torch2" "$@"
   ) || status=1
 fi

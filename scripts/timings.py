@@ -32,7 +32,7 @@ def main():
             starts.append(start)
             ends.append(end)
             secs = (end - start) / 1000.0
-            if target.endswith(".o"):
+            if target.endswith((".o", ".gch")):  # a unit, or a precompiled header
                 compiles.append((secs, target))
             elif not target.endswith((".txt", ".cmake", ".stamp")) and "/CMakeFiles/" not in target:
                 links.append((secs, target))
