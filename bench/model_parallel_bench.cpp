@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
   std::optional<tandem::AcceleratedOptimizer> opt;
   double schedule_bubble = -1;
   if (mode == "ddp") {
-    if (tandem::parallel::activation_checkpointing_from_environment()) name = "ckpt";
+    if (tandem::config::activation_checkpointing_from_env(tandem::current_environment())) name = "ckpt";
     acc.prepare(net);
     opt = acc.prepare(adamw(net->parameters()));
     auto& dp = acc.data_parallel_group();

@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
     if (accum_opt->count()) options.gradient_accumulation_steps(static_cast<int>(accum));
     if (!mixed_precision.empty()) options.mixed_precision(mixed_precision);
     if (tp_opt->count() || pp_opt->count()) {
-      auto shape = tandem::comm::mesh_shape_from_environment();
+      auto shape = tandem::config::mesh_shape_from_env(tandem::current_environment());
       if (tp_opt->count()) shape.tp_size(tp_size);
       if (pp_opt->count()) shape.pp_size(pp_size);
       options.parallelism(shape);

@@ -13,7 +13,6 @@
 
 #include "tandem/config/run_config.h"
 #include "tandem/host_allocator.h"
-#include "tandem/launch/resolve.h"
 #include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/tensor_parallel.h"
 #include "tandem/runtime.h"
@@ -53,18 +52,14 @@ parallel::TensorParallelPlan stage_plan(const parallel::TensorParallelPlan& plan
 
 }  // namespace
 
-Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(options)) {
-  // Note [The environment is read in one place]: every setting is resolved here, once, from the
-  // options over one snapshot of the environment; the parts below are built from the result.
-  config_ = config::resolve_run_config(options_, current_environment());
+// Note [The environment is read in one place]: every setting is resolved here, once, from the
+// options over one snapshot of the environment; the parts below are built from the result.
+Accelerator::Accelerator(AcceleratorOptions options)
+    : options_(std::move(options)),
+      config_(config::resolve_run_config(options_, current_environment())) {
   const config::RunConfig& run = config_;
   state_ = run.process;
   distributed_type_ = run.distributed_type;
-  // The resolved values stand in the options too, which the other members read.
-  options_.sharding(run.sharding)
-      .gradient_as_bucket_view(run.gradient_as_bucket_view)
-      .gradient_clipping(run.gradient_clipping)
-      .comm_hook(run.comm_hook);
   if (run.debug && state_.rank == 0) std::cerr << config::describe(run);
   device_ = select_device(state_, run.cpu);
   // Note [Resident memory and large blocks]: before the model is built, so that its weights
@@ -96,7 +91,6 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
     return std::make_unique<precision::MixedPrecision>(options, type, prefix);
   };
   precision_ = make_precision_();
-  if (precision_->fp8()) options_.fp8(*precision_->fp8());
   // Said once per job, by the main process: the slowest mistake a CPU run can make.
   if (state_.rank == 0 && device_.is_cpu()) {
     const auto runtime = cpu_runtime();
@@ -108,9 +102,9 @@ Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(option
   // never reaches prepare_pipeline cannot run a pipeline layout under ZeRO either; and before
   // the process group is built, since the refusal needs no peer: a rank that refused after
   // joining could end rank 0's store while a slower rank still connected.
-  if (shape.pp > 1 && options_.sharding() && options_.sharding()->stage() > 0)
+  if (shape.pp > 1 && config_.sharding && config_.sharding->stage() > 0)
     throw std::invalid_argument(
-        state_.prefix() + " ZeRO stage " + std::to_string(options_.sharding()->stage()) +
+        state_.prefix() + " ZeRO stage " + std::to_string(config_.sharding->stage()) +
         " does not combine with pipeline parallel in tandem: pp_size " + std::to_string(shape.pp) +
         " (tandem launch --pp_size, or AcceleratorOptions().parallelism) with ZeRO (--use_deepspeed "
         "--zero_stage, --use_fsdp, or AcceleratorOptions().sharding); the pipeline averages each "
@@ -169,8 +163,8 @@ std::string Accelerator::layout_line() const {
   std::ostringstream os;
   os << "tandem: " << state_.world_size << (state_.world_size == 1 ? " process" : " processes")
      << " on " << device_.str() << "; strategy " << strategy_->name();
-  if (options_.sharding() && options_.sharding()->stage() > 0)
-    os << " (ZeRO stage " << options_.sharding()->stage()
+  if (config_.sharding && config_.sharding->stage() > 0)
+    os << " (ZeRO stage " << config_.sharding->stage()
        << (topology_->dp_replicate() > 1
                ? ", hybrid: shards over dp_shard " + std::to_string(topology_->dp_shard()) +
                      ", replicas over dp_replicate " + std::to_string(topology_->dp_replicate())
@@ -279,7 +273,7 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
   // fsdp_transformer_layer_cls_to_wrap) are checkpointed; under ZeRO-3 the same blocks are units.
   if (activation_checkpointing_)
     parallel::checkpoint_model_blocks(
-        *model, options_.sharding() ? options_.sharding()->transformer_layer_cls_to_wrap()
+        *model, config_.sharding ? config_.sharding->transformer_layer_cls_to_wrap()
                                     : std::vector<std::string>{});
   parallel::broadcast_module_state(*model, *topology_->data_parallel(), true, true);
   strategy_->prepare_model(model);
@@ -339,8 +333,8 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   // Note [Pipelines and ZeRO]: a Pipeline averages its stage's gradients over mesh["dp"] once per
   // step itself, so a strategy that reduces (and shards) gradients in backward hooks has no place
   // in it (DeepSpeed, too, refuses ZeRO stages 2 and 3 with pipeline parallel).
-  TORCH_CHECK(!options_.sharding() || options_.sharding()->stage() == 0, state_.prefix(),
-              " prepare_pipeline: ZeRO stage ", options_.sharding()->stage(),
+  TORCH_CHECK(!config_.sharding || config_.sharding->stage() == 0, state_.prefix(),
+              " prepare_pipeline: ZeRO stage ", config_.sharding->stage(),
               " does not combine with pipeline parallel in tandem (the pipeline reduces each "
               "stage's gradients itself); run the pipeline with plain data parallel (no "
               "--use_deepspeed/--use_fsdp), or use ZeRO with tensor parallel instead of pp");
@@ -580,7 +574,7 @@ void Accelerator::set_seed(uint64_t seed, bool device_specific) {
 }
 
 void Accelerator::clip_before_step(torch::optim::Optimizer& optimizer) {
-  const double max_norm = options_.gradient_clipping().value_or(0.0);
+  const double max_norm = config_.gradient_clipping.value_or(0.0);
   if (max_norm <= 0) return;
   std::vector<at::Tensor> params;
   for (const auto& g : optimizer.param_groups())

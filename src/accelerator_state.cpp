@@ -260,8 +260,11 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
     target = base / ("checkpoint_" + std::to_string(n));
   }
   target = fs::absolute(target).lexically_normal();
+  // A process-level switch a test may set between two saves: read at each save.
+  const auto faults = config::fault_injection();
   checkpoint::save_training_state(*pg_, target.string(), checkpoint_parts(),
-                                  dir_arg.empty() ? options_.total_limit() : 0);
+                                  dir_arg.empty() ? options_.total_limit() : 0,
+                                  {faults.checkpoint_crash, faults.checkpoint_crash_rank});
   if (dir_arg.empty()) {
     const auto n = checkpoint::checkpoint_number(target.string());
     if (n >= 0) checkpoints_saved_ = n + 1;

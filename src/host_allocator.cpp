@@ -15,8 +15,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "compat/allocator.h"
-#include "track/detail/counting.h"
+#include "detail/cpu_allocators.h"
 
 namespace tandem {
 namespace {
@@ -167,10 +166,10 @@ void install_host_allocator(const HostAllocatorOptions& options) {
   h.cache_limit.store(options.cache_bytes);
   std::call_once(g_once, [&h] {
     static auto* allocator = new HostAllocator();
-    if (auto* below = track::detail::counting_allocator_base()) {
+    if (auto* top = detail::top_cpu_allocator().load()) {
       // Below the counting allocator, which keeps counting every tensor byte.
-      h.base.store(below);
-      track::detail::set_counting_allocator_base(allocator);
+      h.base.store(top->base());
+      top->set_base(allocator);
     } else {
       h.base.store(c10::GetAllocator(c10::DeviceType::CPU));
       c10::SetAllocator(c10::DeviceType::CPU, allocator, /*priority=*/100);

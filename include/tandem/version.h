@@ -1,4 +1,4 @@
-// tandem's version and the environment report of `tandem env`.
+// tandem's version and LibTorch's (`tandem env` reports them: config::environment_report).
 #pragma once
 
 #include <string>
@@ -10,10 +10,5 @@ extern const char* const kVersion;
 
 /// LibTorch's version as built against ("1.13.0", "2.5.1", ...).
 std::string torch_version();
-
-/// What a bug report needs: tandem and LibTorch versions, CUDA and its devices, NCCL and Gloo,
-/// CPU count, memory, OS, and the default launch config (path and contents, or "none"). One
-/// "key: value" per line.
-std::string environment_report();
 
 }  // namespace tandem

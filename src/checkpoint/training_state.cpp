@@ -39,7 +39,6 @@
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/comm/collectives.h"
 #include "tandem/comm/process_group.h"
-#include "tandem/config/run_config.h"
 #include "tandem/version.h"
 
 namespace tandem::checkpoint {
@@ -104,14 +103,10 @@ json parse_checkpoint_json(const std::string& text, const std::string& path,
   }
 }
 
-// Fault injection for the crash-consistency tests: TANDEM_CHECKPOINT_CRASH=<point> kills this
-// process with SIGKILL at that point of a save on the rank given by TANDEM_CHECKPOINT_CRASH_RANK
-// (default 0). A process-level switch, read by the config part at each save (Note [The
-// environment is read in one place]).
-void crash_point(const char* point, int rank) {
-  const auto f = config::fault_injection();
-  if (f.checkpoint_crash != point) return;
-  if (f.checkpoint_crash_rank == rank) ::kill(::getpid(), SIGKILL);
+// Fault injection for the crash-consistency tests (CrashPoint): kills this process with SIGKILL
+// at that point of a save on the rank it names.
+void crash_point(const CrashPoint& crash, const char* point, int rank) {
+  if (crash.at == point && crash.rank == rank) ::kill(::getpid(), SIGKILL);
 }
 
 }  // namespace
@@ -298,7 +293,8 @@ std::optional<std::string> StateReader::state(const std::string& key) const {
 // ---- save and load ----------------------------------------------------------------------------
 
 void save_training_state(ProcessGroup& pg, const std::string& dir,
-                         const std::vector<StatePart>& parts, int keep_last) {
+                         const std::vector<StatePart>& parts, int keep_last,
+                         const CrashPoint& crash) {
   const fs::path target = fs::absolute(dir).lexically_normal();
   const fs::path tmp = target.parent_path() / ("." + target.filename().string() + ".tmp");
   const int rank = pg.rank();
@@ -342,7 +338,7 @@ void save_training_state(ProcessGroup& pg, const std::string& dir,
   json files = json::object();
   for (const auto& [name, info] : writer.files())
     files[name] = {{"size", info.first}, {"xxh64", info.second}};
-  if (error.empty()) crash_point("after_files", rank);
+  if (error.empty()) crash_point(crash, "after_files", rank);
 
   // 3. Rank 0 gathers every rank's files (or failure), writes the manifest and renames.
   auto reports = comm::gather_object(pg, json{{"error", error}, {"files", files}}.dump());
@@ -361,7 +357,7 @@ void save_training_state(ProcessGroup& pg, const std::string& dir,
       }
       write_file(tmp / "manifest.json", manifest.dump(2));
       fsync_path(tmp, true);
-      crash_point("before_rename", rank);
+      crash_point(crash, "before_rename", rank);
       fs::path old;
       if (fs::exists(target)) {
         old = target.parent_path() / ("." + target.filename().string() + ".old");
@@ -371,7 +367,7 @@ void save_training_state(ProcessGroup& pg, const std::string& dir,
       fs::rename(tmp, target);
       fsync_path(target.parent_path(), true);
       if (!old.empty()) fs::remove_all(old);
-      crash_point("after_rename", rank);
+      crash_point(crash, "after_rename", rank);
       // Rotation of automatically named checkpoints.
       if (keep_last > 0) {
         auto all = complete_checkpoints(target.parent_path().string());

@@ -8,7 +8,6 @@
 #include <stdexcept>
 
 #include "tandem/comm/process_group.h"
-#include "tandem/config/run_config.h"
 
 namespace tandem::comm {
 namespace {
@@ -174,20 +173,6 @@ std::string MeshShape::to_string() const {
   auto s = [](int v) { return v == 0 ? std::string("unset") : std::to_string(v); };
   return "pp " + s(pp) + " x dp_replicate " + s(dp_replicate) + " x dp_shard " + s(dp_shard) +
          " x tp " + s(tp);
-}
-
-// Note [The environment is read in one place]: the sizes are read by the run configuration.
-MeshShape mesh_shape_from_env(const EnvMap& env) { return config::mesh_shape_from_env(env); }
-
-MeshShape mesh_shape_from_environment() { return mesh_shape_from_env(current_environment()); }
-
-EnvMap mesh_shape_environment(const MeshShape& shape) {
-  EnvMap env;
-  if (shape.pp) env[config::var::kPpSize] = std::to_string(shape.pp);
-  if (shape.dp_replicate) env[config::var::kDpReplicateSize] = std::to_string(shape.dp_replicate);
-  if (shape.dp_shard) env[config::var::kDpShardSize] = std::to_string(shape.dp_shard);
-  if (shape.tp) env[config::var::kTpSize] = std::to_string(shape.tp);
-  return env;
 }
 
 DeviceMesh::DeviceMesh(std::shared_ptr<ProcessGroup> world, MeshDims dims, int local_world_size)

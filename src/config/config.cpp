@@ -424,7 +424,7 @@ void set_value(LaunchConfig& c, const std::string& key, const std::string& value
     // Only DATA_PARALLEL (SageMaker's data parallel) runs as something else, as data parallel.
     // The device types tandem cannot drive (XLA, MULTI_XPU, ...) and the model-parallel ones
     // (MEGATRON_LM, MODEL_PARALLEL) are refused, by `tandem launch` and `tandem config validate`
-    // alike (launch::unavailable_strategy_message), never ignored.
+    // alike (parallel::unavailable_distributed_type_message), never ignored.
     if (t == "DATA_PARALLEL")
       note_ignored(c, "distributed_type: " + t + " (runs as plain data parallel)");
   } else if (key == "mixed_precision") {

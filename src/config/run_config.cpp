@@ -7,8 +7,7 @@
 #include <stdexcept>
 
 #include "../detail/env.h"
-#include "tandem/accelerator.h"
-#include "tandem/launch/resolve.h"
+#include "tandem/accelerator_options.h"
 #include "tandem/parallel/comm_hook.h"
 
 namespace tandem::config {
@@ -338,7 +337,7 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
     }
   };
   if (auto type = env.get(var::kDistributedType)) {
-    auto msg = launch::unavailable_strategy_message(*type);
+    auto msg = parallel::unavailable_distributed_type_message(*type);
     if (!msg.empty())
       throw std::invalid_argument(prefix + var::kDistributedType + "=" + *type + ": " + msg);
     try {

@@ -4,7 +4,8 @@
 #include "../detail/env.h"
 #include "tandem/comm/mesh.h"
 #include "tandem/config/run_env.h"
-#include "tandem/parallel/strategy.h"
+#include "tandem/config/run_config.h"
+#include "tandem/parallel/sharding_options.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -168,7 +169,7 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
 
   // A type tandem refuses is refused before anything else is resolved: the same answer as
   // `tandem config validate` gives, whatever else the file lacks.
-  if (!unavailable_strategy_message(c.distributed_type).empty()) {
+  if (!parallel::unavailable_distributed_type_message(c.distributed_type).empty()) {
     ResolvedLaunch refused;
     refused.config = c;
     refused.distributed_type = c.distributed_type;
@@ -273,7 +274,7 @@ EnvMap program_environment(const ResolvedLaunch& r) {
   }
   // The mesh sizes as set (config::resolve_run_config reads them back); validate() refused a
   // shape that does not fit the job before any rank started.
-  for (const auto& [k, v] : comm::mesh_shape_environment(config::mesh_shape(c))) env[k] = v;
+  for (const auto& [k, v] : mesh_shape_environment(config::mesh_shape(c))) env[k] = v;
   if (c.mixed_precision == "fp8") {
     for (const auto& [k, v] : c.fp8_config) {
       std::string name = k.rfind("fp8_", 0) == 0 ? k.substr(4) : k;
@@ -336,48 +337,23 @@ LaunchOptions to_launch_options(const ResolvedLaunch& r, const EnvMap& user_env,
   return launcher;
 }
 
-std::string unavailable_strategy_message(const std::string& t) {
-  static const std::map<std::string, std::string> devices = {
-      {"XLA", "TPUs (Accelerate's TPU/XLA type)"},
-      {"TPU", "TPUs (Accelerate's TPU/XLA type)"},
-      {"MULTI_XPU", "Intel GPUs (XPU)"},
-      {"MULTI_NPU", "Ascend NPUs"},
-      {"MULTI_MLU", "Cambricon MLUs"},
-      {"MULTI_HPU", "Intel Gaudi HPUs"},
-      {"MULTI_SDAA", "SDAA accelerators"},
-      {"MULTI_MUSA", "Moore Threads GPUs (MUSA)"},
-      {"MULTI_NEURON", "AWS Neuron devices"}};
-  const std::string instead =
-      ". Plain data parallel runs instead when you ask for it: set `distributed_type: MULTI_CPU` "
-      "(MULTI_GPU on GPUs) in the config file, or pass --multi_gpu on GPUs";
-  if (auto it = devices.find(t); it != devices.end())
-    return "distributed_type " + t + " asks for " + it->second +
-           ", which tandem does not drive (it runs on CPUs and CUDA GPUs); it refuses rather "
-           "than run the job on other devices" +
-           instead;
-  std::string what;
-  if (t == "MEGATRON_LM")
-    what = "distributed_type MEGATRON_LM asks for Megatron-LM's tensor and pipeline parallelism";
-  else if (t == "MODEL_PARALLEL")
-    what = "distributed_type MODEL_PARALLEL asks for SageMaker's model parallelism";
-  else
-    return "";
-  return what +
-         ", which this version of tandem does not implement; it refuses rather than run "
-         "something else (tandem's own tensor and pipeline parallel: --tp_size, --pp_size)" +
-         instead +
-         "; every rank then holds the whole model, its gradients and the optimizer "
-         "state";
+EnvMap mesh_shape_environment(const comm::MeshShape& shape) {
+  EnvMap env;
+  if (shape.pp) env[config::var::kPpSize] = std::to_string(shape.pp);
+  if (shape.dp_replicate) env[config::var::kDpReplicateSize] = std::to_string(shape.dp_replicate);
+  if (shape.dp_shard) env[config::var::kDpShardSize] = std::to_string(shape.dp_shard);
+  if (shape.tp) env[config::var::kTpSize] = std::to_string(shape.tp);
+  return env;
 }
 
 void check_strategy_available(const ResolvedLaunch& r) {
   const auto& c = r.config;
-  auto msg = unavailable_strategy_message(r.distributed_type);
-  if (msg.empty()) msg = unavailable_strategy_message(c.distributed_type);
+  auto msg = parallel::unavailable_distributed_type_message(r.distributed_type);
+  if (msg.empty()) msg = parallel::unavailable_distributed_type_message(c.distributed_type);
   if (msg.empty()) {
     // The sharding the ranks would run: refused here, before any process starts.
     auto env = program_environment(r);
-    if (auto sharding = parallel::sharding_from_environment(env)) {
+    if (auto sharding = config::sharding_from_env(env)) {
       auto why = parallel::unsupported_sharding_message(*sharding);
       if (!why.empty())
         throw std::invalid_argument("distributed_type " + r.distributed_type +

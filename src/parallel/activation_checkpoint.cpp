@@ -2,7 +2,6 @@
 // the in-place wrapping of Sequential entries (see activation_checkpoint.h).
 #include "tandem/parallel/activation_checkpoint.h"
 
-#include "tandem/config/run_config.h"
 #include "tandem/nn/module.h"
 
 #include <torch/torch.h>
@@ -499,14 +498,6 @@ int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::str
         "TANDEM_MODULE (tandem/nn/module.h). Declare the blocks' type with TANDEM_MODULE(Block) "
         "instead of TORCH_MODULE(Block), or hold them in a torch::nn::Sequential");
   return count;
-}
-
-bool activation_checkpointing_from_environment(const EnvMap& env) {
-  return config::activation_checkpointing_from_env(env);  // Note [The environment is read in one place]
-}
-
-bool activation_checkpointing_from_environment() {
-  return activation_checkpointing_from_environment(current_environment());
 }
 
 }  // namespace tandem::parallel

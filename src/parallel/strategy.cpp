@@ -1,8 +1,5 @@
-// Strategy selection, the data parallel strategy, and the sharding options a launcher's
-// environment asks for (see strategy.h; read by config/run_config.cpp).
+// Strategy selection and the data parallel strategy (see strategy.h).
 #include "tandem/parallel/strategy.h"
-#include "../detail/env.h"
-#include "tandem/config/run_config.h"
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -17,17 +14,6 @@
 namespace tandem::parallel {
 namespace {
 
-const std::vector<std::pair<DistributedType, std::string>>& type_names() {
-  static const std::vector<std::pair<DistributedType, std::string>> v = {
-      {DistributedType::kNo, "NO"},
-      {DistributedType::kMultiCpu, "MULTI_CPU"},
-      {DistributedType::kMultiGpu, "MULTI_GPU"},
-      {DistributedType::kFsdp, "FSDP"},
-      {DistributedType::kDeepSpeed, "DEEPSPEED"}};
-  return v;
-}
-
-using ::tandem::detail::upper;
 
 }  // namespace
 
@@ -73,24 +59,6 @@ class DdpStrategy : public Strategy {
 
 }  // namespace
 
-std::string to_string(DistributedType type) {
-  for (const auto& [t, n] : type_names())
-    if (t == type) return n;
-  return "NO";
-}
-
-DistributedType distributed_type_from_name(const std::string& name) {
-  for (const auto& [t, n] : type_names())
-    if (n == upper(name)) return t;
-  std::string all;
-  for (const auto& [t, n] : type_names()) all += (all.empty() ? "" : ", ") + n;
-  throw std::invalid_argument("distributed type '" + name + "': expected one of " + all);
-}
-
-std::optional<ShardingOptions> sharding_from_environment(const EnvMap& env) {
-  return config::sharding_from_env(env);  // Note [The environment is read in one place]
-}
-
 std::vector<std::pair<std::string, at::Tensor>> Strategy::model_state(torch::nn::Module& model) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& kv : model.named_parameters())
@@ -129,18 +97,6 @@ void Strategy::load_model_tensors(torch::nn::Module& model,
 }
 
 void Strategy::step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
-
-std::string unsupported_sharding_message(const ShardingOptions& o) {
-  if (!o.nvme_path().empty() && o.stage() == 0)
-    return o.origin() + ": the optimizer state on disk (nvme_path " + o.nvme_path() +
-           ") needs ZeRO stage 1-3, which shard the optimizer state; stage 0 has none to offload";
-  if (o.stage() < 0 || o.stage() > 3)
-    return o.origin() + ": stage " + std::to_string(o.stage()) + ": expected 0, 1, 2 or 3";
-  if (o.offload_params() && o.stage() != 3)
-    return o.origin() + ": parameter offload needs stage 3 (parameters are sharded only there); "
-           "set offload_param_device: none";
-  return "";
-}
 
 std::unique_ptr<Strategy> make_strategy(DistributedType type,
                                         const std::optional<ShardingOptions>& sharding,

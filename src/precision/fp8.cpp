@@ -3,14 +3,8 @@
 
 #include <stdexcept>
 
-#include "tandem/config/run_config.h"
 
 namespace tandem::precision {
-
-// Note [The environment is read in one place]: TANDEM_FP8_* are read by the run configuration.
-Fp8Options Fp8Options::from_environment() {
-  return config::fp8_options_from_env(current_environment());
-}
 
 void Fp8Options::validate() const {
   if (fp8_format() != "HYBRID" && fp8_format() != "E4M3")

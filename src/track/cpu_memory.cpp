@@ -7,8 +7,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "../compat/allocator.h"
-#include "detail/counting.h"
+#include "../detail/cpu_allocators.h"
 
 namespace tandem::track {
 namespace {
@@ -41,7 +40,7 @@ void release(void* data) {
   }
 }
 
-class CountingAllocator final : public compat::Allocator {
+class CountingAllocator final : public ::tandem::detail::ForwardingAllocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
   c10::DataPtr allocate_bytes(size_t n) const override {
@@ -61,8 +60,8 @@ class CountingAllocator final : public compat::Allocator {
     return c10::DataPtr(data, data, &release, device);
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  c10::Allocator* base() const { return base_.load(); }
-  void set_base(c10::Allocator* base) { base_.store(base); }
+  c10::Allocator* base() const override { return base_.load(); }
+  void set_base(c10::Allocator* base) override { base_.store(base); }
 
  private:
   std::atomic<c10::Allocator*> base_;
@@ -79,21 +78,10 @@ void install_counting_cpu_allocator() {
     // Never destroyed: tensors freed at exit still call back into it.
     g_counting = new CountingAllocator(c10::GetAllocator(c10::DeviceType::CPU));
     c10::SetAllocator(c10::DeviceType::CPU, g_counting, /*priority=*/100);
+    ::tandem::detail::top_cpu_allocator().store(g_counting);
     g_installed = true;
   });
 }
-
-namespace detail {
-
-c10::Allocator* counting_allocator_base() {
-  return g_installed.load() ? g_counting->base() : nullptr;
-}
-
-void set_counting_allocator_base(c10::Allocator* base) {
-  if (g_installed.load()) g_counting->set_base(base);
-}
-
-}  // namespace detail
 
 bool counting_cpu_allocator_installed() { return g_installed.load(); }
 

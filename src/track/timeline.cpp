@@ -6,22 +6,9 @@
 #include <algorithm>
 #include <filesystem>
 
-#include "tandem/config/run_config.h"
 #include "track/detail/files.h"
 
 namespace tandem::track {
-
-TimelineOptions TimelineOptions::from_env(const std::map<std::string, std::string>& env, int rank) {
-  TimelineOptions o;
-  o.rank(rank);
-  // Note [The environment is read in one place]: TANDEM_TIMELINE is read by the run configuration.
-  if (auto dir = config::timeline_dir_from_env(env); !dir.empty()) o.enabled(true).dir(dir);
-  return o;
-}
-
-TimelineOptions TimelineOptions::from_environment(int rank) {
-  return from_env(current_environment(), rank);
-}
 
 Timeline::Scope::Scope(Timeline* timeline, std::string_view name, std::string_view cat)
     : timeline_(timeline), name_(name), cat_(cat), start_(Clock::now()) {}

@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps);
   app.add_option("--wrap", wrap)->check(CLI::IsMember({"before", "after"}));
   CLI11_PARSE(app, argc, argv);
-  const bool checkpointing = tandem::parallel::activation_checkpointing_from_environment();
+  const bool checkpointing = tandem::config::activation_checkpointing_from_env(tandem::current_environment());
 
   tandem::Accelerator acc(tandem::AcceleratorOptions().gradient_accumulation_steps(2));
   const int rank = acc.process_index(), world = acc.num_processes();

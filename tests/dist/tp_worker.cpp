@@ -29,6 +29,7 @@
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/comm/mesh.h"
 #include "tandem/comm/process_group.h"
+#include "tandem/config/run_config.h"
 #include "tandem/parallel/tensor_parallel.h"
 
 namespace tp = tandem::parallel;
@@ -413,7 +414,7 @@ double worst_relative(torch::nn::Module& model, torch::nn::Module& dense, int t,
 void train() {
   auto& pg = g_world;
   const auto state = tandem::ProcessState::from_environment();
-  auto mesh = tandem::comm::make_device_mesh(pg, tandem::comm::mesh_shape_from_environment(),
+  auto mesh = tandem::comm::make_device_mesh(pg, tandem::config::mesh_shape_from_env(tandem::current_environment()),
                                              state.local_world_size);
   const int t = mesh.coordinate("tp"), n = mesh.size("tp"), d = mesh.coordinate("dp");
   const int dp = mesh.size("dp");

@@ -334,8 +334,8 @@ TEST(AcceleratorEnvironment, BooleansShareOneVocabulary) {
     EXPECT_NE(e.find(var), std::string::npos) << e;
     EXPECT_NE(e.find("got 'maybe', expected true or false"), std::string::npos) << e;
   }
-  EXPECT_TRUE(tandem::parallel::activation_checkpointing_from_environment(
+  EXPECT_TRUE(tandem::config::activation_checkpointing_from_env(
       {{"TANDEM_ACTIVATION_CHECKPOINTING", "On"}}));
-  EXPECT_FALSE(tandem::parallel::activation_checkpointing_from_environment(
+  EXPECT_FALSE(tandem::config::activation_checkpointing_from_env(
       {{"TANDEM_ACTIVATION_CHECKPOINTING", "off"}}));
 }

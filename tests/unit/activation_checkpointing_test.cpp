@@ -16,6 +16,7 @@
 
 #include "../common/drop_block.h"
 #include "../../examples/common/gpt.h"
+#include "tandem/config/run_config.h"
 #include "tandem/nn/module.h"
 #include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/sharded.h"
@@ -503,15 +504,15 @@ TEST(ActivationCheckpoint, ApplyWrapsMatchingSequentialEntriesAtAnyDepth) {
 }
 
 TEST(ActivationCheckpoint, EnvironmentSwitch) {
-  using tandem::parallel::activation_checkpointing_from_environment;
-  EXPECT_FALSE(activation_checkpointing_from_environment(tandem::EnvMap{}));
-  EXPECT_TRUE(activation_checkpointing_from_environment({{"TANDEM_ACTIVATION_CHECKPOINTING", "true"}}));
-  EXPECT_TRUE(activation_checkpointing_from_environment({{"TANDEM_ACTIVATION_CHECKPOINTING", "1"}}));
-  EXPECT_FALSE(activation_checkpointing_from_environment({{"TANDEM_ACTIVATION_CHECKPOINTING", "False"}}));
+  using tandem::config::activation_checkpointing_from_env;
+  EXPECT_FALSE(activation_checkpointing_from_env(tandem::EnvMap{}));
+  EXPECT_TRUE(activation_checkpointing_from_env({{"TANDEM_ACTIVATION_CHECKPOINTING", "true"}}));
+  EXPECT_TRUE(activation_checkpointing_from_env({{"TANDEM_ACTIVATION_CHECKPOINTING", "1"}}));
+  EXPECT_FALSE(activation_checkpointing_from_env({{"TANDEM_ACTIVATION_CHECKPOINTING", "False"}}));
   // FSDP runs export every fsdp_config key as TANDEM_FSDP_<KEY>.
-  EXPECT_TRUE(activation_checkpointing_from_environment({{"TANDEM_FSDP_ACTIVATION_CHECKPOINTING", "true"}}));
+  EXPECT_TRUE(activation_checkpointing_from_env({{"TANDEM_FSDP_ACTIVATION_CHECKPOINTING", "true"}}));
   try {
-    activation_checkpointing_from_environment({{"TANDEM_ACTIVATION_CHECKPOINTING", "maybe"}});
+    activation_checkpointing_from_env({{"TANDEM_ACTIVATION_CHECKPOINTING", "maybe"}});
     FAIL() << "expected an error";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("TANDEM_ACTIVATION_CHECKPOINTING"), std::string::npos);

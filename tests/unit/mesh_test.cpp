@@ -4,6 +4,8 @@
 
 #include "tandem/comm/mesh.h"
 #include "tandem/comm/process_group.h"
+#include "tandem/config/run_config.h"
+#include "tandem/launch/resolve.h"
 #include "../common/errors.h"
 
 using namespace tandem::comm;
@@ -121,17 +123,17 @@ TEST(MeshShapeTest, DefaultsAndDerivation) {
 
 TEST(MeshShapeTest, EnvironmentRoundTrip) {
   auto shape = MeshShape().tp_size(2).dp_shard_size(3);
-  auto env = mesh_shape_environment(shape);
+  auto env = tandem::launch::mesh_shape_environment(shape);
   EXPECT_EQ(env, (tandem::EnvMap{{"TANDEM_TP_SIZE", "2"}, {"TANDEM_DP_SHARD_SIZE", "3"}}));
-  auto back = mesh_shape_from_env(env);
+  auto back = tandem::config::mesh_shape_from_env(env);
   EXPECT_EQ(back.tp, 2);
   EXPECT_EQ(back.dp_shard, 3);
   EXPECT_EQ(back.dp_replicate, 0);
   EXPECT_EQ(back.pp, 0);
-  EXPECT_TRUE(mesh_shape_from_env({}).empty());
-  const auto bad = error_of([] { mesh_shape_from_env({{"TANDEM_TP_SIZE", "two"}}); });
+  EXPECT_TRUE(tandem::config::mesh_shape_from_env({}).empty());
+  const auto bad = error_of([] { tandem::config::mesh_shape_from_env({{"TANDEM_TP_SIZE", "two"}}); });
   EXPECT_TRUE(contains(bad, "TANDEM_TP_SIZE=two is not a mesh size")) << bad;
-  EXPECT_FALSE(error_of([] { mesh_shape_from_env({{"TANDEM_PP_SIZE", "0"}}); }).empty());
+  EXPECT_FALSE(error_of([] { tandem::config::mesh_shape_from_env({{"TANDEM_PP_SIZE", "0"}}); }).empty());
 }
 
 TEST(DeviceMeshTest, OneProcessMeshOfSizeOneDimensions) {

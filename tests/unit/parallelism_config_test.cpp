@@ -4,6 +4,7 @@
 
 #include "tandem/comm/mesh.h"
 #include "tandem/config/config.h"
+#include "tandem/config/run_config.h"
 #include "tandem/launch/resolve.h"
 #include "../common/errors.h"
 
@@ -90,7 +91,7 @@ TEST(ParallelismConfig, LaunchFlagsExportTheSizes) {
   EXPECT_EQ(env.at("TANDEM_DP_SHARD_SIZE"), "2");
   EXPECT_EQ(env.count("TANDEM_DP_REPLICATE_SIZE"), 0u);
   EXPECT_EQ(env.count("TANDEM_PP_SIZE"), 0u);
-  auto shape = tandem::comm::mesh_shape_from_env(env).resolve(4, 4);
+  auto shape = tandem::config::mesh_shape_from_env(env).resolve(4, 4);
   EXPECT_EQ(shape.dp_replicate, 1);
   EXPECT_EQ(tandem::launch::flag_for_key("parallelism_config.parallelism_config_tp_size"), "--tp_size");
   EXPECT_EQ(tandem::launch::flag_for_key("parallelism_config.pp_size"), "--pp_size");

@@ -487,20 +487,30 @@ TEST(RunConfig, LaunchedEnvironmentResolvesToTheConfiguration) {
 }
 
 // The readers that predate RunConfig give the same answers through it.
-TEST(RunConfig, PublicReadersAgreeWithTheRunConfiguration) {
+TEST(RunConfig, ReadersAgreeWithTheRunConfiguration) {
   const EnvMap env = {{var::kDistributedType, "FSDP"},
                       {"TANDEM_FSDP_SHARDING_STRATEGY", "2"},
                       {var::kTpSize, "2"},
                       {var::kActivationCheckpointing, "yes"},
                       {"TANDEM_FP8_MARGIN", "3"},
                       {var::kTimeline, "/tmp/t"}};
-  EXPECT_EQ(tandem::parallel::sharding_from_environment(env)->stage(), 2);
-  EXPECT_EQ(tandem::comm::mesh_shape_from_env(env).tp, 2);
-  EXPECT_TRUE(tandem::parallel::activation_checkpointing_from_environment(env));
+  EnvMap job = env;  // the same variables in a job of two ranks, as tp 2 needs
+  job["WORLD_SIZE"] = "2";
+  job["RANK"] = "0";
+  job["MASTER_ADDR"] = "127.0.0.1";
+  job["MASTER_PORT"] = "29500";
+  job["LOCAL_WORLD_SIZE"] = "2";
+  const auto run = resolve_run_config(tandem::AcceleratorOptions(), job);
+  EXPECT_EQ(tandem::config::sharding_from_env(env)->stage(), 2);
+  EXPECT_EQ(run.sharding->stage(), 2);
+  EXPECT_EQ(tandem::config::mesh_shape_from_env(env).tp, 2);
+  EXPECT_TRUE(tandem::config::activation_checkpointing_from_env(env));
+  EXPECT_TRUE(run.activation_checkpointing);
   EXPECT_EQ(tandem::config::fp8_options_from_env(env).margin(), 3);
-  EXPECT_EQ(tandem::track::TimelineOptions::from_env(env, 0).dir(), "/tmp/t");
+  EXPECT_EQ(tandem::config::timeline_dir_from_env(env), "/tmp/t");
+  EXPECT_EQ(run.timeline_dir, "/tmp/t");
   // Set and empty: off, whatever the FSDP key says (as before).
-  EXPECT_FALSE(tandem::parallel::activation_checkpointing_from_environment(
+  EXPECT_FALSE(tandem::config::activation_checkpointing_from_env(
       {{var::kActivationCheckpointing, ""}, {"TANDEM_FSDP_ACTIVATION_CHECKPOINTING", "true"}}));
 }
 

@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 
+#include "tandem/config/run_config.h"
 #include "tandem/parallel/strategy.h"
 #include "tandem/parallel/zero.h"
 
@@ -49,10 +50,10 @@ TEST(Sharding, ReshardPiecesMapEveryElementToItsSavedPlace) {
 
 TEST(Sharding, SettingsOfDeepSpeedAndFsdpChooseTheStage) {
   using Env = tandem::EnvMap;
-  EXPECT_FALSE(sharding_from_environment(Env{}));
-  EXPECT_FALSE(sharding_from_environment(Env{{"TANDEM_DISTRIBUTED_TYPE", "MULTI_CPU"}}));
-  EXPECT_EQ(sharding_from_environment(Env{{"TANDEM_DISTRIBUTED_TYPE", "DEEPSPEED"}})->stage(), 2);
-  auto ds = sharding_from_environment(Env{{"TANDEM_DISTRIBUTED_TYPE", "DEEPSPEED"},
+  EXPECT_FALSE(tandem::config::sharding_from_env(Env{}));
+  EXPECT_FALSE(tandem::config::sharding_from_env(Env{{"TANDEM_DISTRIBUTED_TYPE", "MULTI_CPU"}}));
+  EXPECT_EQ(tandem::config::sharding_from_env(Env{{"TANDEM_DISTRIBUTED_TYPE", "DEEPSPEED"}})->stage(), 2);
+  auto ds = tandem::config::sharding_from_env(Env{{"TANDEM_DISTRIBUTED_TYPE", "DEEPSPEED"},
                                           {"TANDEM_ZERO_STAGE", "1"},
                                           {"TANDEM_OFFLOAD_OPTIMIZER_DEVICE", "cpu"},
                                           {"TANDEM_REDUCE_SCATTER", "allreduce"}});
@@ -63,12 +64,12 @@ TEST(Sharding, SettingsOfDeepSpeedAndFsdpChooseTheStage) {
       {"FULL_SHARD", 3}, {"SHARD_GRAD_OP", 2}, {"NO_SHARD", 0}, {"HYBRID_SHARD", 3},
       {"HYBRID_SHARD_ZERO2", 2}, {"1", 3}, {"2", 2}, {"3", 0}, {"4", 3}, {"5", 2}};
   for (const auto& [name, stage] : fsdp)
-    EXPECT_EQ(sharding_from_environment(Env{{"TANDEM_DISTRIBUTED_TYPE", "FSDP"},
+    EXPECT_EQ(tandem::config::sharding_from_env(Env{{"TANDEM_DISTRIBUTED_TYPE", "FSDP"},
                                             {"TANDEM_FSDP_SHARDING_STRATEGY", name}})
                   ->stage(),
               stage)
         << name;
-  auto f = sharding_from_environment(Env{{"TANDEM_DISTRIBUTED_TYPE", "FSDP"},
+  auto f = tandem::config::sharding_from_env(Env{{"TANDEM_DISTRIBUTED_TYPE", "FSDP"},
                                          {"TANDEM_FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"},
                                          {"TANDEM_FSDP_OFFLOAD_PARAMS", "true"},
                                          {"TANDEM_FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"},
@@ -94,9 +95,9 @@ TEST(Sharding, SettingsOfDeepSpeedAndFsdpChooseTheStage) {
       {{"TANDEM_DISTRIBUTED_TYPE", "FSDP"}, {"TANDEM_FSDP_AUTO_WRAP_POLICY", "EVERYTHING"}},
       {{"TANDEM_DISTRIBUTED_TYPE", "FSDP"}, {"TANDEM_FSDP_MIN_NUM_PARAMS", "many"}},
       {{"TANDEM_DISTRIBUTED_TYPE", "WARP_DRIVE"}}};
-  for (const auto& env : bad) EXPECT_THROW(sharding_from_environment(env), std::invalid_argument);
+  for (const auto& env : bad) EXPECT_THROW(tandem::config::sharding_from_env(env), std::invalid_argument);
   try {
-    sharding_from_environment(Env{{"TANDEM_DISTRIBUTED_TYPE", "FSDP"}, {"TANDEM_FSDP_NOT_A_KEY", "1"}});
+    tandem::config::sharding_from_env(Env{{"TANDEM_DISTRIBUTED_TYPE", "FSDP"}, {"TANDEM_FSDP_NOT_A_KEY", "1"}});
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("fsdp_not_a_key"), std::string::npos) << e.what();
   }

@@ -8,6 +8,7 @@
 #include <set>
 #include <thread>
 
+#include "tandem/config/run_config.h"
 #include "tandem/track/timeline.h"
 #include "../common/temp_dir.h"
 
@@ -24,13 +25,10 @@ TEST(Timeline, DisabledRecordsNothing) {
   EXPECT_EQ(t.write("/nonexistent/never/written"), "");
 }
 
-TEST(Timeline, OptionsFromEnvironment) {
-  auto on = TimelineOptions::from_env({{"TANDEM_TIMELINE", "/tmp/traces"}}, 3);
-  EXPECT_TRUE(on.enabled());
-  EXPECT_EQ(on.dir(), "/tmp/traces");
-  EXPECT_EQ(on.rank(), 3);
-  EXPECT_FALSE(TimelineOptions::from_env({}, 0).enabled());
-  EXPECT_FALSE(TimelineOptions::from_env({{"TANDEM_TIMELINE", ""}}, 0).enabled());
+TEST(Timeline, FolderFromEnvironment) {
+  EXPECT_EQ(tandem::config::timeline_dir_from_env({{"TANDEM_TIMELINE", "/tmp/traces"}}), "/tmp/traces");
+  EXPECT_EQ(tandem::config::timeline_dir_from_env({}), "");
+  EXPECT_EQ(tandem::config::timeline_dir_from_env({{"TANDEM_TIMELINE", ""}}), "");
 }
 
 TEST(Timeline, SpansAndMetadataInValidJson) {

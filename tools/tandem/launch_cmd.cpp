@@ -14,6 +14,7 @@
 #include "tandem/config/run_env.h"
 #include "tandem/launch/launcher.h"
 #include "tandem/launch/resolve.h"
+#include "tandem/parallel/sharding_options.h"
 
 #include "flag_names.h"
 
@@ -338,7 +339,7 @@ int ConfigCommand::run() {
         launch::ResolvedLaunch plan;
         plan.config = cfg;
         plan.distributed_type = cfg.distributed_type;
-        if (!launch::unavailable_strategy_message(cfg.distributed_type).empty())
+        if (!parallel::unavailable_distributed_type_message(cfg.distributed_type).empty())
           launch::check_strategy_available(plan);
         config::validate(cfg);
         launch::check_strategy_available(plan);

@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "tandem/checkpoint/merge_weights.h"
+#include "tandem/config/config.h"
 #include "tandem/inference/quantize.h"
 #include "tandem/trials/sweep.h"
 #include "tandem/version.h"
@@ -143,7 +144,7 @@ int main(int argc, char** argv) {
       return r.interrupted ? 130 : 0;
     }
     if (*env) {
-      std::cout << tandem::environment_report();
+      std::cout << tandem::config::environment_report();
       return 0;
     }
   } catch (const std::exception& e) {

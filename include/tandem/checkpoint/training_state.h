@@ -101,11 +101,21 @@ struct StatePart {
   std::function<void(const StateReader&)> load;
 };
 
+/// A point of save_training_state where one rank is killed (SIGKILL), for the crash-consistency
+/// tests: "after_files", "before_rename" or "after_rename"; empty: none. The run configuration
+/// resolves it (config::fault_injection, TANDEM_CHECKPOINT_CRASH) and the Accelerator hands it
+/// down.
+struct CrashPoint {
+  std::string at;
+  int rank = 0;
+};
+
 /// Saves `parts` into `dir` atomically (Note [Atomic checkpoints]); completes on every rank of
 /// `pg` or on none, and throws on every rank with the failing rank's reason otherwise.
 /// `keep_last` > 0: afterwards, keep only that many complete checkpoint_<n> siblings.
 void save_training_state(ProcessGroup& pg, const std::string& dir,
-                         const std::vector<StatePart>& parts, int keep_last = 0);
+                         const std::vector<StatePart>& parts, int keep_last = 0,
+                         const CrashPoint& crash = {});
 /// Loads `parts` from the complete checkpoint `dir`, then waits for every rank.
 void load_training_state(ProcessGroup& pg, const std::string& dir,
                          const std::vector<StatePart>& parts);

@@ -79,14 +79,8 @@ struct MeshShape {
   std::string to_string() const;
 };
 
-/// The mesh shape a launcher exported: TANDEM_PP_SIZE, TANDEM_DP_REPLICATE_SIZE,
-/// TANDEM_DP_SHARD_SIZE, TANDEM_TP_SIZE (absent: not set). Not resolved. Throws
-/// std::invalid_argument on a value that is not a positive integer.
-MeshShape mesh_shape_from_env(const EnvMap& env);
-/// mesh_shape_from_env(current_environment()).
-MeshShape mesh_shape_from_environment();
-/// The TANDEM_* variables of a shape (only the sizes that are set).
-EnvMap mesh_shape_environment(const MeshShape& shape);
+// The sizes a launcher exports are read by the run configuration (config::mesh_shape_from_env)
+// and written by the launcher (launch::mesh_shape_environment).
 
 /// The ranks of a job in named dimensions, row-major (the last dimension varies fastest), with
 /// one ProcessGroup per slice of every dimension. Building one is collective: every rank of

@@ -135,6 +135,11 @@ void write_config_file(const std::string& path, const std::string& text);
 /// For `tandem env`: the default config's path and contents, or "none".
 std::string default_config_report(const EnvMap& env);
 
+/// `tandem env`, what a bug report needs: tandem and LibTorch versions, CUDA and its devices,
+/// NCCL and Gloo, CPU count, BLAS, memory, OS, and the default launch config (path and
+/// contents, or "none"). One "key: value" per line.
+std::string environment_report();
+
 /// The tandem distributed types (the values of TANDEM_DISTRIBUTED_TYPE).
 const std::vector<std::string>& tandem_distributed_types();
 

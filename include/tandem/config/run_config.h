@@ -7,15 +7,12 @@
 #include <optional>
 #include <string>
 
+#include "tandem/accelerator_options.h"
 #include "tandem/comm/mesh.h"
 #include "tandem/config/run_env.h"
-#include "tandem/parallel/strategy.h"
+#include "tandem/parallel/sharding_options.h"
 #include "tandem/precision/fp8.h"
 #include "tandem/state.h"
-
-namespace tandem {
-struct AcceleratorOptions;
-}
 
 namespace tandem::config {
 
@@ -26,11 +23,10 @@ namespace tandem::config {
 // component, recorder or mesh reads a variable itself. Outside src/config/ only ProcessState
 // (where the process stands: RANK, WORLD_SIZE, TANDEM_ERROR_FILE, TANDEM_LOCAL_ADDR, ...) and
 // the launcher touch the environment. Process-level switches that no Accelerator carries (the
-// crash points of the checkpoint tests) are resolved here too, by fault_injection(). The public
-// readers that predate RunConfig (parallel::sharding_from_environment,
-// comm::mesh_shape_from_env, parallel::activation_checkpointing_from_environment,
-// precision::Fp8Options::from_environment, track::TimelineOptions::from_env) call the
-// functions below, so that one variable has one meaning and one error everywhere.
+// crash points of the checkpoint tests) are resolved here too, by fault_injection(), and handed
+// to the part that acts on them. Nothing below this layer reads a TANDEM_* variable or calls
+// back into it: a program that builds the parts itself reads them with the functions below
+// (mesh_shape_from_env, activation_checkpointing_from_env, ...).
 
 /// Every resolved setting of a run. Options given in code win over the environment.
 ///
@@ -97,11 +93,17 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& en
 /// The run configuration, one "name: value" line per setting (what TANDEM_DEBUG prints).
 std::string describe(const RunConfig& config);
 
-// ---- the pieces, also behind the public readers that predate RunConfig -----------------------
+// ---- the pieces, for programs that build the parts themselves -----------------------------
 
-/// The sharding the environment asks for (parallel::sharding_from_environment's contract).
+/// The sharding a launcher's environment asks for: TANDEM_DISTRIBUTED_TYPE=DEEPSPEED with
+/// TANDEM_ZERO_STAGE, TANDEM_OFFLOAD_OPTIMIZER_DEVICE, TANDEM_OFFLOAD_PARAM_DEVICE; or FSDP with
+/// TANDEM_FSDP_SHARDING_STRATEGY, TANDEM_FSDP_OFFLOAD_PARAMS, TANDEM_FSDP_STATE_DICT_TYPE (and
+/// the other TANDEM_FSDP_* keys, checked); TANDEM_REDUCE_SCATTER (alltoall or allreduce) for
+/// either. nullopt for the other types. Throws std::invalid_argument naming the variable, its
+/// value and what is accepted, for every value tandem cannot honour.
 std::optional<parallel::ShardingOptions> sharding_from_env(const EnvMap& env);
-/// TANDEM_PP_SIZE, TANDEM_DP_REPLICATE_SIZE, TANDEM_DP_SHARD_SIZE, TANDEM_TP_SIZE, not resolved.
+/// TANDEM_PP_SIZE, TANDEM_DP_REPLICATE_SIZE, TANDEM_DP_SHARD_SIZE, TANDEM_TP_SIZE (absent: not
+/// set), not resolved. Throws std::invalid_argument on a value that is not a positive integer.
 comm::MeshShape mesh_shape_from_env(const EnvMap& env);
 /// TANDEM_ACTIVATION_CHECKPOINTING, else TANDEM_FSDP_ACTIVATION_CHECKPOINTING; default false.
 bool activation_checkpointing_from_env(const EnvMap& env);

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "tandem/comm/mesh.h"
 #include "tandem/config/config.h"
 #include "tandem/launch/launcher.h"
 
@@ -78,14 +79,15 @@ void check_device_count(int processes_per_machine, int cuda_devices, const std::
                         const std::string& cuda_visible_devices = "");
 
 /// Throws std::invalid_argument when `resolved` asks for a strategy tandem does not run yet
-/// (distributed_type FSDP, DEEPSPEED or MEGATRON_LM): it names what was asked for, where it came
+/// (parallel::unavailable_distributed_type_message, which the run configuration refuses from
+/// TANDEM_DISTRIBUTED_TYPE too): it names what was asked for, where it came
 /// from, and what runs instead. `tandem launch` calls it before starting (or describing) any rank,
 /// so that nothing is accepted and then run as something else.
 void check_strategy_available(const ResolvedLaunch& resolved);
 
-/// The message of that refusal for `distributed_type` (empty when the type runs), shared with
-/// the Accelerator, which refuses the same types from TANDEM_DISTRIBUTED_TYPE.
-std::string unavailable_strategy_message(const std::string& distributed_type);
+/// The TANDEM_* variables of a mesh shape, as the launcher exports them (only the sizes that
+/// are set; config::mesh_shape_from_env reads them back).
+EnvMap mesh_shape_environment(const comm::MeshShape& shape);
 
 /// The resolved configuration, one "key: value  (source)" line each, for --debug and --dry_run.
 std::string describe_resolved(const ResolvedLaunch& resolved);

@@ -185,12 +185,4 @@ std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
 int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::string>& classes = {},
                             CheckpointOptions options = {});
 
-/// Whether the launcher asked for activation checkpointing: TANDEM_ACTIVATION_CHECKPOINTING
-/// (what `tandem launch` exports for `fsdp_config: {fsdp_activation_checkpointing: true}` or
-/// --activation_checkpointing), else TANDEM_FSDP_ACTIVATION_CHECKPOINTING. true/false, 1/0,
-/// yes/no; anything else throws std::invalid_argument naming the variable and its value.
-bool activation_checkpointing_from_environment(const EnvMap& env);
-/// The same, from this process's environment.
-bool activation_checkpointing_from_environment();
-
 }  // namespace tandem::parallel

@@ -36,9 +36,6 @@ struct Fp8Options {
   TORCH_ARG(int64_t, interval) = 1;
 
  public:  // TORCH_ARG leaves the struct in a private section
-  /// Reads TANDEM_FP8_FORMAT, TANDEM_FP8_AMAX_HISTORY_LEN, TANDEM_FP8_AMAX_COMPUTE_ALGO,
-  /// TANDEM_FP8_MARGIN, TANDEM_FP8_INTERVAL over the defaults.
-  static Fp8Options from_environment();
   /// Throws std::invalid_argument for an unknown format or algorithm or a non-positive length.
   void validate() const;
 };

@@ -19,8 +19,8 @@ namespace tandem::track {
 /// Whether and where a Timeline records.
 ///
 /// Example:
-///   auto opts = tandem::track::TimelineOptions::from_environment(state.rank);  // TANDEM_TIMELINE
-///   tandem::track::Timeline timeline(opts.enabled(true).dir("traces"));
+///   tandem::track::Timeline timeline(
+///       tandem::track::TimelineOptions().enabled(true).rank(state.rank).dir("traces"));
 struct TimelineOptions {
   /// false: every call is a no-op that reads no clock and takes no lock.
   TORCH_ARG(bool, enabled) = false;
@@ -30,13 +30,6 @@ struct TimelineOptions {
   TORCH_ARG(std::string, dir) = "";
   /// Name shown for this process in the viewer; empty: "rank <r>".
   TORCH_ARG(std::string, process_name) = "";
-
- public:
-  /// Options from an environment: TANDEM_TIMELINE=<dir> enables the timeline and sets dir;
-  /// unset or empty leaves it disabled. Pure (tests pass a map).
-  static TimelineOptions from_env(const std::map<std::string, std::string>& env, int rank);
-  /// from_env on this process's environment.
-  static TimelineOptions from_environment(int rank);
 };
 
 /// A thread-safe recorder of complete events ({"ph": "X"}) for one rank. Timestamps are
