@@ -98,17 +98,8 @@ Accelerator::Accelerator(AcceleratorOptions options)
       if (!w.empty()) std::cerr << w << std::endl;
   }
   const comm::MeshShape& shape = run.mesh_shape;  // resolved against the world
-  // Note [Pipelines and ZeRO]: refused here, before any training, so that a program that
-  // never reaches prepare_pipeline cannot run a pipeline layout under ZeRO either; and before
-  // the process group is built, since the refusal needs no peer: a rank that refused after
-  // joining could end rank 0's store while a slower rank still connected.
-  if (shape.pp > 1 && config_.sharding && config_.sharding->stage() > 0)
-    throw std::invalid_argument(
-        state_.prefix() + " ZeRO stage " + std::to_string(config_.sharding->stage()) +
-        " does not combine with pipeline parallel in tandem: pp_size " + std::to_string(shape.pp) +
-        " (tandem launch --pp_size, or AcceleratorOptions().parallelism) with ZeRO (--use_deepspeed "
-        "--zero_stage, --use_fsdp, or AcceleratorOptions().sharding); the pipeline averages each "
-        "stage's gradients itself. Drop one of the two (ZeRO combines with --tp_size)");
+  // Every layout tandem cannot run (Note [Pipelines and ZeRO], dp sizes no strategy honours)
+  // was refused by resolve_run_config, before the process group is built.
   pg_ = ProcessGroup::create(state_, ProcessGroupOptions().timeout(options_.timeout()));
   // Note [A topology always built]: every run, sizes of 1 included; its groups say where each
   // kind of work runs.
@@ -261,22 +252,57 @@ void Accelerator::free_memory() {
   trim_host_cache();
 }
 
+// Note [The transform order]: every path that readies a model for the run applies the same
+// steps, in this one order, each where it applies:
+//   1. the device;
+//   2. tensor parallel: the plan splits the dense layers (prepare_pipeline's plan; a program's
+//      acc.parallelize(model, plan) runs 1-2 itself, before prepare);
+//   3. precision: the weights' dtype, fp8 modules;
+//   4. activation checkpointing: wrappers around the blocks, whose modules are final by now;
+//   5. rank 0's weights and buffers, broadcast over the data-parallel group;
+//   6. the strategy: ZeRO-3 units and shards, data-parallel hooks, over the weights as they
+//      will train.
+// prepare runs 1 and 3-6 on the model; build's sharded construction 1, 3, 5 and 6 on each block
+// as it is built (tensor parallel is refused there, and prepare checkpoints the blocks);
+// prepare_pipeline 1-5 on its stage (a pipeline reduces its stage's gradients itself).
+struct Accelerator::Transforms {
+  const parallel::TensorParallelPlan* tp_plan = nullptr;  // 2, when it has entries
+  bool checkpoint_blocks = false;                          // 4: the model's blocks
+  torch::nn::Sequential* checkpoint_entries = nullptr;     // 4: a pipeline stage's entries
+  std::function<void(torch::nn::Module&)> strategy;        // 6
+};
+
+void Accelerator::apply_transforms(torch::nn::Module& model, const Transforms& t) {
+  model.to(device_);
+  if (t.tp_plan && !t.tp_plan->entries.empty()) {
+    parallel::parallelize_module(model, topology_->group("tp"), *t.tp_plan);
+    tp_applied_ = true;
+  }
+  precision_->cast_model(model);
+  if (activation_checkpointing_) {
+    // The model's blocks (Sequential entries, TANDEM_MODULE types, or the classes of
+    // fsdp_transformer_layer_cls_to_wrap); under ZeRO-3 the same blocks are units.
+    if (t.checkpoint_entries)
+      parallel::checkpoint_sequential_entries(*t.checkpoint_entries);
+    else if (t.checkpoint_blocks)
+      parallel::checkpoint_model_blocks(
+          model, config_.sharding ? config_.sharding->transformer_layer_cls_to_wrap()
+                                  : std::vector<std::string>{});
+  }
+  parallel::broadcast_module_state(model, *topology_->data_parallel(), true, true);
+  if (t.strategy) t.strategy(model);
+}
+
 std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
     std::shared_ptr<torch::nn::Module> model) {
   TORCH_CHECK(model, state_.prefix(), " prepare: the model is null");
   for (const auto& m : models_)
     TORCH_CHECK(m.get() != model.get(), state_.prefix(),
                 " prepare: this model was already prepared; prepare each model once");
-  model->to(device_);
-  precision_->cast_model(*model);
-  // The model's blocks (Sequential entries, TANDEM_MODULE types, or the classes of
-  // fsdp_transformer_layer_cls_to_wrap) are checkpointed; under ZeRO-3 the same blocks are units.
-  if (activation_checkpointing_)
-    parallel::checkpoint_model_blocks(
-        *model, config_.sharding ? config_.sharding->transformer_layer_cls_to_wrap()
-                                    : std::vector<std::string>{});
-  parallel::broadcast_module_state(*model, *topology_->data_parallel(), true, true);
-  strategy_->prepare_model(model);
+  Transforms steps;
+  steps.checkpoint_blocks = true;
+  steps.strategy = [this, &model](torch::nn::Module&) { strategy_->prepare_model(model); };
+  apply_transforms(*model, steps);
   models_.push_back(model);
   profile_parameters(*model);
   trim_host_cache();  // the flattening's sizes do not come again
@@ -295,10 +321,9 @@ std::shared_ptr<nn::detail::BuildScope> Accelerator::begin_build(bool root_hooka
   // unit); each is brought to where prepare would bring it, then sharded.
   auto on_built = [this](torch::nn::Module& m, bool explicit_unit) {
     if (!strategy_->unit_at_construction(m, explicit_unit)) return;
-    m.to(device_);
-    precision_->cast_model(m);
-    parallel::broadcast_module_state(m, *topology_->data_parallel(), true, true);
-    strategy_->shard_built(m);
+    Transforms steps;
+    steps.strategy = [this](torch::nn::Module& unit) { strategy_->shard_built(unit); };
+    apply_transforms(m, steps);
     trim_host_cache();  // the dense block's memory goes back now, before the next is built
   };
   return std::make_shared<nn::detail::BuildScope>(root_hookable ? 1 : 0, on_built);
@@ -330,14 +355,7 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   TORCH_CHECK(topology_->pp() > 1, state_.prefix(),
               " prepare_pipeline: this run has no pipeline dimension; set pp_size (tandem launch "
               "--pp_size, parallelism_config pp_size, or AcceleratorOptions().parallelism)");
-  // Note [Pipelines and ZeRO]: a Pipeline averages its stage's gradients over mesh["dp"] once per
-  // step itself, so a strategy that reduces (and shards) gradients in backward hooks has no place
-  // in it (DeepSpeed, too, refuses ZeRO stages 2 and 3 with pipeline parallel).
-  TORCH_CHECK(!config_.sharding || config_.sharding->stage() == 0, state_.prefix(),
-              " prepare_pipeline: ZeRO stage ", config_.sharding->stage(),
-              " does not combine with pipeline parallel in tandem (the pipeline reduces each "
-              "stage's gradients itself); run the pipeline with plain data parallel (no "
-              "--use_deepspeed/--use_fsdp), or use ZeRO with tensor parallel instead of pp");
+  // Note [Pipelines and ZeRO]: a run with both is refused by resolve_run_config.
   // The pipeline's micro-batches are its accumulation: Pipeline::step neither divides its loss
   // by gradient_accumulation_steps nor defers its data-parallel reduction.
   if (accumulation_steps_ != 1)
@@ -351,19 +369,18 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   auto pp = topology_->group("pp");
   auto dp = topology_->data_parallel();
   auto stage = parallel::split_sequential(model, pp->size(), pp->rank());
-  stage->to(device_);
-  if (!plan.entries.empty()) {
-    TORCH_CHECK(topology_->tp() > 1, state_.prefix(),
-                " prepare_pipeline: a tensor-parallel plan was given, but this run has no "
-                "tensor-parallel dimension; set tp_size (tandem launch --tp_size, "
-                "parallelism_config_tp_size, or AcceleratorOptions().parallelism), or pass no plan");
-    parallel::parallelize_module(*stage, topology_->group("tp"), stage_plan(plan, *stage, *pp));
-    tp_applied_ = true;
-  }
+  TORCH_CHECK(plan.entries.empty() || topology_->tp() > 1, state_.prefix(),
+              " prepare_pipeline: a tensor-parallel plan was given, but this run has no "
+              "tensor-parallel dimension; set tp_size (tandem launch --tp_size, "
+              "parallelism_config_tp_size, or AcceleratorOptions().parallelism), or pass no plan");
+  // Every rank of pp agrees on the plan's entries before any stage is split (stage_plan counts
+  // the matches over pp).
+  const auto mine = plan.entries.empty() ? plan : stage_plan(plan, *stage, *pp);
+  Transforms steps;
+  steps.tp_plan = &mine;
+  steps.checkpoint_entries = &stage;
+  apply_transforms(*stage, steps);
   pipeline_prepared_ = true;
-  precision_->cast_model(*stage);
-  if (activation_checkpointing_) parallel::checkpoint_sequential_entries(stage);
-  parallel::broadcast_module_state(*stage, *dp, true, true);
   models_.push_back(stage.ptr());  // saved and loaded per rank (Note [Model-parallel checkpoints])
   profile_parameters(*stage.ptr());
   return std::make_shared<parallel::Pipeline>(stage, pp, std::move(loss), options,

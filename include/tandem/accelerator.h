@@ -513,6 +513,9 @@ class Accelerator {
   }
   std::shared_ptr<nn::detail::BuildScope> begin_build(bool root_hookable);
   void end_build(const std::shared_ptr<nn::detail::BuildScope>& scope);
+  // Note [The transform order]: prepare, build and prepare_pipeline ready a model through it.
+  struct Transforms;
+  void apply_transforms(torch::nn::Module& model, const Transforms& steps);
   data::detail::Placement placement(const data::DataLoaderOptions& o) const;
   void after_optimizer_step(const torch::optim::Optimizer& optimizer);
   void profile_parameters(const torch::nn::Module& model);  // TANDEM_PROFILE

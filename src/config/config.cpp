@@ -5,6 +5,7 @@
 
 #include "tandem/comm/mesh.h"
 #include "tandem/config/run_env.h"
+#include "tandem/parallel/sharding_options.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -378,8 +379,11 @@ const std::vector<std::string>& mixed_precision_values() {
 }
 
 const std::vector<std::string>& fsdp_sharding_strategies() {
-  static const std::vector<std::string> v = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD",
-                                             "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"};
+  static const std::vector<std::string> v = [] {
+    std::vector<std::string> names;
+    for (const auto& s : parallel::fsdp_sharding_strategies()) names.push_back(s.name);
+    return names;
+  }();
   return v;
 }
 

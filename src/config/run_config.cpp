@@ -142,37 +142,28 @@ std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
                                     " is not one tandem knows; remove it from the config file");
       env.note(k, v);
     }
-    static const std::vector<std::pair<std::string, int>> strategies = {
-        {"FULL_SHARD", 3}, {"SHARD_GRAD_OP", 2}, {"NO_SHARD", 0},
-        {"HYBRID_SHARD", 3}, {"HYBRID_SHARD_ZERO2", 2}};
-    const std::string strategy_var = "TANDEM_FSDP_SHARDING_STRATEGY";
-    auto s = upper(env.get(strategy_var).value_or("FULL_SHARD"));
-    if (s.size() == 1 && s[0] >= '1' && s[0] <= '5') s = strategies[s[0] - '1'].first;
-    bool found = false;
-    for (const auto& [n, stage] : strategies)
-      if (n == s) {
-        o.stage(stage);
-        found = true;
-      }
-    if (!found)
-      throw bad(strategy_var, s,
-                "expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or "
-                "HYBRID_SHARD_ZERO2 (or 1-5)");
-    // Note [Hybrid sharding]: shards within a machine, replicas across machines (the mesh is
-    // resolved below: dp_replicate = the number of machines unless the sizes are given).
-    o.hybrid(s.rfind("HYBRID", 0) == 0);
-    if (env.boolean("TANDEM_FSDP_OFFLOAD_PARAMS").value_or(false)) {
+    const auto s = env.get(var::kFsdpShardingStrategy).value_or("FULL_SHARD");
+    try {
+      const auto& strategy = parallel::fsdp_sharding_strategy(s);
+      o.stage(strategy.stage);
+      // Note [Hybrid sharding]: shards within a machine, replicas across machines (the mesh is
+      // resolved below: dp_replicate = the number of machines unless the sizes are given).
+      o.hybrid(strategy.hybrid);
+    } catch (const std::invalid_argument& e) {
+      throw bad(var::kFsdpShardingStrategy, upper(s), e.what());
+    }
+    if (env.boolean(var::kFsdpOffloadParams).value_or(false)) {
       o.offload_optimizer(true);  // FSDP's CPU offload moves the step to the host as well
       o.offload_params(o.stage() == 3);
     }
-    if (auto v = env.get("TANDEM_FSDP_AUTO_WRAP_POLICY")) {
+    if (auto v = env.get(var::kFsdpAutoWrapPolicy)) {
       const auto t = upper(*v);
       if (t != "TRANSFORMER_BASED_WRAP" && t != "SIZE_BASED_WRAP" && t != "NO_WRAP")
-        throw bad("TANDEM_FSDP_AUTO_WRAP_POLICY", *v,
+        throw bad(var::kFsdpAutoWrapPolicy, *v,
                   "expected TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP");
       o.auto_wrap_policy(t);
     }
-    if (auto v = env.get("TANDEM_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP")) {
+    if (auto v = env.get(var::kFsdpTransformerLayerClsToWrap)) {
       // Comma-separated class names, as Accelerate writes them ("Block,Embeddings").
       std::vector<std::string> classes;
       std::string item;
@@ -183,37 +174,37 @@ std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
       }
       o.transformer_layer_cls_to_wrap(classes);
     }
-    if (auto v = env.get("TANDEM_FSDP_MIN_NUM_PARAMS")) {
+    if (auto v = env.get(var::kFsdpMinNumParams)) {
       try {
         size_t pos = 0;
         o.min_num_params(std::stoll(*v, &pos));
         if (pos != v->size()) throw std::invalid_argument("");
       } catch (const std::exception&) {
-        throw bad("TANDEM_FSDP_MIN_NUM_PARAMS", *v, "expected a whole number");
+        throw bad(var::kFsdpMinNumParams, *v, "expected a whole number");
       }
     }
-    if (auto v = env.get("TANDEM_FSDP_STATE_DICT_TYPE")) {
+    if (auto v = env.get(var::kFsdpStateDictType)) {
       const auto t = upper(*v);
       if (t != "FULL_STATE_DICT" && t != "SHARDED_STATE_DICT")
-        throw bad("TANDEM_FSDP_STATE_DICT_TYPE", *v,
+        throw bad(var::kFsdpStateDictType, *v,
                   "expected FULL_STATE_DICT or SHARDED_STATE_DICT");
       o.state_dict_type(t);
     }
     // fsdp_activation_checkpointing is the Accelerator's (activation_checkpointing_from_env);
     // it is only checked here.
-    for (const char* b : {"TANDEM_FSDP_ACTIVATION_CHECKPOINTING", "TANDEM_FSDP_SYNC_MODULE_STATES",
-                          "TANDEM_FSDP_USE_ORIG_PARAMS", "TANDEM_FSDP_CPU_RAM_EFFICIENT_LOADING"})
+    for (const char* b : {var::kFsdpActivationCheckpointing, var::kFsdpSyncModuleStates,
+                          var::kFsdpUseOrigParams, var::kFsdpCpuRamEfficientLoading})
       env.boolean(b);
     // Note [Prefetching units]: stage 3's all-gathers ahead of use.
-    if (auto f = env.boolean("TANDEM_FSDP_FORWARD_PREFETCH")) o.forward_prefetch(*f);
-    if (auto v = env.get("TANDEM_FSDP_BACKWARD_PREFETCH")) {
+    if (auto f = env.boolean(var::kFsdpForwardPrefetch)) o.forward_prefetch(*f);
+    if (auto v = env.get(var::kFsdpBackwardPrefetch)) {
       const auto t = upper(*v);
       if (t != "BACKWARD_PRE" && t != "BACKWARD_POST" && t != "NO_PREFETCH" && t != "NONE")
-        throw bad("TANDEM_FSDP_BACKWARD_PREFETCH", *v,
+        throw bad(var::kFsdpBackwardPrefetch, *v,
                   "expected BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH");
       o.backward_prefetch(t == "NONE" ? "NO_PREFETCH" : t);
     }
-    if (auto v = env.get("TANDEM_FSDP_RESHARD_AFTER_FORWARD")) {
+    if (auto v = env.get(var::kFsdpReshardAfterForward)) {
       // FSDP2's boolean; an FSDP1 strategy name here is left to fsdp_sharding_strategy.
       const auto l = lower(*v);
       if (l == "true" || l == "1" || l == "yes") o.reshard_after_forward(true);
@@ -262,7 +253,7 @@ comm::MeshShape mesh_shape_of(const Reader& env) {
 }
 
 bool activation_checkpointing_of(const EnvMap& map, const Reader& env) {
-  for (const char* name : {var::kActivationCheckpointing, "TANDEM_FSDP_ACTIVATION_CHECKPOINTING"}) {
+  for (const char* name : {var::kActivationCheckpointing, var::kFsdpActivationCheckpointing}) {
     auto it = map.find(name);
     if (it == map.end()) continue;
     if (it->second.empty()) return false;  // set and empty: off, whatever the FSDP key says
@@ -273,11 +264,11 @@ bool activation_checkpointing_of(const EnvMap& map, const Reader& env) {
 
 precision::Fp8Options fp8_of(const Reader& env) {
   precision::Fp8Options o;
-  if (auto v = env.get("TANDEM_FP8_FORMAT")) o.fp8_format(*v);
-  if (auto v = env.integer("TANDEM_FP8_AMAX_HISTORY_LEN")) o.amax_history_len(*v);
-  if (auto v = env.get("TANDEM_FP8_AMAX_COMPUTE_ALGO")) o.amax_compute_algo(*v);
-  if (auto v = env.integer("TANDEM_FP8_MARGIN")) o.margin(*v);
-  if (auto v = env.integer("TANDEM_FP8_INTERVAL")) o.interval(*v);
+  if (auto v = env.get(var::kFp8Format)) o.fp8_format(*v);
+  if (auto v = env.integer(var::kFp8AmaxHistoryLen)) o.amax_history_len(*v);
+  if (auto v = env.get(var::kFp8AmaxComputeAlgo)) o.amax_compute_algo(*v);
+  if (auto v = env.integer(var::kFp8Margin)) o.margin(*v);
+  if (auto v = env.integer(var::kFp8Interval)) o.interval(*v);
   return o;
 }
 
@@ -418,6 +409,20 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
         " ranks, but this run has no sharding strategy, so it would train as plain data parallel. "
         "Add one (--use_fsdp, or --use_deepspeed --zero_stage 1-3), or set dp_replicate_size "
         "instead of dp_shard_size");
+  // Note [Pipelines and ZeRO]: a Pipeline averages its stage's gradients over mesh["dp"] once per
+  // step itself, so a strategy that reduces (and shards) gradients in backward hooks has no place
+  // in it (DeepSpeed, too, refuses ZeRO stages 2 and 3 with pipeline parallel). Refused here, so
+  // that a program that never reaches prepare_pipeline cannot run a pipeline layout under ZeRO
+  // either, and before the process group is built: the refusal needs no peer, and a rank that
+  // refused after joining could end rank 0's store while a slower rank still connected.
+  if (c.mesh_shape.pp > 1 && stage > 0)
+    throw std::invalid_argument(
+        prefix + "ZeRO stage " + std::to_string(stage) +
+        " does not combine with pipeline parallel in tandem: pp_size " +
+        std::to_string(c.mesh_shape.pp) +
+        " (tandem launch --pp_size, or AcceleratorOptions().parallelism) with ZeRO (--use_deepspeed "
+        "--zero_stage, --use_fsdp, or AcceleratorOptions().sharding); the pipeline averages each "
+        "stage's gradients itself. Drop one of the two (ZeRO combines with --tp_size)");
   with_prefix([&] {
     c.activation_checkpointing =
         options.activation_checkpointing().value_or(activation_checkpointing_of(map, env));

@@ -37,6 +37,28 @@ DistributedType distributed_type_from_name(const std::string& name) {
   throw std::invalid_argument("distributed type '" + name + "': expected one of " + all);
 }
 
+const std::vector<FsdpShardingStrategy>& fsdp_sharding_strategies() {
+  static const std::vector<FsdpShardingStrategy> v = {{"FULL_SHARD", 3, false},
+                                                      {"SHARD_GRAD_OP", 2, false},
+                                                      {"NO_SHARD", 0, false},
+                                                      {"HYBRID_SHARD", 3, true},
+                                                      {"HYBRID_SHARD_ZERO2", 2, true}};
+  return v;
+}
+
+const FsdpShardingStrategy& fsdp_sharding_strategy(const std::string& value) {
+  const auto& all = fsdp_sharding_strategies();
+  const std::string s = upper(value);
+  if (s.size() == 1 && s[0] >= '1' && s[0] <= '0' + static_cast<int>(all.size()))
+    return all[static_cast<size_t>(s[0] - '1')];
+  for (const auto& st : all)
+    if (st.name == s) return st;
+  std::string names;
+  for (size_t i = 0; i < all.size(); ++i)
+    names += (i ? ", " : "") + std::to_string(i + 1) + " " + all[i].name;
+  throw std::invalid_argument("expected one of " + names + " (a name or its number)");
+}
+
 std::string unsupported_sharding_message(const ShardingOptions& o) {
   if (!o.nvme_path().empty() && o.stage() == 0)
     return o.origin() + ": the optimizer state on disk (nvme_path " + o.nvme_path() +

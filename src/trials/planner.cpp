@@ -13,6 +13,7 @@
 
 #include "detail/child.h"
 #include "tandem/config/config.h"
+#include "tandem/config/run_env.h"
 #include "tandem/track/cpu_memory.h"
 #include "tandem/track/memory_estimate.h"
 
@@ -114,7 +115,7 @@ MeasuredRun run_layout(const PlannerOptions& o, const Layout& layout, const Plan
   for (int r = 0; r < machine.num_processes; ++r)
     fs::remove(prefix + ".rank" + std::to_string(r) + ".json");
   { std::ofstream(prefix + ".cmd") << join(argv) << "\n"; }
-  const pid_t pid = detail::spawn_logged(argv, {{"TANDEM_PROFILE", prefix}}, log);
+  const pid_t pid = detail::spawn_logged(argv, {{config::var::kProfile, prefix}}, log);
   bool timed_out = false;
   const int rc = detail::wait_child(pid, o.run_timeout_s, 10.0, &timed_out);
   MeasuredRun m;

@@ -487,6 +487,28 @@ TEST(RunConfig, LaunchedEnvironmentResolvesToTheConfiguration) {
 }
 
 // The readers that predate RunConfig give the same answers through it.
+TEST(RunConfig, ZeroWithAPipelineIsRefusedBeforeTheJobStarts) {
+  const EnvMap env = {{"WORLD_SIZE", "2"}, {"RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                      {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"},
+                      {var::kDistributedType, "DEEPSPEED"}, {"TANDEM_ZERO_STAGE", "1"},
+                      {var::kPpSize, "2"}};
+  try {
+    resolve_run_config(AcceleratorOptions(), env);
+    ADD_FAILURE() << "ZeRO stage 1 with pp_size 2 was accepted";
+  } catch (const std::invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("[rank 1/2] ZeRO stage 1 does not combine with pipeline parallel"),
+              std::string::npos) << what;
+  }
+  // The same layout without ZeRO, and ZeRO without the pipeline, resolve.
+  EnvMap plain = env;
+  plain[var::kDistributedType] = "MULTI_CPU";
+  EXPECT_EQ(resolve_run_config(AcceleratorOptions(), plain).mesh_shape.pp, 2);
+  EnvMap zero = env;
+  zero.erase(var::kPpSize);
+  EXPECT_EQ(resolve_run_config(AcceleratorOptions(), zero).sharding->stage(), 1);
+}
+
 TEST(RunConfig, ReadersAgreeWithTheRunConfiguration) {
   const EnvMap env = {{var::kDistributedType, "FSDP"},
                       {"TANDEM_FSDP_SHARDING_STRATEGY", "2"},

@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 
+#include "tandem/config/config.h"
 #include "tandem/config/run_config.h"
 #include "tandem/parallel/strategy.h"
 #include "tandem/parallel/zero.h"
@@ -101,4 +102,25 @@ TEST(Sharding, SettingsOfDeepSpeedAndFsdpChooseTheStage) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("fsdp_not_a_key"), std::string::npos) << e.what();
   }
+}
+
+TEST(Sharding, FsdpStrategiesByNameOrNumber) {
+  using tandem::parallel::fsdp_sharding_strategy;
+  EXPECT_EQ(fsdp_sharding_strategy("FULL_SHARD").stage, 3);
+  EXPECT_EQ(fsdp_sharding_strategy("shard_grad_op").stage, 2);
+  EXPECT_EQ(fsdp_sharding_strategy("3").name, "NO_SHARD");
+  EXPECT_TRUE(fsdp_sharding_strategy("4").hybrid);
+  EXPECT_EQ(fsdp_sharding_strategy("HYBRID_SHARD_ZERO2").stage, 2);
+  EXPECT_FALSE(fsdp_sharding_strategy("1").hybrid);
+  for (const char* bad : {"0", "6", "FULL", ""}) {
+    try {
+      fsdp_sharding_strategy(bad);
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("5 HYBRID_SHARD_ZERO2"), std::string::npos) << e.what();
+    }
+  }
+  // The config file's names are the same table's.
+  ASSERT_EQ(tandem::config::fsdp_sharding_strategies().size(),
+            tandem::parallel::fsdp_sharding_strategies().size());
 }

@@ -46,6 +46,24 @@ inline constexpr const char kHostAllocator[] = "TANDEM_HOST_ALLOCATOR";
 inline constexpr const char kHostCacheMb[] = "TANDEM_HOST_CACHE_MB";
 /// fsdp_config.fsdp_<key> travels as TANDEM_FSDP_<KEY>; fp8_config.<key> as TANDEM_FP8_<KEY>.
 inline constexpr const char kFsdpPrefix[] = "TANDEM_FSDP_";
+inline constexpr const char kFsdpShardingStrategy[] = "TANDEM_FSDP_SHARDING_STRATEGY";
+inline constexpr const char kFsdpOffloadParams[] = "TANDEM_FSDP_OFFLOAD_PARAMS";
+inline constexpr const char kFsdpAutoWrapPolicy[] = "TANDEM_FSDP_AUTO_WRAP_POLICY";
+inline constexpr const char kFsdpTransformerLayerClsToWrap[] = "TANDEM_FSDP_TRANSFORMER_LAYER_CLS_TO_WRAP";
+inline constexpr const char kFsdpMinNumParams[] = "TANDEM_FSDP_MIN_NUM_PARAMS";
+inline constexpr const char kFsdpStateDictType[] = "TANDEM_FSDP_STATE_DICT_TYPE";
+inline constexpr const char kFsdpActivationCheckpointing[] = "TANDEM_FSDP_ACTIVATION_CHECKPOINTING";
+inline constexpr const char kFsdpSyncModuleStates[] = "TANDEM_FSDP_SYNC_MODULE_STATES";
+inline constexpr const char kFsdpUseOrigParams[] = "TANDEM_FSDP_USE_ORIG_PARAMS";
+inline constexpr const char kFsdpCpuRamEfficientLoading[] = "TANDEM_FSDP_CPU_RAM_EFFICIENT_LOADING";
+inline constexpr const char kFsdpForwardPrefetch[] = "TANDEM_FSDP_FORWARD_PREFETCH";
+inline constexpr const char kFsdpBackwardPrefetch[] = "TANDEM_FSDP_BACKWARD_PREFETCH";
+inline constexpr const char kFsdpReshardAfterForward[] = "TANDEM_FSDP_RESHARD_AFTER_FORWARD";
+inline constexpr const char kFp8Format[] = "TANDEM_FP8_FORMAT";
+inline constexpr const char kFp8AmaxHistoryLen[] = "TANDEM_FP8_AMAX_HISTORY_LEN";
+inline constexpr const char kFp8AmaxComputeAlgo[] = "TANDEM_FP8_AMAX_COMPUTE_ALGO";
+inline constexpr const char kFp8Margin[] = "TANDEM_FP8_MARGIN";
+inline constexpr const char kFp8Interval[] = "TANDEM_FP8_INTERVAL";
 inline constexpr const char kFp8Prefix[] = "TANDEM_FP8_";
 // Written by the launcher itself for every rank.
 inline constexpr const char kLauncher[] = "TANDEM_LAUNCHER";

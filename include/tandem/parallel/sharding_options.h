@@ -86,6 +86,20 @@ struct ShardingOptions {
 /// Why `sharding` cannot run ("" when it can): a stage outside 0-3, parameter offload below stage 3.
 std::string unsupported_sharding_message(const ShardingOptions& sharding);
 
+/// One of FSDP's sharding strategies (fsdp_sharding_strategy): its name, the ZeRO stage it runs
+/// and whether it is hybrid (Note [Hybrid sharding]).
+struct FsdpShardingStrategy {
+  std::string name;
+  int stage;
+  bool hybrid;
+};
+/// FULL_SHARD (3), SHARD_GRAD_OP (2), NO_SHARD (0), HYBRID_SHARD (3, hybrid),
+/// HYBRID_SHARD_ZERO2 (2, hybrid), in the order of Accelerate's numbers 1-5.
+const std::vector<FsdpShardingStrategy>& fsdp_sharding_strategies();
+/// The strategy `value` names: a name in any case, or its number 1-5. Throws
+/// std::invalid_argument listing them.
+const FsdpShardingStrategy& fsdp_sharding_strategy(const std::string& value);
+
 /// Why Accelerate's distributed type `name` cannot run in tandem ("" when it can, or is not one
 /// that tandem knows to refuse): devices tandem does not drive (XLA, TPU, MULTI_XPU, ...) and
 /// Megatron-LM's or SageMaker's model parallelism. The message says what runs instead.
