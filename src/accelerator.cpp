@@ -310,7 +310,8 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
 }
 
 std::shared_ptr<nn::detail::BuildScope> Accelerator::begin_build(bool root_hookable) {
-  if (!strategy_->shards_construction()) return nullptr;
+  auto* sharding = strategy_->parameter_sharding();
+  if (!sharding) return nullptr;
   TORCH_CHECK(topology_->tp() == 1, state_.prefix(),
               " build: this run is tensor parallel (tp_size ", topology_->tp(),
               "), and parallelize splits the dense layers, which a model sharded while it is "
@@ -319,10 +320,10 @@ std::shared_ptr<nn::detail::BuildScope> Accelerator::begin_build(bool root_hooka
   // Note [Sharded construction]: the outermost hookable modules under the model are the
   // candidates (the model itself when hookable is not: prepare's policy never makes the root a
   // unit); each is brought to where prepare would bring it, then sharded.
-  auto on_built = [this](torch::nn::Module& m, bool explicit_unit) {
-    if (!strategy_->unit_at_construction(m, explicit_unit)) return;
+  auto on_built = [this, sharding](torch::nn::Module& m, bool explicit_unit) {
+    if (!sharding->unit_at_construction(m, explicit_unit)) return;
     Transforms steps;
-    steps.strategy = [this](torch::nn::Module& unit) { strategy_->shard_built(unit); };
+    steps.strategy = [sharding](torch::nn::Module& unit) { sharding->shard_built(unit); };
     apply_transforms(m, steps);
     trim_host_cache();  // the dense block's memory goes back now, before the next is built
   };
@@ -513,11 +514,12 @@ Accelerator::NoSyncScope::~NoSyncScope() {
 Accelerator::NoSyncScope Accelerator::no_sync() { return NoSyncScope(this); }
 
 Accelerator::FullParamsScope::FullParamsScope(Accelerator* acc) : acc_(acc) {
-  acc_->strategy_->gather_units();
+  if (auto* sharding = acc_->strategy_->parameter_sharding()) sharding->gather_units();
 }
 
 Accelerator::FullParamsScope::~FullParamsScope() {
-  if (acc_) acc_->strategy_->release_units();
+  if (!acc_) return;
+  if (auto* sharding = acc_->strategy_->parameter_sharding()) sharding->release_units();
 }
 
 Accelerator::FullParamsScope Accelerator::summon_full_params() { return FullParamsScope(this); }

@@ -39,6 +39,21 @@ namespace tandem::parallel {
 
 class Topology;
 
+/// What only a strategy that shards the parameters (ZeRO-3) does: whole parameters on demand,
+/// and units sharded while a model is built. Strategy::parameter_sharding() gives it.
+class ParameterSharding {
+ public:
+  virtual ~ParameterSharding() = default;
+  /// Gathers every unit's parameters until release_units (Accelerator::full_parameters).
+  virtual void gather_units() = 0;
+  virtual void release_units() = 0;
+  /// Note [Sharded construction]: whether `module` (complete; `explicit_unit`: a Sharded
+  /// wrapper), built under Accelerator::build, is a unit, and its sharding: it is on the run's
+  /// device, cast, and holds rank 0's values.
+  virtual bool unit_at_construction(torch::nn::Module& module, bool explicit_unit) = 0;
+  virtual void shard_built(torch::nn::Module& module) = 0;
+};
+
 /// A collective a strategy ran outside the gradient reducer, for the timeline: an all-gather of
 /// a ZeRO-3 unit from when it was issued to when it was seen complete (`prefetch`: issued ahead
 /// of its use), or the time the computation waited for one (`wait`).
@@ -157,18 +172,9 @@ class Strategy {
                                                   const checkpoint::LoadOptions& options = {});
   /// The gradient reducers (for timelines and tests).
   virtual std::vector<const GradientReducer*> reducers() const = 0;
-  /// Stage 3: gathers every unit's parameters (gather_units) until release_units; elsewhere
-  /// nothing (the parameters are always whole).
-  virtual void gather_units() {}
-  virtual void release_units() {}
-  /// Note [Sharded construction]: whether Accelerator::build shards a model's units as they
-  /// are built (ZeRO-3), whether `module` (complete; `explicit_unit`: a Sharded wrapper) is one
-  /// of them, and its sharding: it is on the run's device, cast, and holds rank 0's values.
-  virtual bool shards_construction() const { return false; }
-  virtual bool unit_at_construction(torch::nn::Module& /*module*/, bool /*explicit_unit*/) {
-    return false;
-  }
-  virtual void shard_built(torch::nn::Module& /*module*/) {}
+  /// What a strategy that shards the parameters (ZeRO-3) does besides; nullptr for the others,
+  /// whose parameters are always whole.
+  virtual ParameterSharding* parameter_sharding() { return nullptr; }
   /// The all-gathers (and waits for them) since the last call, for the timeline; none unless
   /// `record` was set (the Accelerator sets it when it writes a timeline).
   virtual std::vector<CommSpan> take_comm_spans() { return {}; }

@@ -14,7 +14,7 @@ std::string model_label(const torch::nn::Module& model, int index);
 
 namespace tandem::parallel::detail {
 
-/// ZeRO stages 1, 2 and 3 (zero.cpp).
+/// ZeRO stages 1, 2 and 3 (zero/).
 std::unique_ptr<Strategy> make_zero_strategy(const ShardingOptions& options,
                                              StrategyContext context);
 
