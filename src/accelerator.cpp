@@ -1,5 +1,6 @@
 // The Accelerator (see accelerator.h).
 #include "tandem/accelerator.h"
+#include "tandem/error.h"
 #include "tandem/nn/module.h"
 
 #include <torch/torch.h>
@@ -42,7 +43,7 @@ parallel::TensorParallelPlan stage_plan(const parallel::TensorParallelPlan& plan
     if (counts[static_cast<int64_t>(i)].item<int64_t>() == 0)
       unmatched += (unmatched.empty() ? "'" : ", '") + plan.entries[i].pattern + "'";
   if (!unmatched.empty())
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         pp.prefix() + " prepare_pipeline: the tensor-parallel plan entr" +
         (unmatched.find(',') == std::string::npos ? "y " : "ies ") + unmatched +
         " match no module of any pipeline stage; stage modules are named by their index in the "
@@ -133,11 +134,11 @@ Accelerator::Accelerator(AcceleratorOptions options)
       loader_state_.get());
   strategy_->record_comm_spans(recorder_->timeline().enabled());
   if (options_.seed()) set_seed(*options_.seed());
-  TORCH_CHECK(options_.checkpoint_every_steps() >= 0 && options_.checkpoint_every_minutes() >= 0,
+  TANDEM_CHECK(options_.checkpoint_every_steps() >= 0 && options_.checkpoint_every_minutes() >= 0,
               state_.prefix(), " AcceleratorOptions: checkpoint_every_steps (",
               options_.checkpoint_every_steps(), ") and checkpoint_every_minutes (",
               options_.checkpoint_every_minutes(), ") must be at least 0 (0: no periodic checkpoints)");
-  TORCH_CHECK((options_.checkpoint_every_steps() == 0 && options_.checkpoint_every_minutes() == 0) ||
+  TANDEM_CHECK((options_.checkpoint_every_steps() == 0 && options_.checkpoint_every_minutes() == 0) ||
                   options_.automatic_checkpoint_naming(),
               state_.prefix(), " AcceleratorOptions: periodic checkpoints are written as "
               "project_dir/checkpoints/checkpoint_<n>, and automatic_checkpoint_naming is false: "
@@ -181,7 +182,7 @@ void Accelerator::check_model_split(const char* where) {
   }
   auto refuse = [&](const std::string& dim, int size, const std::string& missing,
                     const std::string& call) {
-    throw std::invalid_argument(state_.prefix() + " " + where + ": this run has " + dim + " " +
+    throw ::tandem::Refused(state_.prefix() + " " + where + ": this run has " + dim + " " +
                                 std::to_string(size) + " (tandem launch --" + dim +
                                 ", parallelism_config " + dim +
                                 ", or AcceleratorOptions().parallelism), but " + missing +
@@ -230,7 +231,7 @@ void Accelerator::profile_parameters(const torch::nn::Module& model) {
 }
 
 void Accelerator::free_memory() {
-  TORCH_CHECK(no_sync_depth_ == 0, state_.prefix(),
+  TANDEM_CHECK(no_sync_depth_ == 0, state_.prefix(),
               " free_memory: called inside no_sync() or accumulate(); leave the scope first");
   // Note [Accelerator lifetime]: what was prepared before reaches this Accelerator no more; a
   // kept optimizer steps as a plain LibTorch optimizer.
@@ -295,9 +296,9 @@ void Accelerator::apply_transforms(torch::nn::Module& model, const Transforms& t
 
 std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
     std::shared_ptr<torch::nn::Module> model) {
-  TORCH_CHECK(model, state_.prefix(), " prepare: the model is null");
+  TANDEM_CHECK(model, state_.prefix(), " prepare: the model is null");
   for (const auto& m : models_)
-    TORCH_CHECK(m.get() != model.get(), state_.prefix(),
+    TANDEM_CHECK(m.get() != model.get(), state_.prefix(),
                 " prepare: this model was already prepared; prepare each model once");
   Transforms steps;
   steps.checkpoint_blocks = true;
@@ -312,7 +313,7 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
 std::shared_ptr<nn::detail::BuildScope> Accelerator::begin_build(bool root_hookable) {
   auto* sharding = strategy_->parameter_sharding();
   if (!sharding) return nullptr;
-  TORCH_CHECK(topology_->tp() == 1, state_.prefix(),
+  TANDEM_CHECK(topology_->tp() == 1, state_.prefix(),
               " build: this run is tensor parallel (tp_size ", topology_->tp(),
               "), and parallelize splits the dense layers, which a model sharded while it is "
               "built no longer has; construct the model directly (GPT(cfg) instead of "
@@ -337,7 +338,7 @@ void Accelerator::end_build(const std::shared_ptr<nn::detail::BuildScope>& scope
 }
 
 void Accelerator::parallelize(torch::nn::Module& model, const parallel::TensorParallelPlan& plan) {
-  TORCH_CHECK(topology_->tp() > 1, state_.prefix(),
+  TANDEM_CHECK(topology_->tp() > 1, state_.prefix(),
               " parallelize: this run has no tensor-parallel dimension; set tp_size (tandem launch "
               "--tp_size, parallelism_config_tp_size, or AcceleratorOptions().parallelism)");
   model.to(device_);
@@ -353,14 +354,14 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
 std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
     torch::nn::Sequential model, parallel::Pipeline::Loss loss, parallel::PipelineOptions options,
     const parallel::TensorParallelPlan& plan) {
-  TORCH_CHECK(topology_->pp() > 1, state_.prefix(),
+  TANDEM_CHECK(topology_->pp() > 1, state_.prefix(),
               " prepare_pipeline: this run has no pipeline dimension; set pp_size (tandem launch "
               "--pp_size, parallelism_config pp_size, or AcceleratorOptions().parallelism)");
   // Note [Pipelines and ZeRO]: a run with both is refused by resolve_run_config.
   // The pipeline's micro-batches are its accumulation: Pipeline::step neither divides its loss
   // by gradient_accumulation_steps nor defers its data-parallel reduction.
   if (accumulation_steps_ != 1)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         state_.prefix() + " prepare_pipeline: gradient_accumulation_steps is " +
         std::to_string(accumulation_steps_) +
         " (--gradient_accumulation_steps, or AcceleratorOptions()), but a pipeline step does not "
@@ -370,7 +371,7 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   auto pp = topology_->group("pp");
   auto dp = topology_->data_parallel();
   auto stage = parallel::split_sequential(model, pp->size(), pp->rank());
-  TORCH_CHECK(plan.entries.empty() || topology_->tp() > 1, state_.prefix(),
+  TANDEM_CHECK(plan.entries.empty() || topology_->tp() > 1, state_.prefix(),
               " prepare_pipeline: a tensor-parallel plan was given, but this run has no "
               "tensor-parallel dimension; set tp_size (tandem launch --tp_size, "
               "parallelism_config_tp_size, or AcceleratorOptions().parallelism), or pass no plan");
@@ -389,7 +390,7 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
 }
 
 AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimizer> optimizer) {
-  TORCH_CHECK(optimizer, state_.prefix(), " prepare: the optimizer is null");
+  TANDEM_CHECK(optimizer, state_.prefix(), " prepare: the optimizer is null");
   // Note [Tied parameters in optimizers]: LibTorch's Module::parameters() lists a tensor once
   // per module holding it (a tied embedding and head: twice), where PyTorch's yields it once; an
   // optimizer over such a list steps the tied tensor twice per step (Adam: two updates from one
@@ -423,7 +424,7 @@ AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimize
 
 std::shared_ptr<torch::optim::LRScheduler> Accelerator::prepare_scheduler(
     std::shared_ptr<torch::optim::LRScheduler> scheduler) {
-  TORCH_CHECK(scheduler, state_.prefix(), " prepare_scheduler: the scheduler is null");
+  TANDEM_CHECK(scheduler, state_.prefix(), " prepare_scheduler: the scheduler is null");
   schedulers_.push_back(scheduler);
   return scheduler;
 }
@@ -455,11 +456,11 @@ void Accelerator::auto_resume() {
 }
 
 void Accelerator::backward(const at::Tensor& loss) {
-  TORCH_CHECK(loss.defined(), state_.prefix(), " backward: the loss is undefined");
+  TANDEM_CHECK(loss.defined(), state_.prefix(), " backward: the loss is undefined");
   if (auto_resume_pending_) {
     auto_resume_pending_ = false;
     const auto latest = latest_checkpoint();
-    TORCH_CHECK(latest.empty(), state_.prefix(), " auto_resume: the first backward came before "
+    TANDEM_CHECK(latest.empty(), state_.prefix(), " auto_resume: the first backward came before "
                 "any prepared loader's first batch, so ", latest, " was not loaded and this "
                 "step would train from the initial weights; call acc.load_state() before the "
                 "loop (or iterate a loader from acc.prepare_data_loader)");
@@ -478,7 +479,7 @@ void Accelerator::backward(const at::Tensor& loss) {
     // autograd finds one, the program made it; say where to look.
     const std::string what = e.what();
     if (what.find("modified by an inplace operation") == std::string::npos) throw;
-    TORCH_CHECK(false,
+    TANDEM_CHECK(false,
         state_.prefix() + " backward: " + what.substr(0, what.find("\nException raised from")) +
         "\n(tandem writes buffers and sharded parameters around autograd's version counters, so "
         "the modification is the program's: usually an optimizer step or an in-place op on "
@@ -564,7 +565,7 @@ std::tuple<int64_t, int64_t, int64_t> Accelerator::split_range(int64_t rows,
 
 at::Tensor Accelerator::split_between_processes(const at::Tensor& inputs,
                                                 bool apply_padding) const {
-  TORCH_CHECK(inputs.dim() > 0, state_.prefix(),
+  TANDEM_CHECK(inputs.dim() > 0, state_.prefix(),
               " split_between_processes: expected a tensor with a first dimension to split, "
               "found a scalar; pass a tensor of shape [n, ...]");
   const auto [begin, end, padded] = split_range(inputs.size(0), apply_padding);
@@ -643,7 +644,7 @@ Accelerator::MainProcessFirst::~MainProcessFirst() {
 
 Accelerator* AcceleratedOptimizer::owner() const {
   if (!owner_) return nullptr;
-  TORCH_CHECK(*owner_ != nullptr,
+  TANDEM_CHECK(*owner_ != nullptr,
               "AcceleratedOptimizer: the Accelerator that prepared this optimizer was destroyed; "
               "keep the Accelerator alive for as long as its prepared optimizers are used (or step "
               "the plain optimizer through optimizer())");

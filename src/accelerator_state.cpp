@@ -2,6 +2,7 @@
 // of the run's components (checkpoint/training_state.h), plus save_model and the registry of
 // the user's objects.
 #include <torch/torch.h>
+#include "tandem/error.h"
 
 #include <nlohmann/json.hpp>
 
@@ -42,11 +43,11 @@ std::string Accelerator::latest_checkpoint() const {
 void Accelerator::register_for_checkpointing(const std::string& name,
                                              std::function<std::string()> save,
                                              std::function<void(const std::string&)> load) {
-  TORCH_CHECK(std::regex_match(name, std::regex("[A-Za-z0-9_.-]+")), state_.prefix(),
+  TANDEM_CHECK(std::regex_match(name, std::regex("[A-Za-z0-9_.-]+")), state_.prefix(),
               " register_for_checkpointing: name '", name,
               "' must use letters, digits, '_', '-' and '.' only (it becomes a file name)");
   for (const auto& r : registered_)
-    TORCH_CHECK(r.name != name, state_.prefix(), " register_for_checkpointing: '", name,
+    TANDEM_CHECK(r.name != name, state_.prefix(), " register_for_checkpointing: '", name,
                 "' is already registered; give each object its own name");
   registered_.push_back({name, std::move(save), std::move(load)});
 }
@@ -59,12 +60,12 @@ std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
 
 checkpoint::LoadReport Accelerator::load_model(torch::nn::Module& model, const std::string& path,
                                                const checkpoint::LoadOptions& options) {
-  TORCH_CHECK(topology_->tp() == 1 && topology_->pp() == 1, state_.prefix(),
+  TANDEM_CHECK(topology_->tp() == 1 && topology_->pp() == 1, state_.prefix(),
               " load_model: this run is tensor or pipeline parallel (", topology_->summary(),
               "), whose modules hold parts of the dense tensors; load the dense weights into the "
               "dense model (checkpoint::load_model) before acc.parallelize / prepare_pipeline, "
               "or resume a training checkpoint with load_state");
-  TORCH_CHECK(!precision_->has_master_weights(), state_.prefix(),
+  TANDEM_CHECK(!precision_->has_master_weights(), state_.prefix(),
               " load_model: an optimizer steps fp32 master copies of this model's half "
               "weights already, which loading would leave behind; load the weights before "
               "prepare(optimizer), or resume a training checkpoint with load_state");
@@ -116,7 +117,7 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                    },
                    [this](const StateReader& r) {
                      auto loaders = state_of(r, "loaders");
-                     TORCH_CHECK(loaders.size() <= loaders_.size() || loaders_.empty(),
+                     TANDEM_CHECK(loaders.size() <= loaders_.size() || loaders_.empty(),
                                  state_.prefix(), " load_state: the checkpoint has ",
                                  loaders.size(), " loaders but only ", loaders_.size(),
                                  " were prepared; prepare them before load_state");
@@ -252,7 +253,7 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
   if (!dir_arg.empty()) {
     target = dir_arg;
   } else {
-    TORCH_CHECK(options_.automatic_checkpoint_naming(), state_.prefix(),
+    TANDEM_CHECK(options_.automatic_checkpoint_naming(), state_.prefix(),
                 " save_state() needs a directory, or AcceleratorOptions().automatic_checkpoint_naming(true)");
     auto base = fs::path(options_.project_dir()) / "checkpoints";
     auto existing = checkpoint::complete_checkpoints(base.string());

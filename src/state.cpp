@@ -1,5 +1,6 @@
 // Reading the process's place in the job from the environment of each supported launcher.
 #include "tandem/state.h"
+#include "tandem/error.h"
 #include "tandem/config/run_env.h"
 
 #include <torch/cuda.h>
@@ -35,7 +36,7 @@ int parse_int(const std::string& name, const std::string& value) {
     }
   }
   if (!ok || pos != value.size() || v > 1000000000L) {
-    throw std::invalid_argument(name + "='" + value +
+    throw ::tandem::Refused(name + "='" + value +
                                 "' is not a valid non-negative integer; set " + name +
                                 " to a number such as 0 or 4");
   }
@@ -56,7 +57,7 @@ struct Names {
 };
 
 void check_consistent(const ProcessState& s, const Names& n) {
-  auto fail = [](const std::string& msg) { throw std::invalid_argument(msg); };
+  auto fail = [](const std::string& msg) { throw ::tandem::Refused(msg); };
   if (s.world_size < 1)
     fail(std::string(n.world) + "=" + std::to_string(s.world_size) + " must be at least 1");
   if (s.rank >= s.world_size)
@@ -81,7 +82,7 @@ void read_master(ProcessState& s, const EnvMap& env, const std::string& how,
   if (s.world_size > 1 && (!addr || !port)) {
     std::string missing = !addr && !port ? "MASTER_ADDR and MASTER_PORT"
                                          : (!addr ? "MASTER_ADDR" : "MASTER_PORT");
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "started by " + how + " with " + std::to_string(s.world_size) +
         " processes but " + missing + " is not set: export " + missing +
         " (the address of the host of rank 0 and a free TCP port on it, e.g. MASTER_PORT=29500) "
@@ -91,7 +92,7 @@ void read_master(ProcessState& s, const EnvMap& env, const std::string& how,
   if (port) {
     s.master_port = parse_int("MASTER_PORT", *port);
     if (s.master_port < 1 || s.master_port > 65535)
-      throw std::invalid_argument("MASTER_PORT=" + *port + " is not a TCP port (1-65535)");
+      throw ::tandem::Refused("MASTER_PORT=" + *port + " is not a TCP port (1-65535)");
   }
 }
 
@@ -151,7 +152,7 @@ ProcessState from_launcher_env(const EnvMap& env) {
     s.launcher = get(env, config::var::kLauncher) ? LauncherKind::kTandem : LauncherKind::kTorchrun;
     Names n{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"};
     if (!get(env, "WORLD_SIZE"))
-      throw std::invalid_argument("RANK is set but WORLD_SIZE is not: set WORLD_SIZE too");
+      throw ::tandem::Refused("RANK is set but WORLD_SIZE is not: set WORLD_SIZE too");
     s.world_size = parse_int("WORLD_SIZE", *get(env, "WORLD_SIZE"));
     s.rank = int_or(env, "RANK", 0);
     s.local_rank = int_or(env, "LOCAL_RANK", s.rank);
@@ -232,7 +233,7 @@ std::string ProcessState::prefix() const {
 // ranges ("gpu[01-03,07]"), possibly followed by a suffix and further bracket groups.
 std::vector<std::string> expand_slurm_nodelist(const std::string& nodelist) {
   auto bad = [&](const std::string& why) {
-    return std::invalid_argument("SLURM_JOB_NODELIST='" + nodelist + "' is malformed: " + why);
+    return ::tandem::Refused("SLURM_JOB_NODELIST='" + nodelist + "' is malformed: " + why);
   };
   // Split at top-level commas (not inside brackets).
   std::vector<std::string> items;
@@ -310,7 +311,7 @@ c10::Device select_device(const ProcessState& state, bool force_cpu) {
   int count = static_cast<int>(torch::cuda::device_count());
   if (state.local_rank >= count) {
     const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
-    throw std::invalid_argument(state.prefix() + " local rank " + std::to_string(state.local_rank) +
+    throw ::tandem::Refused(state.prefix() + " local rank " + std::to_string(state.local_rank) +
                                 " has no GPU: " + std::to_string(count) + " visible" +
                                 (vis ? std::string(" (CUDA_VISIBLE_DEVICES=") + vis + ")" : "") +
                                 "; start at most " + std::to_string(count) +

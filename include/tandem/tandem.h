@@ -6,6 +6,7 @@
 #include "tandem/comm/mesh.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/data/loader.h"
+#include "tandem/error.h"
 #include "tandem/data/sampler.h"
 #include "tandem/inference/device_map.h"
 #include "tandem/inference/dispatch.h"

@@ -1,6 +1,7 @@
 // save_model / load_model: a module's parameters and buffers as (sharded) safetensors in
 // transformers' layout, plus the pure helpers (size strings, greedy shard assignment).
 #include "tandem/checkpoint/model_io.h"
+#include "tandem/error.h"
 
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/module.h>
@@ -175,7 +176,7 @@ bool same_tensor(const at::Tensor& a, const at::Tensor& b) {
 
 uint64_t parse_size(const std::string& text) {
   auto bad = [&](const std::string& why) {
-    return std::invalid_argument("size '" + text + "': " + why +
+    return ::tandem::Refused("size '" + text + "': " + why +
                                  " (expected a number and a unit: \"10GB\", \"1.5GB\", "
                                  "\"200MB\", \"500KB\", \"2GiB\", or bytes \"1048576\")");
   };
@@ -269,7 +270,7 @@ void save_model_tensors(const NamedTensors& tensors, const std::string& dir,
                         const std::string& max_shard_size) {
   uint64_t limit = parse_size(max_shard_size);
   if (limit == 0) {
-    throw std::invalid_argument("save_model: max_shard_size '" + max_shard_size +
+    throw ::tandem::Refused("save_model: max_shard_size '" + max_shard_size +
                                 "' is zero (expected a positive size such as \"10GB\")");
   }
   std::vector<uint64_t> sizes;
@@ -278,7 +279,7 @@ void save_model_tensors(const NamedTensors& tensors, const std::string& dir,
     try {
       dtype_of(t.scalar_type());
     } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("save_model: tensor '" + name + "': " + e.what());
+      throw ::tandem::Refused("save_model: tensor '" + name + "': " + e.what());
     }
     sizes.push_back(static_cast<uint64_t>(t.numel()) * t.element_size());
     total += sizes.back();

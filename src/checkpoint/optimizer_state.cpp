@@ -1,5 +1,6 @@
 // Optimizer state to and from tensors + JSON (see optimizer_state.h).
 #include "tandem/checkpoint/optimizer_state.h"
+#include "tandem/error.h"
 
 #include <torch/optim.h>
 
@@ -198,7 +199,7 @@ Codec<optim::RMSpropOptions, optim::RMSpropParamState> rmsprop_codec() {
 }
 
 [[noreturn]] void unsupported() {
-  throw std::invalid_argument(
+  throw ::tandem::Refused(
       "save_state/load_state support LibTorch's SGD, Adam, AdamW, Adagrad and RMSprop; for another "
       "optimizer, save its state yourself through accelerator.register_for_checkpointing");
 }

@@ -1,6 +1,7 @@
 // safetensors for LibTorch tensors: dtype mapping, the streaming writer and the mmap reader.
 // The header logic (validation, layout, encoding) lives in safetensors_header.cpp.
 #include "tandem/checkpoint/safetensors.h"
+#include "tandem/error.h"
 
 #include <ATen/ops/empty.h>
 #include <torch/version.h>
@@ -62,12 +63,12 @@ WritePlan plan_write(const NamedTensors& tensors, const SafetensorsMetadata& met
   entries.reserve(tensors.size());
   for (const auto& [name, t] : tensors) {
     if (!t.defined()) {
-      throw std::invalid_argument("save_safetensors: tensor '" + name +
+      throw ::tandem::Refused("save_safetensors: tensor '" + name +
                                   "' is undefined (expected a tensor with storage): drop it "
                                   "from the list");
     }
     if (t.layout() != c10::kStrided) {
-      throw std::invalid_argument("save_safetensors: tensor '" + name +
+      throw ::tandem::Refused("save_safetensors: tensor '" + name +
                                   "' is sparse or has another non-strided layout; the format "
                                   "holds dense tensors: call .to_dense() first");
     }
@@ -76,7 +77,7 @@ WritePlan plan_write(const NamedTensors& tensors, const SafetensorsMetadata& met
     try {
       info.dtype = dtype_of(t.scalar_type());
     } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument("save_safetensors: tensor '" + name + "': " + e.what());
+      throw ::tandem::Refused("save_safetensors: tensor '" + name + "': " + e.what());
     }
     info.shape = t.sizes().vec();
     entries.push_back(std::move(info));
@@ -140,21 +141,21 @@ c10::ScalarType to_scalar_type(Dtype dtype) {
     case Dtype::kF8_E5M2: {
       auto t = dtype == Dtype::kF8_E4M3 ? compat::float8_e4m3fn() : compat::float8_e5m2();
       if (t) return *t;
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           "dtype " + std::string(dtype_name(dtype)) + " needs a float8 scalar type, which " +
           "LibTorch " + TORCH_VERSION +
           " lacks (float8 arrived in LibTorch 2.1): build tandem "
           "against LibTorch >= 2.1, or store the tensor as F16, BF16 or F32");
     }
   }
-  throw std::invalid_argument("unknown Dtype value " + std::to_string(static_cast<int>(dtype)));
+  throw ::tandem::Refused("unknown Dtype value " + std::to_string(static_cast<int>(dtype)));
 }
 
 Dtype dtype_of(c10::ScalarType type) {
   for (Dtype d : all_dtypes()) {
     if (dtype_supported(d) && to_scalar_type(d) == type) return d;
   }
-  throw std::invalid_argument(std::string("dtype ") + c10::toString(type) +
+  throw ::tandem::Refused(std::string("dtype ") + c10::toString(type) +
                               " has no safetensors equivalent (expected one of float64, float32, "
                               "float16, bfloat16, int64, int32, int16, int8, uint8, bool or "
                               "float8): convert it with .to(...) first");
@@ -282,7 +283,7 @@ const TensorInfo& SafetensorsFile::info(const std::string& name) const {
       }
       some += (some.empty() ? "" : ", ") + n;
     }
-    throw std::invalid_argument("safetensors file '" + path_ + "': no tensor named '" + name +
+    throw ::tandem::Refused("safetensors file '" + path_ + "': no tensor named '" + name +
                                 "' (it holds " + std::to_string(header_.tensors.size()) +
                                 " tensors: " + (some.empty() ? "none" : some) + ")");
   }
@@ -315,7 +316,7 @@ at::Tensor SafetensorsFile::tensor(const std::string& name) const {
 void SafetensorsFile::read_into(const std::string& name, at::Tensor& dst) const {
   const TensorInfo& i = info(name);
   if (!dst.defined() || dst.sizes().vec() != i.shape) {
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "safetensors file '" + path_ + "': tensor '" + name + "' has shape " +
         c10::str(c10::IntArrayRef(i.shape)) + ", but the destination has shape " +
         (dst.defined() ? c10::str(dst.sizes()) : std::string("(undefined)")) +
@@ -330,7 +331,7 @@ void SafetensorsFile::read_range_into(const std::string& name, int64_t begin,
   int64_t numel = 1;
   for (auto d : i.shape) numel *= d;
   if (!dst.defined() || begin < 0 || begin + dst.numel() > numel)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "safetensors file '" + path_ + "': tensor '" + name + "' has " + std::to_string(numel) +
         " elements; elements [" + std::to_string(begin) + ", " +
         std::to_string(begin + (dst.defined() ? dst.numel() : 0)) + ") are not among them");

@@ -1,6 +1,7 @@
 // The safetensors header: dtype table, validating parser, layout and encoder (no LibTorch here:
 // tests/fuzz/safetensors_fuzz.cpp compiles this file on its own).
 #include "tandem/checkpoint/safetensors_header.h"
+#include "tandem/error.h"
 
 #include <nlohmann/json.hpp>
 
@@ -37,7 +38,7 @@ const DtypeEntry& entry_of(Dtype dtype) {
   for (const auto& e : kDtypes) {
     if (e.dtype == dtype) return e;
   }
-  throw std::invalid_argument("safetensors: unknown Dtype value " +
+  throw ::tandem::Refused("safetensors: unknown Dtype value " +
                               std::to_string(static_cast<int>(dtype)));
 }
 
@@ -286,7 +287,7 @@ void put_json_string(std::string& out, const std::string& s, const std::string& 
   try {
     out += json(s).dump(-1, ' ', false, json::error_handler_t::strict);
   } catch (const json::exception&) {
-    throw std::invalid_argument("safetensors: " + what +
+    throw ::tandem::Refused("safetensors: " + what +
                                 " is not valid UTF-8; the format stores names and metadata as "
                                 "UTF-8 JSON: rename it");
   }
@@ -333,7 +334,7 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
          "is truncated");
   }
   if (prefix.size() < 8 || prefix.size() > file_size) {
-    throw std::invalid_argument("parse_safetensors_header: " + std::to_string(prefix.size()) +
+    throw ::tandem::Refused("parse_safetensors_header: " + std::to_string(prefix.size()) +
                                 " bytes given for a file of " + std::to_string(file_size) +
                                 " (expected at least the 8-byte length, at most the file)");
   }
@@ -351,7 +352,7 @@ SafetensorsHeader parse_safetensors_header(std::string_view prefix, uint64_t fil
          "or not a safetensors file)");
   }
   if (prefix.size() - 8 < n) {
-    throw std::invalid_argument("parse_safetensors_header: the header of '" + source + "' has " +
+    throw ::tandem::Refused("parse_safetensors_header: the header of '" + source + "' has " +
                                 std::to_string(n) + " bytes, but only " +
                                 std::to_string(prefix.size() - 8) + " were given");
   }
@@ -402,12 +403,12 @@ std::vector<TensorInfo> plan_safetensors_layout(std::vector<TensorInfo> entries)
   std::set<std::string> seen;
   for (const auto& e : entries) {
     if (e.name == "__metadata__") {
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           "safetensors: a tensor cannot be named \"__metadata__\" (the "
           "format reserves it for metadata): rename it");
     }
     if (!seen.insert(e.name).second) {
-      throw std::invalid_argument("safetensors: tensor '" + e.name +
+      throw ::tandem::Refused("safetensors: tensor '" + e.name +
                                   "' is given twice (expected unique names): rename one");
     }
   }
@@ -422,7 +423,7 @@ std::vector<TensorInfo> plan_safetensors_layout(std::vector<TensorInfo> entries)
     bool ok = true;
     for (auto d : e.shape) {
       if (d < 0) {
-        throw std::invalid_argument("safetensors: tensor '" + e.name + "' has shape " +
+        throw ::tandem::Refused("safetensors: tensor '" + e.name + "' has shape " +
                                     shape_string(e.shape) + " (expected non-negative sizes)");
       }
       ok = ok && checked_mul(numel, static_cast<uint64_t>(d), &numel);
@@ -431,7 +432,7 @@ std::vector<TensorInfo> plan_safetensors_layout(std::vector<TensorInfo> entries)
     ok = ok && checked_mul(numel, dtype_size(e.dtype), &nbytes);
     ok = ok && !__builtin_add_overflow(offset, nbytes, &e.end);
     if (!ok) {
-      throw std::invalid_argument("safetensors: tensor '" + e.name + "' of shape " +
+      throw ::tandem::Refused("safetensors: tensor '" + e.name + "' of shape " +
                                   shape_string(e.shape) + " overflows a 64-bit byte count");
     }
     e.begin = offset;

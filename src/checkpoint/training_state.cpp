@@ -16,6 +16,7 @@
 //   random_states_<rank>.safetensors                  every rank's RNG states (each rank)
 //   manifest.json                                     size and xxh64 of every file (main, last)
 #include "tandem/checkpoint/training_state.h"
+#include "tandem/error.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -190,7 +191,7 @@ void StateWriter::write_bytes(const std::string& file, const std::string& bytes)
 }
 
 void StateWriter::set_state(const std::string& key, const std::string& json) {
-  TORCH_CHECK(is_main(), "StateWriter::set_state('", key,
+  TANDEM_CHECK(is_main(), "StateWriter::set_state('", key,
               "') on rank ", rank_, ": state.json is written by the main process only");
   state_[key] = json;
 }

@@ -1,5 +1,6 @@
 // User-facing collectives built on ProcessGroup's primitives.
 #include "tandem/comm/collectives.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 
@@ -69,7 +70,7 @@ at::Tensor reduce(ProcessGroup& pg, const at::Tensor& tensor, ReduceOp op) {
   auto out = tensor.clone().contiguous();
   if (pg.size() == 1) return out;
   if (op == ReduceOp::kMean && !at::isFloatingType(out.scalar_type()))
-    throw std::invalid_argument(pg.prefix() + " reduce(mean) of an integer tensor: use kSum, or "
+    throw ::tandem::Refused(pg.prefix() + " reduce(mean) of an integer tensor: use kSum, or "
                                 "convert the tensor to a floating type first");
   pg.allreduce(out, op);
   return out;
@@ -91,7 +92,7 @@ at::Tensor pad_across_processes(ProcessGroup& pg, const at::Tensor& tensor, int6
   if (tensor.dim() == 0) return tensor;
   if (dim < 0) dim += tensor.dim();
   if (dim < 0 || dim >= tensor.dim())
-    throw std::invalid_argument(pg.prefix() + " pad_across_processes: dim " + std::to_string(dim) +
+    throw ::tandem::Refused(pg.prefix() + " pad_across_processes: dim " + std::to_string(dim) +
                                 " is out of range for a tensor of " +
                                 std::to_string(tensor.dim()) + " dims");
   if (pg.size() == 1) return tensor;

@@ -1,5 +1,6 @@
 // DeviceMesh and the arithmetic of row-major meshes.
 #include "tandem/comm/mesh.h"
+#include "tandem/error.h"
 
 #include <algorithm>
 #include <map>
@@ -32,11 +33,11 @@ std::vector<std::vector<int>> mesh_slices(const std::vector<int>& shape,
   std::vector<bool> in_slice(static_cast<size_t>(nd), false);
   for (int d : dim_indices) {
     if (d < 0 || d >= nd)
-      throw std::invalid_argument("mesh_slices: dimension " + std::to_string(d) +
+      throw ::tandem::Refused("mesh_slices: dimension " + std::to_string(d) +
                                   " does not exist in a mesh of " + std::to_string(nd) +
                                   " dimensions");
     if (in_slice[static_cast<size_t>(d)])
-      throw std::invalid_argument("mesh_slices: dimension " + std::to_string(d) + " given twice");
+      throw ::tandem::Refused("mesh_slices: dimension " + std::to_string(d) + " given twice");
     in_slice[static_cast<size_t>(d)] = true;
   }
   int world = 1;
@@ -63,11 +64,11 @@ std::vector<std::vector<int>> mesh_slices(const std::vector<int>& shape, int dim
 std::vector<int> coordinates_of(int rank, const std::vector<int>& shape) {
   int world = 1;
   for (int s : shape) {
-    if (s < 1) throw std::invalid_argument("coordinates_of: mesh sizes must be >= 1");
+    if (s < 1) throw ::tandem::Refused("coordinates_of: mesh sizes must be >= 1");
     world *= s;
   }
   if (rank < 0 || rank >= world)
-    throw std::invalid_argument("coordinates_of: rank " + std::to_string(rank) +
+    throw ::tandem::Refused("coordinates_of: rank " + std::to_string(rank) +
                                 " is outside a mesh of " + std::to_string(world) + " ranks");
   std::vector<int> c(shape.size());
   for (size_t i = shape.size(); i-- > 0;) {
@@ -80,12 +81,12 @@ std::vector<int> coordinates_of(int rank, const std::vector<int>& shape) {
 void validate_mesh_shape(int world, const MeshDims& dims, int local_world_size) {
   std::set<std::string> seen;
   for (const auto& [name, size] : dims) {
-    if (name.empty()) throw std::invalid_argument("device mesh: a dimension has no name");
+    if (name.empty()) throw ::tandem::Refused("device mesh: a dimension has no name");
     if (!seen.insert(name).second)
-      throw std::invalid_argument("device mesh: dimension '" + name + "' is given twice (" +
+      throw ::tandem::Refused("device mesh: dimension '" + name + "' is given twice (" +
                                   describe(dims) + ")");
     if (size < 1)
-      throw std::invalid_argument("device mesh: dimension " + name + " has size " +
+      throw ::tandem::Refused("device mesh: dimension " + name + " has size " +
                                   std::to_string(size) + "; sizes must be at least 1");
   }
   const int p = product(dims);
@@ -114,14 +115,14 @@ void validate_mesh_shape(int world, const MeshDims& dims, int local_world_size) 
                       std::to_string(world) + ", or run " + std::to_string(p) + " processes"
                 : "e.g. " + options + " would fit, or run " + std::to_string(p) + " processes";
     }
-    throw std::invalid_argument("device mesh " + describe(dims) + " has " + std::to_string(p) +
+    throw ::tandem::Refused("device mesh " + describe(dims) + " has " + std::to_string(p) +
                                 " ranks but the job has " + std::to_string(world) + ": " + fix);
   }
   if (local_world_size > 0) {
     for (const auto& [name, size] : dims) {
       if (name != "tp" || size == 1) continue;
       if (size > local_world_size || local_world_size % size != 0)
-        throw std::invalid_argument(
+        throw ::tandem::Refused(
             "tensor parallel size " + std::to_string(size) + " does not fit in the " +
             std::to_string(local_world_size) +
             " processes of one machine: a tensor-parallel group moves activations at every "
@@ -139,7 +140,7 @@ MeshShape MeshShape::resolve(int world, int local_world_size, bool shard_data) c
   auto derive = [&](int given, const char* name) {
     const int fixed = r.pp * r.tp * given;
     if (fixed < 1 || world % fixed != 0)
-      throw std::invalid_argument("parallelism sizes " + to_string() + ": " + std::to_string(world) +
+      throw ::tandem::Refused("parallelism sizes " + to_string() + ": " + std::to_string(world) +
                                   " processes are not a multiple of pp x tp x the dp size given (" +
                                   std::to_string(fixed) + "), so " + name +
                                   " cannot be derived; set sizes whose product is " +
@@ -177,11 +178,11 @@ std::string MeshShape::to_string() const {
 
 DeviceMesh::DeviceMesh(std::shared_ptr<ProcessGroup> world, MeshDims dims, int local_world_size)
     : world_(std::move(world)) {
-  if (!world_) throw std::invalid_argument("DeviceMesh needs a world ProcessGroup (got nullptr)");
+  if (!world_) throw ::tandem::Refused("DeviceMesh needs a world ProcessGroup (got nullptr)");
   try {
     validate_mesh_shape(world_->size(), dims, local_world_size);
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(world_->prefix() + " " + e.what());
+    throw ::tandem::Refused(world_->prefix() + " " + e.what());
   }
   for (const auto& d : dims) shape_.push_back(d.second);
   const auto coords = coordinates_of(world_->rank(), shape_);
@@ -218,7 +219,7 @@ std::shared_ptr<ProcessGroup> DeviceMesh::build(const std::vector<int>& dim_indi
 
 void DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string& name) {
   if (has(name))
-    throw std::invalid_argument(world_->prefix() + " DeviceMesh::flatten: dimension '" + name +
+    throw ::tandem::Refused(world_->prefix() + " DeviceMesh::flatten: dimension '" + name +
                                 "' exists already");
   std::vector<int> indices;
   Dim d;
@@ -228,7 +229,7 @@ void DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string
     for (size_t k = 0; k < shape_.size(); ++k)
       if (dims_[k].name == n) i = static_cast<int>(k);
     if (i < 0)
-      throw std::invalid_argument(world_->prefix() + " DeviceMesh::flatten: '" + n +
+      throw ::tandem::Refused(world_->prefix() + " DeviceMesh::flatten: '" + n +
                                   "' is not one of the mesh's own dimensions");
     indices.push_back(i);
   }
@@ -257,7 +258,7 @@ const DeviceMesh::Dim& DeviceMesh::find(const std::string& dim) const {
     if (d.name == dim) return d;
   std::string names;
   for (const auto& d : dims_) names += (names.empty() ? "" : ", ") + d.name;
-  throw std::invalid_argument(world_->prefix() + " the device mesh has no dimension '" + dim +
+  throw ::tandem::Refused(world_->prefix() + " the device mesh has no dimension '" + dim +
                               "'; it has " + names);
 }
 

@@ -1,5 +1,6 @@
 // Rendezvous through c10d's TCPStore and the Gloo (and NCCL) process groups built on it.
 #include "tandem/comm/process_group.h"
+#include "tandem/error.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -172,7 +173,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
     return pg;
   }
   if (options.backend() != "auto" && options.backend() != "gloo" && options.backend() != "nccl")
-    throw std::invalid_argument(st.prefix() + " unknown process group backend '" +
+    throw ::tandem::Refused(st.prefix() + " unknown process group backend '" +
                                 options.backend() + "': use auto, gloo or nccl");
   auto impl = std::make_unique<Impl>();
   impl->rank = st.rank;
@@ -294,7 +295,7 @@ std::chrono::milliseconds ProcessGroup::timeout() const { return impl_->options.
 std::shared_ptr<ProcessGroup> ProcessGroup::new_subgroup(const std::vector<int>& ranks) {
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i] < 0 || ranks[i] >= impl_->state.world_size || (i > 0 && ranks[i] <= ranks[i - 1]))
-      throw std::invalid_argument(prefix() + " new_subgroup needs ascending, distinct global ranks "
+      throw ::tandem::Refused(prefix() + " new_subgroup needs ascending, distinct global ranks "
                                   "in [0, " + std::to_string(impl_->state.world_size) + ")");
   }
   const int id = impl_->subgroup_counter++;
@@ -368,7 +369,7 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
 }
 
 int64_t ProcessGroup::shard_numel(int64_t numel) const {
-  TORCH_CHECK(numel >= 0, prefix(), " shard_numel: negative element count ", numel);
+  TANDEM_CHECK(numel >= 0, prefix(), " shard_numel: negative element count ", numel);
   return padded_chunk_numel(numel, impl_->size);
 }
 
@@ -388,11 +389,11 @@ void ProcessGroup::reduce_scatter(const at::Tensor& input, at::Tensor& output, R
 
 Work ProcessGroup::reduce_scatter_async(const at::Tensor& input, at::Tensor output, ReduceOp op,
                                         ReduceScatterAlgorithm algorithm) {
-  TORCH_CHECK(op == ReduceOp::kSum || op == ReduceOp::kMean, prefix(),
+  TANDEM_CHECK(op == ReduceOp::kSum || op == ReduceOp::kMean, prefix(),
               " reduce_scatter: only sum and mean are supported");
   const int n = impl_->size;
   const int64_t chunk = shard_numel(input.numel());
-  TORCH_CHECK(output.numel() == chunk, prefix(), " reduce_scatter: the output holds ",
+  TANDEM_CHECK(output.numel() == chunk, prefix(), " reduce_scatter: the output holds ",
               output.numel(), " elements; a ", input.numel(), "-element input over ", n,
               " ranks gives each ", chunk, " (ProcessGroup::shard_numel)");
   auto flat = input.reshape({-1});
@@ -450,9 +451,9 @@ void ProcessGroup::all_gather_into(const at::Tensor& shard, at::Tensor& output) 
 
 Work ProcessGroup::all_gather_into_async(const at::Tensor& shard, at::Tensor output) {
   const int n = impl_->size;
-  TORCH_CHECK(output.numel() == shard.numel() * n, prefix(), " all_gather_into: the output holds ",
+  TANDEM_CHECK(output.numel() == shard.numel() * n, prefix(), " all_gather_into: the output holds ",
               output.numel(), " elements, expected ", n, " x ", shard.numel());
-  TORCH_CHECK(shard.numel() > 0, prefix(), " all_gather_into: empty shards cannot travel over "
+  TANDEM_CHECK(shard.numel() > 0, prefix(), " all_gather_into: empty shards cannot travel over "
               "Gloo; pad them to at least one element (ProcessGroup::shard_numel)");
   if (n == 1) {
     output.view({-1}).copy_(shard.reshape({-1}));
@@ -549,12 +550,12 @@ void ProcessGroup::recv(std::vector<at::Tensor> tensors, int src, int tag, std::
 
 void ProcessGroup::check_peer(int peer, int tag, const char* op) const {
   if (peer < 0 || peer >= impl_->size || peer == impl_->rank)
-    throw std::invalid_argument(prefix() + " " + op + " group rank " + std::to_string(peer) +
+    throw ::tandem::Refused(prefix() + " " + op + " group rank " + std::to_string(peer) +
                                 ": a peer must be another rank of this group of " +
                                 std::to_string(impl_->size) + " (group rank " +
                                 std::to_string(impl_->rank) + " is this process)");
   if (tag < 0)
-    throw std::invalid_argument(prefix() + " " + op + " group rank " + std::to_string(peer) +
+    throw ::tandem::Refused(prefix() + " " + op + " group rank " + std::to_string(peer) +
                                 " with tag " + std::to_string(tag) + ": tags must be >= 0");
 }
 

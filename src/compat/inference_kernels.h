@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include "tandem/error.h"
 #include <torch/version.h>
 
 #define TANDEM_TORCH_AT_LEAST(major, minor) \
@@ -27,7 +28,7 @@ inline at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   return at::scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal);
 #else
   (void)q, (void)k, (void)v, (void)mask, (void)is_causal;
-  TORCH_CHECK(false, "scaled_dot_product_attention needs LibTorch 2.0 or later");
+  TANDEM_CHECK(false, "scaled_dot_product_attention needs LibTorch 2.0 or later");
 #endif
 }
 
@@ -37,7 +38,7 @@ inline at::Tensor int8pack_mm(const at::Tensor& x, const at::Tensor& w, const at
   return at::_weight_int8pack_mm(x, w, scales);
 #else
   (void)x, (void)w, (void)scales;
-  TORCH_CHECK(false, "_weight_int8pack_mm needs LibTorch 2.4 or later");
+  TANDEM_CHECK(false, "_weight_int8pack_mm needs LibTorch 2.4 or later");
 #endif
 }
 
@@ -47,7 +48,7 @@ inline at::Tensor int4pack_cpu(const at::Tensor& values) {
   return at::_convert_weight_to_int4pack_for_cpu(values, 1);
 #else
   (void)values;
-  TORCH_CHECK(false, "_convert_weight_to_int4pack_for_cpu needs LibTorch 2.6 or later");
+  TANDEM_CHECK(false, "_convert_weight_to_int4pack_for_cpu needs LibTorch 2.6 or later");
 #endif
 }
 
@@ -59,7 +60,7 @@ inline at::Tensor int4pack_mm_cpu(const at::Tensor& x, const at::Tensor& packed,
   return at::_weight_int4pack_mm_for_cpu(x, packed, group, scales_zeros);
 #else
   (void)x, (void)packed, (void)group, (void)scales_zeros;
-  TORCH_CHECK(false, "_weight_int4pack_mm_for_cpu needs LibTorch 2.6 or later");
+  TANDEM_CHECK(false, "_weight_int4pack_mm_for_cpu needs LibTorch 2.6 or later");
 #endif
 }
 
@@ -69,7 +70,7 @@ inline at::Tensor int4pack_cuda(const at::Tensor& nibbles) {
   return at::_convert_weight_to_int4pack(nibbles, 8);
 #else
   (void)nibbles;
-  TORCH_CHECK(false, "_convert_weight_to_int4pack needs LibTorch 2.5 or later");
+  TANDEM_CHECK(false, "_convert_weight_to_int4pack needs LibTorch 2.5 or later");
 #endif
 }
 
@@ -80,7 +81,7 @@ inline at::Tensor int4pack_mm_cuda(const at::Tensor& x, const at::Tensor& tiled,
   return at::_weight_int4pack_mm(x, tiled, group, scales_zeros);
 #else
   (void)x, (void)tiled, (void)group, (void)scales_zeros;
-  TORCH_CHECK(false, "_weight_int4pack_mm needs LibTorch 2.5 or later");
+  TANDEM_CHECK(false, "_weight_int4pack_mm needs LibTorch 2.5 or later");
 #endif
 }
 

@@ -1,6 +1,7 @@
 // Accelerate-compatible configuration files: which keys exist, which tandem acts on, which it
 // accepts and ignores, and the validation of every value.
 #include "tandem/config/config.h"
+#include "tandem/error.h"
 #include "../detail/env.h"
 
 #include "tandem/comm/mesh.h"
@@ -43,7 +44,7 @@ std::string join(const std::vector<std::string>& items, const std::string& sep) 
 
 [[noreturn]] void bad(const std::string& origin, const std::string& value,
                       const std::string& expected) {
-  throw std::invalid_argument(origin + ": got '" + value + "', expected " + expected);
+  throw ::tandem::Refused(origin + ": got '" + value + "', expected " + expected);
 }
 
 bool is_integer(const std::string& v) {
@@ -179,7 +180,7 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   }
   std::string msg = origin + ": '" + key + "' is not a key of " + section;
   if (best <= std::max<size_t>(2, closest.size() / 4)) msg += "; did you mean " + closest + "?";
-  throw std::invalid_argument(msg + " Expected one of " + join(known, ", "));
+  throw ::tandem::Refused(msg + " Expected one of " + join(known, ", "));
 }
 
 // A value that means "not used": such ignored keys are not worth a warning (Accelerate writes
@@ -288,7 +289,7 @@ void set_parallelism(LaunchConfig& c, std::string key, const std::string& value,
   } else if (key == "cp_comm_strategy" || key == "sp_size" || key == "sp_backend") {
     note_ignored(c, "parallelism_config." + prefix + key + ": " + trim(value));
   } else {
-    throw std::invalid_argument(origin + ": unknown parallelism_config key '" + key +
+    throw ::tandem::Refused(origin + ": unknown parallelism_config key '" + key +
                                 "'; expected parallelism_config_dp_replicate_size, "
                                 "parallelism_config_dp_shard_size, parallelism_config_tp_size, "
                                 "parallelism_config_cp_size or pp_size");
@@ -317,11 +318,11 @@ std::string check_gpu_ids(const std::string& origin, const std::string& value) {
   while (std::getline(ss, item, ',')) {
     item = trim(item);
     if (item.empty() || !is_integer(item) || item[0] == '-' || item[0] == '+')
-      throw std::invalid_argument(origin + ": the entry '" + item + "' of '" + value +
+      throw ::tandem::Refused(origin + ": the entry '" + item + "' of '" + value +
                                   "' is not a device index; expected " + expected);
     int id = std::stoi(item);
     if (!seen.insert(id).second)
-      throw std::invalid_argument(origin + ": device " + item + " appears twice in '" + value +
+      throw ::tandem::Refused(origin + ": device " + item + " appears twice in '" + value +
                                   "'; expected " + expected + ", each device once");
     out.push_back(std::to_string(id));
   }
@@ -409,7 +410,7 @@ void set_value(LaunchConfig& c, const std::string& key, const std::string& value
       c.sources["parallelism_config." + (name == "pp_size" ? name : "parallelism_config_" + name)] =
           source;
     } else {
-      throw std::invalid_argument(origin + ": unknown section '" + section +
+      throw ::tandem::Refused(origin + ": unknown section '" + section +
                                   "'; expected fsdp_config, deepspeed_config, fp8_config or "
                                   "parallelism_config");
     }
@@ -481,7 +482,7 @@ void set_value(LaunchConfig& c, const std::string& key, const std::string& value
     if (!unset_value(key, v)) note_ignored(c, key);
     return;
   } else {
-    throw std::invalid_argument(origin + ": unknown setting '" + key + "'");
+    throw ::tandem::Refused(origin + ": unknown setting '" + key + "'");
   }
   c.sources[key] = source;
 }
@@ -491,18 +492,18 @@ LaunchConfig parse_config(const std::string& text, const std::string& path) {
   try {
     root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
-    throw std::invalid_argument("config file " + path + " is not valid YAML: line " +
+    throw ::tandem::Refused("config file " + path + " is not valid YAML: line " +
                                 std::to_string(e.mark.line + 1) + ", column " +
                                 std::to_string(e.mark.column + 1) + ": " + e.msg +
                                 ". Fix the file, or write a new one with `tandem config`.");
   }
   if (!root || root.IsNull())
-    throw std::invalid_argument("config file " + path +
+    throw ::tandem::Refused("config file " + path +
                                 " is empty: expected a YAML map of "
                                 "Accelerate's keys, e.g. `distributed_type: MULTI_CPU` and "
                                 "`num_processes: 2`; `tandem config` writes one");
   if (!root.IsMap())
-    throw std::invalid_argument("config file " + path +
+    throw ::tandem::Refused("config file " + path +
                                 " is not a map of keys to values: "
                                 "expected lines such as `num_processes: 2`");
   LaunchConfig c;
@@ -513,7 +514,7 @@ LaunchConfig parse_config(const std::string& text, const std::string& path) {
   auto try_set = [&](const std::string& key, const YAML::Node& n) {
     try {
       if (n.IsMap())
-        throw std::invalid_argument(origin(key) + where(n) +
+        throw ::tandem::Refused(origin(key) + where(n) +
                                     ": got a map, expected a single value");
       std::string v = node_text(n);
       if (v.empty() && !kIgnoredKeys.count(key)) return;  // null: not set
@@ -545,7 +546,7 @@ LaunchConfig parse_config(const std::string& text, const std::string& path) {
         const std::string skey = sub.first.as<std::string>();
         try {
           if (sub.second.IsMap())
-            throw std::invalid_argument(origin(key + "." + skey) + where(sub.second) +
+            throw ::tandem::Refused(origin(key + "." + skey) + where(sub.second) +
                                         ": got a map, expected a single value");
           std::string v = node_text(sub.second);
           if (v.empty() || v == "[]") continue;
@@ -577,11 +578,11 @@ LaunchConfig parse_config(const std::string& text, const std::string& path) {
                       "valid file)");
   }
   if (!errors.empty()) {
-    if (errors.size() == 1) throw std::invalid_argument(errors.front());
+    if (errors.size() == 1) throw ::tandem::Refused(errors.front());
     std::string msg =
         "config file " + path + " has " + std::to_string(errors.size()) + " problems:";
     for (const auto& e : errors) msg += "\n  - " + e;
-    throw std::invalid_argument(msg);
+    throw ::tandem::Refused(msg);
   }
   return c;
 }
@@ -589,7 +590,7 @@ LaunchConfig parse_config(const std::string& text, const std::string& path) {
 LaunchConfig load_config_file(const std::string& path) {
   std::ifstream f(path);
   if (!f)
-    throw std::invalid_argument("cannot read the config file " + path + ": " +
+    throw ::tandem::Refused("cannot read the config file " + path + ": " +
                                 std::strerror(errno) +
                                 ". Check the path, or write one with "
                                 "`tandem config` (or `tandem config default`)");
@@ -601,12 +602,12 @@ LaunchConfig load_config_file(const std::string& path) {
 void validate(const LaunchConfig& c) {
   const std::string where = c.path.empty() ? "" : " (config file " + c.path + ")";
   if (c.machine_rank >= c.num_machines)
-    throw std::invalid_argument("machine_rank " + std::to_string(c.machine_rank) +
+    throw ::tandem::Refused("machine_rank " + std::to_string(c.machine_rank) +
                                 " is not below num_machines " + std::to_string(c.num_machines) +
                                 where + ": machines are numbered 0 to " +
                                 std::to_string(c.num_machines - 1) + "; fix --machine_rank");
   if (c.num_processes > 0 && c.num_processes % c.num_machines != 0)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "num_processes " + std::to_string(c.num_processes) + " is not a multiple of num_machines " +
         std::to_string(c.num_machines) + where +
         ": num_processes counts the processes of all "
@@ -614,11 +615,11 @@ void validate(const LaunchConfig& c) {
         std::to_string(c.num_machines * std::max(1, c.num_processes / c.num_machines)));
   if (c.num_machines > 1) {
     if (c.main_process_ip.empty())
-      throw std::invalid_argument("main_process_ip is required with num_machines " +
+      throw ::tandem::Refused("main_process_ip is required with num_machines " +
                                   std::to_string(c.num_machines) + where +
                                   ": pass --main_process_ip with the address of machine 0");
     if (c.main_process_port == 0)
-      throw std::invalid_argument("main_process_port is required with num_machines " +
+      throw ::tandem::Refused("main_process_port is required with num_machines " +
                                   std::to_string(c.num_machines) + where +
                                   ": pass --main_process_port with a free port on machine 0, "
                                   "the same on every machine (e.g. 29500)");
@@ -628,7 +629,7 @@ void validate(const LaunchConfig& c) {
     try {
       shape.resolve(c.num_processes, c.num_processes / c.num_machines);
     } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(std::string("parallelism_config") + where + ", " +
+      throw ::tandem::Refused(std::string("parallelism_config") + where + ", " +
                                   std::to_string(c.num_processes) + " processes on " +
                                   std::to_string(c.num_machines) + " machine" +
                                   (c.num_machines == 1 ? "" : "s") + ": " + e.what() +
@@ -662,7 +663,7 @@ void validate(const LaunchConfig& c) {
                " (" + strategy + ")";
     }
     if (!zero.empty())
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           (from_flag("parallelism_config.pp_size")
                ? "--pp_size " + std::to_string(shape.pp)
                : "parallelism_config.pp_size: " + std::to_string(shape.pp) + in_file) +
@@ -679,7 +680,7 @@ void validate(const LaunchConfig& c) {
     auto st = c.deepspeed_config.find("zero_stage");
     if (it != c.deepspeed_config.end() && it->second != "none" &&
         (st == c.deepspeed_config.end() || st->second != "3"))
-      throw std::invalid_argument("deepspeed_config.offload_param_device " + it->second +
+      throw ::tandem::Refused("deepspeed_config.offload_param_device " + it->second +
                                   " needs zero_stage 3 (parameters are sharded only there)" +
                                   where + "; set zero_stage: 3 or offload_param_device: none");
   }

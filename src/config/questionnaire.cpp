@@ -2,6 +2,7 @@
 // validation as a config file value (config::set_value), so an answer that is accepted here is
 // also accepted when the file is read back.
 #include "tandem/config/questionnaire.h"
+#include "tandem/error.h"
 #include "../detail/env.h"
 
 #include <cctype>
@@ -65,7 +66,7 @@ class Asker {
           picked = i;
           return;
         }
-      throw std::invalid_argument("'" + a + "' is not one of the choices: answer 0 to " +
+      throw ::tandem::Refused("'" + a + "' is not one of the choices: answer 0 to " +
                                   std::to_string(names.size() - 1) + " or a name");
     });
     return picked;
@@ -80,7 +81,7 @@ class Asker {
       else if (l == "no" || l == "n" || l == "false")
         value = false;
       else
-        throw std::invalid_argument("'" + a + "' is not yes or no");
+        throw ::tandem::Refused("'" + a + "' is not yes or no");
     });
     return value;
   }
@@ -105,7 +106,7 @@ LaunchConfig ask_config(std::istream& in, std::ostream& out, const Questionnaire
            {"This machine (or machines you start tandem launch on)", "AWS (Amazon SageMaker)"}, 0,
            [](size_t i) {
              if (i == 1)
-               throw std::invalid_argument(
+               throw ::tandem::Refused(
                    "tandem starts jobs on the machines you run it on; "
                    "Amazon SageMaker is not supported");
            });
@@ -128,7 +129,7 @@ LaunchConfig ask_config(std::istream& in, std::ostream& out, const Questionnaire
             "0", [&](const std::string& a) {
               set_value(c, "machine_rank", a, Source::kConfigFile, "machine_rank");
               if (c.machine_rank >= c.num_machines)
-                throw std::invalid_argument("machine_rank: got '" + a + "', expected 0 to " +
+                throw ::tandem::Refused("machine_rank: got '" + a + "', expected 0 to " +
                                             std::to_string(c.num_machines - 1));
             });
       q.ask("What is the IP address of machine 0 (the one that hosts rank 0)?", "",
@@ -136,7 +137,7 @@ LaunchConfig ask_config(std::istream& in, std::ostream& out, const Questionnaire
       q.ask("Which port will machine 0 listen on?", "29500", [&](const std::string& a) {
         set_value(c, "main_process_port", a, Source::kConfigFile, "main_process_port");
         if (c.main_process_port == 0)
-          throw std::invalid_argument(
+          throw ::tandem::Refused(
               "main_process_port: got '0', expected a port 1-65535 (every "
               "machine must know it in advance)");
       });
@@ -161,7 +162,7 @@ LaunchConfig ask_config(std::istream& in, std::ostream& out, const Questionnaire
           std::to_string(per_machine * c.num_machines), [&](const std::string& a) {
             set_value(c, "num_processes", a, Source::kConfigFile, "num_processes");
             if (c.num_processes % c.num_machines != 0)
-              throw std::invalid_argument("num_processes: got '" + a +
+              throw ::tandem::Refused("num_processes: got '" + a +
                                           "', expected a multiple of "
                                           "num_machines " +
                                           std::to_string(c.num_machines) +
@@ -181,14 +182,14 @@ LaunchConfig ask_config(std::istream& in, std::ostream& out, const Questionnaire
             while (std::getline(ss, id, ',')) {
               ++n;
               if (std::stoi(id) >= gpus)
-                throw std::invalid_argument("gpu_ids: device " + id +
+                throw ::tandem::Refused("gpu_ids: device " + id +
                                             " does not exist; this "
                                             "machine has " +
                                             std::to_string(gpus) + " GPUs, numbered 0 to " +
                                             std::to_string(gpus - 1));
             }
             if (n < c.num_processes / c.num_machines)
-              throw std::invalid_argument("gpu_ids: got '" + a + "', " + std::to_string(n) +
+              throw ::tandem::Refused("gpu_ids: got '" + a + "', " + std::to_string(n) +
                                           " GPUs for " +
                                           std::to_string(c.num_processes / c.num_machines) +
                                           " processes per machine; name one GPU per process");

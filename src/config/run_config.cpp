@@ -1,6 +1,7 @@
 // resolve_run_config and the readers of the TANDEM_* variables (run_config.h; Note [The
 // environment is read in one place]).
 #include "tandem/config/run_config.h"
+#include "tandem/error.h"
 
 #include <algorithm>
 #include <sstream>
@@ -44,7 +45,7 @@ class Reader {
       if (pos == v->size() && x >= 1) return x;
     } catch (const std::exception&) {
     }
-    throw std::invalid_argument(env_value_origin(name, *v) + " must be a positive integer");
+    throw ::tandem::Refused(env_value_origin(name, *v) + " must be a positive integer");
   }
   std::optional<int64_t> integer(const std::string& name) const {
     auto v = get(name);
@@ -55,7 +56,7 @@ class Reader {
       if (pos == v->size()) return x;
     } catch (const std::exception&) {
     }
-    throw std::invalid_argument(env_value_origin(name, *v) + " must be an integer");
+    throw ::tandem::Refused(env_value_origin(name, *v) + " must be an integer");
   }
   std::optional<double> non_negative(const std::string& name) const {
     auto v = get(name);
@@ -66,7 +67,7 @@ class Reader {
       if (pos == v->size() && x >= 0) return x;
     } catch (const std::exception&) {
     }
-    throw std::invalid_argument(env_value_origin(name, *v) + " must be a number >= 0");
+    throw ::tandem::Refused(env_value_origin(name, *v) + " must be a number >= 0");
   }
   /// Every variable whose name starts with `prefix` (consulted or not: the caller checks).
   std::vector<std::pair<std::string, std::string>> with_prefix(const std::string& prefix) const {
@@ -84,9 +85,9 @@ class Reader {
   std::map<std::string, std::string>* used_;
 };
 
-std::invalid_argument bad(const std::string& name, const std::string& value,
+::tandem::Refused bad(const std::string& name, const std::string& value,
                           const std::string& expected) {
-  return std::invalid_argument(env_value_origin(name, value) + ": " + expected);
+  return ::tandem::Refused(env_value_origin(name, value) + ": " + expected);
 }
 
 std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
@@ -138,7 +139,7 @@ std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
     // the others as hints that do not change results (docs/sharding.md says which).
     for (const auto& [k, v] : env.with_prefix(var::kFsdpPrefix)) {
       if (!find_env_var(k))
-        throw std::invalid_argument(k + ": fsdp_config key fsdp_" + lower(k.substr(12)) +
+        throw ::tandem::Refused(k + ": fsdp_config key fsdp_" + lower(k.substr(12)) +
                                     " is not one tandem knows; remove it from the config file");
       env.note(k, v);
     }
@@ -178,7 +179,7 @@ std::optional<parallel::ShardingOptions> sharding_of(const Reader& env) {
       try {
         size_t pos = 0;
         o.min_num_params(std::stoll(*v, &pos));
-        if (pos != v->size()) throw std::invalid_argument("");
+        if (pos != v->size()) throw ::tandem::Refused("");
       } catch (const std::exception&) {
         throw bad(var::kFsdpMinNumParams, *v, "expected a whole number");
       }
@@ -235,7 +236,7 @@ int mesh_size(const Reader& env, const char* name) {
   }
   if (used != v->size() || x < 1) {
     const EnvVar* row = find_env_var(name);
-    throw std::invalid_argument(std::string(name) + "=" + *v +
+    throw ::tandem::Refused(std::string(name) + "=" + *v +
                                 " is not a mesh size: expected a positive integer (unset it to "
                                 "let tandem choose; it comes from config " +
                                 row->key + ", tandem launch " + row->flag + ")");
@@ -324,24 +325,24 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
     try {
       step();
     } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(prefix + e.what());
+      throw ::tandem::Refused(prefix + e.what());
     }
   };
   if (auto type = env.get(var::kDistributedType)) {
     auto msg = parallel::unavailable_distributed_type_message(*type);
     if (!msg.empty())
-      throw std::invalid_argument(prefix + var::kDistributedType + "=" + *type + ": " + msg);
+      throw ::tandem::Refused(prefix + var::kDistributedType + "=" + *type + ": " + msg);
     try {
       c.distributed_type = parallel::distributed_type_from_name(*type);
     } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(prefix + env_origin(var::kDistributedType) + ": " + e.what());
+      throw ::tandem::Refused(prefix + env_origin(var::kDistributedType) + ": " + e.what());
     }
   }
   with_prefix([&] {
     c.sharding = options.sharding() ? options.sharding() : sharding_of(env);
     if (c.sharding) {
       auto msg = parallel::unsupported_sharding_message(*c.sharding);
-      if (!msg.empty()) throw std::invalid_argument(msg);
+      if (!msg.empty()) throw ::tandem::Refused(msg);
     }
     c.cpu = options.cpu().value_or(env.boolean(var::kUseCpu).value_or(false));
     c.gradient_as_bucket_view = options.gradient_as_bucket_view().value_or(
@@ -349,7 +350,7 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
   });
   if (auto steps = options.gradient_accumulation_steps()) {
     if (*steps < 1)
-      throw std::invalid_argument(prefix + "gradient_accumulation_steps is " +
+      throw ::tandem::Refused(prefix + "gradient_accumulation_steps is " +
                                   std::to_string(*steps) + "; it must be at least 1");
     c.gradient_accumulation_steps = *steps;
   } else {
@@ -368,10 +369,10 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
   try {
     parallel::comm_hook_from_name(c.comm_hook);
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(prefix + "comm_hook: " + e.what());
+    throw ::tandem::Refused(prefix + "comm_hook: " + e.what());
   }
   if (options.bucket_cap_mb() <= 0 || options.first_bucket_cap_mb() <= 0)
-    throw std::invalid_argument(prefix + "bucket_cap_mb and first_bucket_cap_mb must be "
+    throw ::tandem::Refused(prefix + "bucket_cap_mb and first_bucket_cap_mb must be "
                                 "positive");
   c.bucket_cap_mb = options.bucket_cap_mb();
   c.first_bucket_cap_mb = options.first_bucket_cap_mb();
@@ -396,13 +397,13 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
     c.mesh_shape = c.mesh_shape.resolve(c.process.world_size, c.process.local_world_size,
                                         c.sharding && c.sharding->stage() > 0);
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(prefix + "parallelism: " + e.what());
+    throw ::tandem::Refused(prefix + "parallelism: " + e.what());
   }
   // Note [A topology always built]: the data-parallel sizes take effect through the strategy
   // (ZeRO shards over dp_shard), so a size no strategy can honour is refused here.
   const int stage = c.sharding ? c.sharding->stage() : 0;
   if (stage == 0 && c.mesh_shape.dp_shard > 1)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         prefix + "parallelism: dp_shard_size " + std::to_string(c.mesh_shape.dp_shard) +
         " (--dp_shard_size, parallelism_config_dp_shard_size, or AcceleratorOptions()."
         "parallelism) shards the training state over " + std::to_string(c.mesh_shape.dp_shard) +
@@ -416,7 +417,7 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
   // either, and before the process group is built: the refusal needs no peer, and a rank that
   // refused after joining could end rank 0's store while a slower rank still connected.
   if (c.mesh_shape.pp > 1 && stage > 0)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         prefix + "ZeRO stage " + std::to_string(stage) +
         " does not combine with pipeline parallel in tandem: pp_size " +
         std::to_string(c.mesh_shape.pp) +
@@ -434,7 +435,7 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
     c.host_cache_mb =
         options.host_cache_mb().value_or(env.non_negative(var::kHostCacheMb).value_or(32.0));
     if (c.host_cache_mb < 0)
-      throw std::invalid_argument("host_cache_mb is " + std::to_string(c.host_cache_mb) +
+      throw ::tandem::Refused("host_cache_mb is " + std::to_string(c.host_cache_mb) +
                                   " (AcceleratorOptions().host_cache_mb); it must be 0 or more");
     c.debug = env.boolean(var::kDebug).value_or(false);
     c.num_machines = env.positive_int(var::kNumMachines).value_or(1);

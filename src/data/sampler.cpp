@@ -1,5 +1,6 @@
 // DistributedSampler (see sampler.h): the algorithm of torch.utils.data.DistributedSampler.
 #include "tandem/data/sampler.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -11,9 +12,9 @@ namespace tandem::data {
 
 DistributedSampler::DistributedSampler(int64_t size, SamplerOptions options)
     : size_(size), options_(options) {
-  if (size < 0) throw std::invalid_argument("DistributedSampler: negative data set size");
+  if (size < 0) throw ::tandem::Refused("DistributedSampler: negative data set size");
   if (options.num_replicas() < 1 || options.rank() < 0 || options.rank() >= options.num_replicas())
-    throw std::invalid_argument("DistributedSampler: rank " + std::to_string(options.rank()) +
+    throw ::tandem::Refused("DistributedSampler: rank " + std::to_string(options.rank()) +
                                 " is not in [0, num_replicas=" +
                                 std::to_string(options.num_replicas()) + ")");
 }

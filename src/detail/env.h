@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include "tandem/error.h"
 #include <cctype>
 #include <stdexcept>
 #include <string>
@@ -34,7 +35,7 @@ inline bool parse_bool(const std::string& what, const std::string& value) {
   const std::string v = b == std::string::npos ? "" : lower(value.substr(b, e - b + 1));
   if (v == "true" || v == "yes" || v == "on" || v == "y" || v == "1") return true;
   if (v == "false" || v == "no" || v == "off" || v == "n" || v == "0") return false;
-  throw std::invalid_argument(what + ": got '" + value +
+  throw ::tandem::Refused(what + ": got '" + value +
                               "', expected true or false (also yes/no, on/off, 1/0)");
 }
 

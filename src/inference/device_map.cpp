@@ -1,5 +1,6 @@
 // Device maps (tandem/inference/device_map.h).
 #include "tandem/inference/device_map.h"
+#include "tandem/error.h"
 
 #include <torch/cuda.h>
 #include <torch/nn/module.h>
@@ -24,7 +25,7 @@ namespace tandem::inference {
 MaxMemory parse_max_memory(const std::string& text) {
   MaxMemory out;
   auto bad = [&](const std::string& entry, const std::string& why) {
-    return std::invalid_argument("max_memory '" + text + "': entry '" + entry + "' " + why +
+    return ::tandem::Refused("max_memory '" + text + "': entry '" + entry + "' " + why +
                                  " (expected a size such as 64MB, or device=size entries "
                                  "separated by commas: cuda:0=2GB,cpu=8GB)");
   };
@@ -206,7 +207,7 @@ DeviceMap infer_device_map(torch::nn::Module& model, const DeviceMapOptions& opt
   const auto& policy = options.policy();
   if (policy != "auto" && policy != "balanced" && policy != "balanced_low_0" &&
       policy != "sequential")
-    throw std::invalid_argument("device map policy '" + policy +
+    throw ::tandem::Refused("device map policy '" + policy +
                                 "': expected auto, balanced, balanced_low_0 or sequential");
   // Module types seen more than once: the model's repeated blocks.
   std::map<std::string, int> type_count;

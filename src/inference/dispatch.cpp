@@ -1,5 +1,6 @@
 // Empty weights, dispatch and disk offload (tandem/inference/dispatch.h).
 #include "tandem/inference/dispatch.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -207,13 +208,13 @@ Assignment assign(torch::nn::Module& model, const DeviceMap& map) {
   std::set<std::string> seen_places;
   for (const auto& p : map) {
     if (!modules.count(p.module))
-      throw std::invalid_argument("dispatch: the device map places '" + p.module +
+      throw ::tandem::Refused("dispatch: the device map places '" + p.module +
                                   "', which the model does not have (its modules are named as "
                                   "named_modules() gives them, e.g. 'transformer.h.0')");
     if (!seen_places.insert(p.module).second)
-      throw std::invalid_argument("dispatch: the device map places '" + p.module + "' twice");
+      throw ::tandem::Refused("dispatch: the device map places '" + p.module + "' twice");
     if (p.device != "cpu" && p.device != "disk" && p.device.rfind("cuda:", 0) != 0)
-      throw std::invalid_argument("dispatch: '" + p.module + "' is placed on '" + p.device +
+      throw ::tandem::Refused("dispatch: '" + p.module + "' is placed on '" + p.device +
                                   "'; places are cpu, cuda:<index> and disk");
   }
   std::unordered_map<const c10::TensorImpl*, size_t> where;
@@ -233,7 +234,7 @@ Assignment assign(torch::nn::Module& model, const DeviceMap& map) {
     auto [it, fresh] = where.emplace(t.unsafeGetTensorImpl(), static_cast<size_t>(best));
     if (!fresh) {
       if (map[it->second].device != map[size_t(best)].device)
-        throw std::invalid_argument(
+        throw ::tandem::Refused(
             "dispatch: '" + name + "' is one tensor with a tensor of '" + map[it->second].module +
             "' (tied weights), but the device map puts them on " + map[it->second].device +
             " and " + map[size_t(best)].device + "; place both modules on one device");
@@ -249,7 +250,7 @@ Assignment assign(torch::nn::Module& model, const DeviceMap& map) {
   if (!uncovered.empty()) {
     std::string list;
     for (size_t i = 0; i < uncovered.size() && i < 5; ++i) list += (i ? ", " : "") + uncovered[i];
-    throw std::invalid_argument("dispatch: " + std::to_string(uncovered.size()) +
+    throw ::tandem::Refused("dispatch: " + std::to_string(uncovered.size()) +
                                 " tensors are under no placement of the device map (" + list +
                                 (uncovered.size() > 5 ? ", ..." : "") +
                                 "); place their modules, or the model as \"\"");
@@ -341,7 +342,7 @@ std::unique_ptr<DispatchedModel> dispatch(torch::nn::Module& model, const Device
     auto* h = tandem::nn::hookable(*p.module);
     const bool needs_hook = disk || offload_cpu || many_devices;
     if (needs_hook && !h && !a.tensors[i].empty())
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           "dispatch: '" + p.name + "' (" + tandem::nn::module_type_name(*p.module) +
           ") is placed on " + p.place +
           ", which needs a hook around its forward, but it is not hookable; declare it with "
@@ -360,25 +361,25 @@ std::unique_ptr<DispatchedModel> dispatch(torch::nn::Module& model, const Device
           w.file = f->second;
         } else {
           if (is_empty_weight(t))
-            throw std::invalid_argument(
+            throw ::tandem::Refused(
                 "dispatch: '" + name + "' is placed on disk, has no values and is not in the "
                 "checkpoint" + (options.checkpoint().empty() ? std::string(" (none was given)")
                                                              : " '" + options.checkpoint() + "'") +
                 "; load it first or give DispatchOptions().checkpoint");
           if (options.offload_dir().empty())
-            throw std::invalid_argument(
+            throw ::tandem::Refused(
                 "dispatch: '" + name + "' is placed on disk and is not in a checkpoint file; "
                 "give an offload_dir (--offload_dir) to write it to");
           to_write.emplace_back(name, t.to(at::kCPU));
         }
       } else if (offload_cpu) {
         if (is_empty_weight(t))
-          throw std::invalid_argument("dispatch: '" + name + "' has no values; load it first");
+          throw ::tandem::Refused("dispatch: '" + name + "' has no values; load it first");
         w.host = t.device().is_cpu() ? t.detach() : t.detach().to(at::kCPU);
         t.set_data(w.host);
       } else {
         if (is_empty_weight(t))
-          throw std::invalid_argument("dispatch: '" + name + "' (placed on " + p.place +
+          throw ::tandem::Refused("dispatch: '" + name + "' (placed on " + p.place +
                                       ") has no values; load_checkpoint_and_dispatch loads "
                                       "them");
         if (t.device() != p.exec) t.set_data(t.to(p.exec));

@@ -1,5 +1,6 @@
 // Weight-only quantization (tandem/inference/quantize.h).
 #include "tandem/inference/quantize.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -55,15 +56,15 @@ at::Tensor unpack_nibbles(const at::Tensor& packed) {
 
 void check_quantize_options(const QuantizeOptions& o) {
   if (o.method() != "int8" && o.method() != "int4")
-    throw std::invalid_argument("quantize: method '" + o.method() + "': expected int8 or int4");
+    throw ::tandem::Refused("quantize: method '" + o.method() + "': expected int8 or int4");
   if (is_int4(o) && o.group_size() != 32 && o.group_size() != 64 && o.group_size() != 128 &&
       o.group_size() != 256)
-    throw std::invalid_argument("quantize: int4 group size " + std::to_string(o.group_size()) +
+    throw ::tandem::Refused("quantize: int4 group size " + std::to_string(o.group_size()) +
                                 ": expected 32, 64, 128 or 256");
 }
 
 QuantizedWeight quantize_int8(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2, "quantize_int8: expected a 2-D [out, in] weight, got ",
+  TANDEM_CHECK(weight.dim() == 2, "quantize_int8: expected a 2-D [out, in] weight, got ",
               weight.sizes());
   at::NoGradGuard no_grad;
   auto w = weight.detach().to(at::kFloat);
@@ -73,10 +74,10 @@ QuantizedWeight quantize_int8(const at::Tensor& weight) {
 }
 
 QuantizedWeight quantize_int4(const at::Tensor& weight, int64_t group) {
-  TORCH_CHECK(weight.dim() == 2, "quantize_int4: expected a 2-D [out, in] weight, got ",
+  TANDEM_CHECK(weight.dim() == 2, "quantize_int4: expected a 2-D [out, in] weight, got ",
               weight.sizes());
   const int64_t out = weight.size(0), in = weight.size(1);
-  TORCH_CHECK(in % group == 0, "quantize_int4: ", in, " input features are not a multiple of the "
+  TANDEM_CHECK(in % group == 0, "quantize_int4: ", in, " input features are not a multiple of the "
               "group size ", group);
   at::NoGradGuard no_grad;
   auto w = weight.detach().to(at::kFloat).reshape({out, in / group, group});
@@ -103,7 +104,7 @@ QuantizedLinearImpl::QuantizedLinearImpl(int64_t in, int64_t out, bool with_bias
     : in_features(in), out_features(out), has_bias(with_bias), options(o) {
   check_quantize_options(o);
   if (is_int4(o) && in % o.group_size() != 0)
-    throw std::invalid_argument("QuantizedLinear: " + std::to_string(in) +
+    throw ::tandem::Refused("QuantizedLinear: " + std::to_string(in) +
                                 " input features are not a multiple of the int4 group size " +
                                 std::to_string(o.group_size()));
   reset();
@@ -143,7 +144,7 @@ void QuantizedLinearImpl::drop_cache() {
 
 at::Tensor QuantizedLinearImpl::forward(const at::Tensor& x) {
   at::NoGradGuard no_grad;
-  TORCH_CHECK(!is_empty_weight(weight), "QuantizedLinear: the weight has no values (built with "
+  TANDEM_CHECK(!is_empty_weight(weight), "QuantizedLinear: the weight has no values (built with "
               "init_empty_weights and not loaded); load the quantized checkpoint first");
   auto shape = x.sizes().vec();
   shape.back() = out_features;
@@ -262,7 +263,7 @@ QuantizeReport quantize_model(torch::nn::Module& model, const QuantizeOptions& o
       const bool in_list = dynamic_cast<torch::nn::SequentialImpl*>(item.value().get()) ||
                            dynamic_cast<torch::nn::ModuleListImpl*>(item.value().get());
       if (!tandem::nn::hookable(*c.value()) && !in_list && only.empty())
-        throw std::invalid_argument(
+        throw ::tandem::Refused(
             "quantize: '" + name + "' is a torch::nn::" + tandem::nn::module_type_name(*c.value()) +
             " held by its parent, which may call it directly, past the quantized layer; declare "
             "it tandem::nn::Linear (tandem/nn/module.h), or skip it (QuantizeOptions::skip)");
@@ -273,7 +274,7 @@ QuantizeReport quantize_model(torch::nn::Module& model, const QuantizeOptions& o
     bool have = false;
     for (const auto& t : targets) have = have || t.name == n;
     if (!have)
-      throw std::invalid_argument("quantize: layer '" + n + "' is listed as quantized, but the "
+      throw ::tandem::Refused("quantize: layer '" + n + "' is listed as quantized, but the "
                                   "model has no linear layer of that name (was the checkpoint "
                                   "quantized from another model?)");
   }
@@ -282,7 +283,7 @@ QuantizeReport quantize_model(torch::nn::Module& model, const QuantizeOptions& o
     auto view = *as_linear(*t.module);
     if (is_int4(options) && view.in % options.group_size() != 0) {
       if (!only.empty())
-        throw std::invalid_argument("quantize: layer '" + t.name + "' has " +
+        throw ::tandem::Refused("quantize: layer '" + t.name + "' has " +
                                     std::to_string(view.in) + " inputs, not a multiple of the "
                                     "int4 group size " + std::to_string(options.group_size()));
       report.kept.push_back(t.name + " (" + std::to_string(view.in) +
@@ -360,7 +361,7 @@ QuantizeReport quantize_checkpoint(const std::string& in, const std::string& out
                                    const std::string& weight_layout) {
   check_quantize_options(options);
   if (weight_layout != "auto" && weight_layout != "out_in" && weight_layout != "in_out")
-    throw std::invalid_argument("quantize: weight layout '" + weight_layout +
+    throw ::tandem::Refused("quantize: weight layout '" + weight_layout +
                                 "': expected auto, out_in or in_out");
   const fs::path in_dir = fs::is_directory(in) ? fs::path(in) : fs::path(in).parent_path();
   bool transposed = weight_layout == "in_out";
@@ -371,11 +372,11 @@ QuantizeReport quantize_checkpoint(const std::string& in, const std::string& out
   }
   if (fs::exists(fs::path(out) / checkpoint::kModelFileName) ||
       fs::exists(fs::path(out) / checkpoint::kModelIndexFileName))
-    throw std::invalid_argument("quantize: '" + out + "' already holds a checkpoint; give an "
+    throw ::tandem::Refused("quantize: '" + out + "' already holds a checkpoint; give an "
                                 "empty or new directory");
   const auto files = checkpoint::checkpoint_tensor_files(in);
   if (checkpoint_quantization(in))
-    throw std::invalid_argument("quantize: '" + in + "' is already quantized");
+    throw ::tandem::Refused("quantize: '" + in + "' is already quantized");
   std::map<std::string, std::unique_ptr<checkpoint::SafetensorsFile>> open;
   for (const auto& [name, file] : files)
     if (!open.count(file)) open[file] = std::make_unique<checkpoint::SafetensorsFile>(file);

@@ -1,6 +1,7 @@
 // tandem::launch::launch: fork workers from the running program, run a function in each, and
 // bring the first failure back to the parent through a pipe per worker.
 #include "tandem/launch/fork_launcher.h"
+#include "tandem/error.h"
 #include "tandem/launch/launcher.h"
 
 #include <dirent.h>
@@ -187,9 +188,9 @@ void check_fork_safety(const ForkSafety& s) {
 
 void launch(const std::function<void()>& fn, int num_processes, const ForkLaunchOptions& o) {
   if (num_processes < 1)
-    throw std::invalid_argument("tandem::launch: num_processes=" + std::to_string(num_processes) +
+    throw ::tandem::Refused("tandem::launch: num_processes=" + std::to_string(num_processes) +
                                 " must be at least 1");
-  if (!fn) throw std::invalid_argument("tandem::launch: the function to run is empty");
+  if (!fn) throw ::tandem::Refused("tandem::launch: the function to run is empty");
   check_fork_safety(probe_fork_safety());
   const int port = o.master_port() > 0 ? o.master_port() : find_free_port(o.master_addr());
   int threads = o.num_threads();

@@ -1,5 +1,6 @@
 // tandem's local supervisor: fork/exec each rank, prefix its output, fail fast, forward signals.
 #include "tandem/launch/launcher.h"
+#include "tandem/error.h"
 #include "tandem/launch/machine_rendezvous.h"
 #include "tandem/runtime.h"
 
@@ -372,60 +373,60 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
 std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::string>& command,
                                 const EnvMap& environment) {
   if (command.empty())
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "no program given: expected tandem launch [options] PROGRAM [ARGS...]");
   if (o.num_processes() < 1)
-    throw std::invalid_argument("--num_processes=" + std::to_string(o.num_processes()) +
+    throw ::tandem::Refused("--num_processes=" + std::to_string(o.num_processes()) +
                                 " must be at least 1");
   if (o.num_machines() < 1)
-    throw std::invalid_argument("--num_machines=" + std::to_string(o.num_machines()) +
+    throw ::tandem::Refused("--num_machines=" + std::to_string(o.num_machines()) +
                                 " must be at least 1");
   if (o.machine_rank() < 0 || o.machine_rank() >= o.num_machines())
-    throw std::invalid_argument("--machine_rank=" + std::to_string(o.machine_rank()) +
+    throw ::tandem::Refused("--machine_rank=" + std::to_string(o.machine_rank()) +
                                 " must be in [0, " + std::to_string(o.num_machines()) + ")");
   if (o.max_restarts() < 0)
-    throw std::invalid_argument("--max_restarts=" + std::to_string(o.max_restarts()) +
+    throw ::tandem::Refused("--max_restarts=" + std::to_string(o.max_restarts()) +
                                 " must be at least 0: how many times every rank is started again "
                                 "after a failure (0: never)");
   if (o.min_processes() < 0 || o.min_processes() > o.num_processes())
-    throw std::invalid_argument("--min_processes=" + std::to_string(o.min_processes()) +
+    throw ::tandem::Refused("--min_processes=" + std::to_string(o.min_processes()) +
                                 " must be in [0, --num_processes=" +
                                 std::to_string(o.num_processes()) +
                                 "]: the fewest processes an elastic restart may run on");
   if (o.min_processes() > 0 && o.max_restarts() == 0)
-    throw std::invalid_argument("--min_processes=" + std::to_string(o.min_processes()) +
+    throw ::tandem::Refused("--min_processes=" + std::to_string(o.min_processes()) +
                                 " restarts the job on the ranks that remain after a loss, and "
                                 "--max_restarts is 0: give --max_restarts K (how many restarts)");
   if (o.min_processes() > 0 && o.num_machines() > 1)
-    throw std::invalid_argument("--min_processes is elastic within one machine, and this job has "
+    throw ::tandem::Refused("--min_processes is elastic within one machine, and this job has "
                                 "--num_machines=" + std::to_string(o.num_machines()) +
                                 ": leave it out, or run one machine (--max_restarts restarts "
                                 "every machine's ranks at the same size)");
   if (o.min_machines() < 0 || o.min_machines() > o.num_machines())
-    throw std::invalid_argument("--min_machines=" + std::to_string(o.min_machines()) +
+    throw ::tandem::Refused("--min_machines=" + std::to_string(o.min_machines()) +
                                 " must be in [0, --num_machines=" +
                                 std::to_string(o.num_machines()) +
                                 "]: the fewest machines an attempt may run on");
   if (o.min_machines() > 0 && o.min_processes() > 0)
-    throw std::invalid_argument("--min_machines and --min_processes together are not supported: "
+    throw ::tandem::Refused("--min_machines and --min_processes together are not supported: "
                                 "across machines a job shrinks by whole machines; leave out "
                                 "--min_processes");
   if (o.min_machines() > 0 && !(o.rdzv_timeout_s() > 0))
-    throw std::invalid_argument("--rdzv_timeout=" + number_text(o.rdzv_timeout_s()) +
+    throw ::tandem::Refused("--rdzv_timeout=" + number_text(o.rdzv_timeout_s()) +
                                 " must be above 0: seconds machine 0 waits for the others");
   if (!(o.grace_period_s() >= 0))
-    throw std::invalid_argument("--grace_period=" + number_text(o.grace_period_s()) +
+    throw ::tandem::Refused("--grace_period=" + number_text(o.grace_period_s()) +
                                 " must be at least 0: seconds between SIGTERM and SIGKILL when "
                                 "the other ranks are stopped");
   if (!(o.monitor_interval_s() > 0))
-    throw std::invalid_argument("--monitor_interval=" + number_text(o.monitor_interval_s()) +
+    throw ::tandem::Refused("--monitor_interval=" + number_text(o.monitor_interval_s()) +
                                 " must be above 0: seconds between health checks (e.g. 0.1)");
   if (o.main_process_port() < 0 || o.main_process_port() > 65535)
-    throw std::invalid_argument("--main_process_port=" + std::to_string(o.main_process_port()) +
+    throw ::tandem::Refused("--main_process_port=" + std::to_string(o.main_process_port()) +
                                 " is not a TCP port (1-65535, or 0 to pick a free one)");
   // c10d's store would retry a name that does not resolve every second until its timeout.
   if (auto why = host_resolution_error(o.main_process_ip()); !why.empty())
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "--main_process_ip " + o.main_process_ip() +
         " (MASTER_ADDR of every rank) does not resolve: " + why +
         ". Expected the IP address or host name of machine 0, where rank 0 listens: check the "
@@ -434,7 +435,7 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
   int port = o.main_process_port();
   if (port == 0) {
     if (o.num_machines() > 1)
-      throw std::invalid_argument("--main_process_port is required with --num_machines > 1: every "
+      throw ::tandem::Refused("--main_process_port is required with --num_machines > 1: every "
                                   "machine must know where rank 0 listens");
     port = find_free_port(o.main_process_ip());
   }
@@ -464,7 +465,7 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
     }
   }
   if (o.cpu_affinity() && static_cast<int>(cpus.size()) < threads * o.num_processes())
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "--enable_cpu_affinity: " + std::to_string(o.num_processes()) + " processes of " +
         std::to_string(threads) + " thread(s) need " + std::to_string(threads * o.num_processes()) +
         " cores, and this launcher may use " + std::to_string(cpus.size()) +

@@ -1,6 +1,7 @@
 // Merging flags over the config file, resolving the distributed type and process count, the
 // device-count check, and the TANDEM_* environment of the ranks.
 #include "tandem/launch/resolve.h"
+#include "tandem/error.h"
 #include "../detail/env.h"
 #include "tandem/comm/mesh.h"
 #include "tandem/config/run_env.h"
@@ -75,7 +76,7 @@ void check_device_count(int processes_per_machine, int cuda_devices, const std::
   if (!ids.empty()) {
     for (int id : ids)
       if (id >= cuda_devices)
-        throw std::invalid_argument("--gpu_ids " + gpu_ids + ": device " + std::to_string(id) +
+        throw ::tandem::Refused("--gpu_ids " + gpu_ids + ": device " + std::to_string(id) +
                                     " does not exist; this "
                                     "machine has " +
                                     have +
@@ -89,7 +90,7 @@ void check_device_count(int processes_per_machine, int cuda_devices, const std::
     std::string which = ids.empty() ? have
                                     : std::to_string(usable) + " GPU" + (usable == 1 ? "" : "s") +
                                           " chosen by --gpu_ids " + gpu_ids + " (of " + have + ")";
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         std::to_string(processes_per_machine) + " processes per machine need " +
         std::to_string(processes_per_machine) + " GPUs, one each, but there " +
         (usable == 1 ? "is " : "are ") + which + ". Start at most " + std::to_string(usable) +
@@ -115,12 +116,12 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
     config::set_value(c, key, value, Source::kCommandLine, origin);
   }
   if (type_flags.size() > 1)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "only one of --multi_gpu, --use_fsdp, --use_deepspeed can be given "
         "(got " +
         type_flags[0] + " and " + type_flags[1] + ")");
   if (cpu_flag && c.use_cpu && !type_flags.empty() && type_flags[0] == "--multi_gpu")
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "--cpu and --multi_gpu contradict each other: pass --cpu to run "
         "on the CPU (MULTI_CPU), or --multi_gpu to use the GPUs");
 
@@ -162,7 +163,7 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
     const std::string runs =
         plain ? "plain data parallel" + (from.empty() ? "" : " (distributed_type " + t + from + ")")
               : "distributed_type " + t + from;
-    throw std::invalid_argument(flag + " " + value + " needs " + needs + alternative +
+    throw ::tandem::Refused(flag + " " + value + " needs " + needs + alternative +
                                 ": without it the run is " + runs + ", where " + flag +
                                 " would change nothing. Add " + needs + ", or leave out " + flag);
   }
@@ -182,7 +183,7 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
   const bool gpus_here = !c.use_cpu && machine.cuda_devices > 0;
 
   if (c.num_processes == -1)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "num_processes is -1 in " + (c.path.empty() ? std::string("the configuration") : c.path) +
         ", which leaves it to the command line: pass --num_processes N (processes over all "
         "machines)");
@@ -192,7 +193,7 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
       int per_machine = ids.empty() ? machine.cuda_devices : static_cast<int>(ids.size());
       c.num_processes = per_machine * c.num_machines;
     } else if (is_multi(t) && c.given("distributed_type")) {
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           "distributed_type " + c.distributed_type +
           " needs a number of processes, and none is "
           "set: pass --num_processes N (processes over all machines) or add num_processes to "
@@ -212,7 +213,7 @@ ResolvedLaunch resolve_launch(const config::LaunchConfig& base, const FlagValues
   if (t == "NO" && total > 1) t = gpus_here ? "MULTI_GPU" : "MULTI_CPU";
   if ((t == "MULTI_CPU" || t == "MULTI_GPU") && total == 1) {
     if (!type_flags.empty() && type_flags[0] == "--multi_gpu")
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           "--multi_gpu needs at least 2 processes, but --num_processes is "
           "1: pass --num_processes 2 or more, or leave out --multi_gpu");
     t = "NO";
@@ -312,7 +313,7 @@ void check_user_environment(const EnvMap& user_env) {
   for (const auto& [name, hint] : launcher_variables()) {
     auto it = user_env.find(name);
     if (it == user_env.end()) continue;
-    throw std::invalid_argument("--env " + name + "=" + it->second + ": tandem launch sets " +
+    throw ::tandem::Refused("--env " + name + "=" + it->second + ": tandem launch sets " +
                                 name + " for every rank itself and would replace this value; " +
                                 hint + ", and pass --env only for other variables");
   }
@@ -356,7 +357,7 @@ void check_strategy_available(const ResolvedLaunch& r) {
     if (auto sharding = config::sharding_from_env(env)) {
       auto why = parallel::unsupported_sharding_message(*sharding);
       if (!why.empty())
-        throw std::invalid_argument("distributed_type " + r.distributed_type +
+        throw ::tandem::Refused("distributed_type " + r.distributed_type +
                                     (c.path.empty() ? "" : " (from " + c.path + ")") + ", " + why);
     }
     return;
@@ -367,7 +368,7 @@ void check_strategy_available(const ResolvedLaunch& r) {
     from = " (from the command line)";
   else if (!c.path.empty())
     from = " (from " + c.path + ")";
-  throw std::invalid_argument(msg.insert(msg.find(" asks for"), from));
+  throw ::tandem::Refused(msg.insert(msg.find(" asks for"), from));
 }
 
 std::string describe_resolved(const ResolvedLaunch& r) {

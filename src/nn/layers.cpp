@@ -1,5 +1,6 @@
 // Conv1D and causal attention (tandem/nn/layers.h).
 #include "tandem/nn/layers.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/init.h>
@@ -34,13 +35,13 @@ AttentionKernel parse_attention_kernel(const std::string& text) {
   if (text == "manual") return AttentionKernel::kManual;
   if (text == "sdpa") {
     if (!fused_attention_available())
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           "attention 'sdpa': this LibTorch (" + std::to_string(TORCH_VERSION_MAJOR) + "." +
           std::to_string(TORCH_VERSION_MINOR) +
           ") has no scaled_dot_product_attention (it came with 2.0); use 'manual' or 'auto'");
     return AttentionKernel::kFused;
   }
-  throw std::invalid_argument("attention '" + text + "': expected auto, sdpa or manual");
+  throw ::tandem::Refused("attention '" + text + "': expected auto, sdpa or manual");
 }
 
 std::string attention_kernel_name(AttentionKernel kernel) {
@@ -52,7 +53,7 @@ std::string attention_kernel_name(AttentionKernel kernel) {
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             AttentionKernel kernel) {
   const int64_t L = q.size(-2), S = k.size(-2);
-  TORCH_CHECK(S >= L, "causal_attention: ", L, " queries over ", S,
+  TANDEM_CHECK(S >= L, "causal_attention: ", L, " queries over ", S,
               " keys; the queries must be the last of the key positions");
   if (attention_kernel_name(kernel) == "sdpa") {
     // The fused kernel's is_causal aligns the mask top-left; with a cache (L < S) the queries

@@ -1,5 +1,6 @@
 // Module hooks (see module.h, Note [Forward hooks]).
 #include "tandem/nn/module.h"
+#include "tandem/error.h"
 
 #include <algorithm>
 #include <stdexcept>
@@ -171,7 +172,7 @@ std::vector<std::pair<std::string, std::vector<std::string>>> describe_hooks(
 
 namespace detail {
 void refuse_hooked_call(const std::string& type, const char* why) {
-  throw std::invalid_argument("tandem::nn hooks on " + type + ": " + why);
+  throw ::tandem::Refused("tandem::nn hooks on " + type + ": " + why);
 }
 }  // namespace detail
 

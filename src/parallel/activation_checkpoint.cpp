@@ -1,6 +1,7 @@
 // Activation checkpointing: the checkpoint autograd function, the Checkpointed module holder and
 // the in-place wrapping of Sequential entries (see activation_checkpoint.h).
 #include "tandem/parallel/activation_checkpoint.h"
+#include "tandem/error.h"
 
 #include "tandem/nn/module.h"
 
@@ -184,7 +185,7 @@ struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
+    TANDEM_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
                 "a checkpointed region met torch::autograd::grad (or backward with inputs=): "
                 "its recompute accumulates gradients into .grad, so call "
                 "torch::autograd::backward / tensor.backward() instead");
@@ -244,7 +245,7 @@ int checkpoint_recompute_depth() { return t_recompute_depth; }
 
 std::vector<at::Tensor> checkpoint(CheckpointFunction fn, std::vector<at::Tensor> inputs,
                                    CheckpointOptions options) {
-  TORCH_CHECK(fn, "checkpoint: the function is empty");
+  TANDEM_CHECK(fn, "checkpoint: the function is empty");
   if (!at::GradMode::is_enabled()) return fn(inputs);
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = std::move(fn);
@@ -266,7 +267,7 @@ std::vector<at::Tensor> checkpoint(CheckpointFunction fn, std::vector<at::Tensor
 
 at::Tensor checkpoint(std::function<at::Tensor(const at::Tensor&)> fn, at::Tensor input,
                       CheckpointOptions options) {
-  TORCH_CHECK(fn, "checkpoint: the function is empty");
+  TANDEM_CHECK(fn, "checkpoint: the function is empty");
   auto outs = checkpoint(
       [fn = std::move(fn)](const std::vector<at::Tensor>& in) {
         return std::vector<at::Tensor>{fn(in[0])};
@@ -302,7 +303,7 @@ std::shared_ptr<CheckpointedImpl> wrap_entry(torch::nn::SequentialImpl& seq, siz
 std::vector<std::string> entry_names(torch::nn::SequentialImpl& seq) {
   std::vector<std::string> names;
   for (const auto& kv : seq.named_children()) names.push_back(kv.key());
-  TORCH_CHECK(names.size() == seq.size(), "activation checkpointing: a Sequential has ",
+  TANDEM_CHECK(names.size() == seq.size(), "activation checkpointing: a Sequential has ",
               seq.size(), " entries but ", names.size(),
               " registered children; register nothing on a Sequential besides its entries");
   return names;
@@ -366,7 +367,7 @@ void walk(torch::nn::Module& m, const std::string& prefix, Walk& w) {
 void hook_checkpoint(torch::nn::Module& m, const std::string& path, CheckpointOptions options) {
   auto* h = tandem::nn::hookable(m);
   if (!h->tensor_forward())
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "activation checkpointing: " + path + " (" + h->type_name() +
         ") returns something other than tensors, which a recompute cannot hand to the "
         "backward; return a Tensor, a std::tuple of Tensors or a std::vector<Tensor>");
@@ -385,7 +386,7 @@ bool is_checkpointed(torch::nn::Module& m) {
 }  // namespace
 
 void register_random_stream(RandomStream* stream) {
-  TORCH_CHECK(stream, "register_random_stream: the stream is null");
+  TANDEM_CHECK(stream, "register_random_stream: the stream is null");
   std::lock_guard<std::mutex> lock(g_streams_mutex);
   registered_streams().insert(stream);
 }
@@ -414,7 +415,7 @@ std::vector<std::shared_ptr<CheckpointedImpl>> checkpoint_sequential_entries(
 
 std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
     torch::nn::Module& model, const CheckpointPredicate& predicate, CheckpointOptions options) {
-  TORCH_CHECK(predicate, "apply_activation_checkpointing: the predicate is empty");
+  TANDEM_CHECK(predicate, "apply_activation_checkpointing: the predicate is empty");
   Walk w;
   w.wanted = [&](const std::string& path, torch::nn::Module& m, bool) { return predicate(path, m); };
   w.options = options;
@@ -425,7 +426,7 @@ std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
     for (size_t k = 0; k < unreachable.size() && k < 8; ++k)
       names += (k ? ", " : "") + unreachable[k].first;
     if (unreachable.size() > 8) names += ", ... (" + std::to_string(unreachable.size()) + " in all)";
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "apply_activation_checkpointing: the predicate matches " + names +
         ", which " + (unreachable.size() == 1 ? "is" : "are") +
         " neither an entry of a Sequential nor hookable, so " +
@@ -476,7 +477,7 @@ int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::str
   const auto& found = w.found;
   const int count = static_cast<int>(w.made.size()) + w.hooked;
   if (!unreachable.empty())
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "activation checkpointing: " + unreachable.front().first + " (" +
         unreachable.front().second + ")" +
         " is of a class fsdp_transformer_layer_cls_to_wrap names, but its parent calls it "
@@ -486,12 +487,12 @@ int checkpoint_model_blocks(torch::nn::Module& model, const std::vector<std::str
   for (const auto& c : classes)
     if (!found.count(c)) missing += (missing.empty() ? "" : ", ") + c;
   if (!missing.empty())
-    throw std::invalid_argument("activation checkpointing: fsdp_transformer_layer_cls_to_wrap "
+    throw ::tandem::Refused("activation checkpointing: fsdp_transformer_layer_cls_to_wrap "
                                 "names " + missing + ", which is no module of the model; name "
                                 "the class of its blocks as declared (TANDEM_MODULE(Block) is "
                                 "\"Block\")");
   if (count == 0)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "activation checkpointing was asked for (fsdp_config.fsdp_activation_checkpointing, tandem "
         "launch --activation_checkpointing, or AcceleratorOptions().activation_checkpointing), but "
         "the model has no block it can reach: no Sequential entry and no module declared with "

@@ -1,5 +1,6 @@
 // The communication hooks of the gradient reducer (see comm_hook.h).
 #include "tandem/parallel/comm_hook.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 
@@ -70,7 +71,7 @@ std::shared_ptr<CommHook> comm_hook_from_name(const std::string& name) {
     return allreduce_hook();
   if (name == "fp16") return fp16_compress_hook();
   if (name == "bf16") return bf16_compress_hook();
-  throw std::invalid_argument("communication hook '" + name +
+  throw ::tandem::Refused("communication hook '" + name +
                               "' is unknown; expected none, fp16 or bf16");
 }
 

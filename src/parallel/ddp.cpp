@@ -1,5 +1,6 @@
 // GradientReducer: bucketed gradient allreduce overlapped with backward (see ddp.h).
 #include "tandem/parallel/ddp.h"
+#include "tandem/error.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/variable.h>
@@ -50,14 +51,14 @@ GradientReducer::GradientReducer(
       inv_world_(hook_->reducer_divides() && average_pg_->size() > 1
                      ? at::native::wrapped_scalar_tensor(1.0 / average_pg_->size())
                      : at::Tensor()) {
-  TORCH_CHECK(options_.groups().empty() || options_.groups().size() == named_parameters.size(),
+  TANDEM_CHECK(options_.groups().empty() || options_.groups().size() == named_parameters.size(),
               pg_->prefix(), " ReducerOptions::groups has ", options_.groups().size(),
               " keys for ", named_parameters.size(), " parameters");
-  TORCH_CHECK(!options_.release_gradients() ||
+  TANDEM_CHECK(!options_.release_gradients() ||
                   (!options_.write_back() && !options_.gradient_as_bucket_view()),
               pg_->prefix(), " ReducerOptions::release_gradients needs write_back(false) and no "
               "gradient_as_bucket_view");
-  TORCH_CHECK(options_.bucket_multiple() >= 1, pg_->prefix(),
+  TANDEM_CHECK(options_.bucket_multiple() >= 1, pg_->prefix(),
               " ReducerOptions::bucket_multiple must be at least 1");
   // Distinct parameters that need gradients, in registration order (tied ones once).
   std::unordered_set<const void*> seen;
@@ -83,20 +84,20 @@ GradientReducer::GradientReducer(
   if (options_.buckets().empty()) {
     buckets_ = assign_buckets(sizes, mib(options_.bucket_cap_mb()), mib(options_.first_bucket_cap_mb()));
   } else {
-    TORCH_CHECK(params_.size() == named_parameters.size(), pg_->prefix(),
+    TANDEM_CHECK(params_.size() == named_parameters.size(), pg_->prefix(),
                 " ReducerOptions::buckets needs distinct parameters that all need gradients");
     std::vector<int> seen_in(params_.size(), 0);
     for (const auto& b : options_.buckets()) {
-      TORCH_CHECK(!b.empty(), pg_->prefix(), " ReducerOptions::buckets has an empty bucket");
+      TANDEM_CHECK(!b.empty(), pg_->prefix(), " ReducerOptions::buckets has an empty bucket");
       for (size_t i : b) {
-        TORCH_CHECK(i < params_.size() && seen_in[i]++ == 0, pg_->prefix(),
+        TANDEM_CHECK(i < params_.size() && seen_in[i]++ == 0, pg_->prefix(),
                     " ReducerOptions::buckets: parameter index ", i, " is out of range or repeated");
-        TORCH_CHECK(sizes[i].group == sizes[b.front()].group, pg_->prefix(),
+        TANDEM_CHECK(sizes[i].group == sizes[b.front()].group, pg_->prefix(),
                     " ReducerOptions::buckets: a bucket mixes groups, dtypes or devices");
       }
     }
     for (size_t i = 0; i < params_.size(); ++i)
-      TORCH_CHECK(seen_in[i] == 1, pg_->prefix(), " ReducerOptions::buckets misses parameter ",
+      TANDEM_CHECK(seen_in[i] == 1, pg_->prefix(), " ReducerOptions::buckets misses parameter ",
                   names_[i]);
     buckets_ = options_.buckets();
   }
@@ -138,7 +139,7 @@ GradientReducer::GradientReducer(
   // Hooks on the gradient accumulators: they run after .grad was written.
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
-    TORCH_CHECK(acc, pg_->prefix(), " parameter ", names_[i],
+    TANDEM_CHECK(acc, pg_->prefix(), " parameter ", names_[i],
                 " is not a leaf tensor: data parallel needs leaf parameters");
     hook_keys_.push_back(compat::add_post_hook(*acc, [this, i] { on_gradient_ready(i); }));
     accumulators_.push_back(std::move(acc));

@@ -1,5 +1,6 @@
 // The whole model from its model-parallel parts (see parallel/full_state.h).
 #include "tandem/parallel/full_state.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -26,7 +27,7 @@ int64_t parts_of(const std::string& how) {
     } catch (const std::exception&) {
     }
   }
-  throw std::invalid_argument("join_tensor_parallel_shards: split '" + how +
+  throw ::tandem::Refused("join_tensor_parallel_shards: split '" + how +
                               "': expected \"cols\" or \"rows/<parts >= 1>\"");
 }
 
@@ -40,19 +41,19 @@ at::Tensor to_bytes(const at::Tensor& t) {
 
 at::Tensor join_tensor_parallel_shards(const std::vector<at::Tensor>& shards,
                                        const std::string& how) {
-  if (shards.empty()) throw std::invalid_argument("join_tensor_parallel_shards: no shards");
+  if (shards.empty()) throw ::tandem::Refused("join_tensor_parallel_shards: no shards");
   const int64_t parts = parts_of(how);
   for (const auto& s : shards)
     if (s.sizes() != shards.front().sizes() || s.scalar_type() != shards.front().scalar_type())
-      throw std::invalid_argument("join_tensor_parallel_shards: shards of different shapes or "
+      throw ::tandem::Refused("join_tensor_parallel_shards: shards of different shapes or "
                                   "dtypes; every tp rank's shard of a tensor has one shape");
   if (parts == 0) {
     if (shards.front().dim() < 2)
-      throw std::invalid_argument("join_tensor_parallel_shards: a 'cols' split needs 2-D shards");
+      throw ::tandem::Refused("join_tensor_parallel_shards: a 'cols' split needs 2-D shards");
     return at::cat(shards, 1);
   }
   if (shards.front().dim() < 1 || shards.front().size(0) % parts != 0)
-    throw std::invalid_argument("join_tensor_parallel_shards: shards of " +
+    throw ::tandem::Refused("join_tensor_parallel_shards: shards of " +
                                 std::to_string(shards.front().size(0)) + " rows do not split into " +
                                 std::to_string(parts) + " blocks");
   std::vector<std::vector<at::Tensor>> blocks;

@@ -1,6 +1,7 @@
 // Pipeline: runs this rank's stage of a pipeline schedule over point-to-point messages, and
 // splits a Sequential into stages.
 #include "tandem/parallel/pipeline.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 
@@ -47,17 +48,17 @@ Pipeline::Pipeline(std::shared_ptr<torch::nn::Module> module, Forward forward,
       dp_(std::move(dp)),
       loss_(std::move(loss)),
       options_(options) {
-  if (!pp_) throw std::invalid_argument("Pipeline: no pipeline process group given");
+  if (!pp_) throw ::tandem::Refused("Pipeline: no pipeline process group given");
   const std::string where = pp_->prefix() + " Pipeline (stage " + std::to_string(pp_->rank()) +
                             " of " + std::to_string(pp_->size()) + "): ";
-  if (!module_ || !forward_) throw std::invalid_argument(where + "no stage module or forward given");
+  if (!module_ || !forward_) throw ::tandem::Refused(where + "no stage module or forward given");
   if (is_last() && !loss_)
-    throw std::invalid_argument(where + "the last stage needs a loss function");
+    throw ::tandem::Refused(where + "the last stage needs a loss function");
   try {
     actions_ = pipeline_schedule(options_.schedule(), pp_->size(), options_.microbatches())
                    .at(static_cast<size_t>(pp_->rank()));
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(where + e.what());
+    throw ::tandem::Refused(where + e.what());
   }
 }
 
@@ -67,12 +68,12 @@ int Pipeline::stages() const { return pp_->size(); }
 void Pipeline::check_microbatches(const at::Tensor& t, const char* what) const {
   const int m = options_.microbatches();
   if (!t.defined() || t.dim() == 0)
-    throw std::invalid_argument(pp_->prefix() + " Pipeline::step: stage " +
+    throw ::tandem::Refused(pp_->prefix() + " Pipeline::step: stage " +
                                 std::to_string(stage()) + " needs the " + what +
                                 " (a batch along dim 0), found " +
                                 (t.defined() ? "a 0-dim tensor" : "an undefined tensor"));
   if (t.size(0) % m != 0)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         pp_->prefix() + " Pipeline::step: the " + what + "'s batch of " +
         std::to_string(t.size(0)) + " rows does not split into " + std::to_string(m) +
         " micro-batches of equal size: use a batch size that " + std::to_string(m) +
@@ -132,7 +133,7 @@ double Pipeline::step(const at::Tensor& input, const at::Tensor& target) {
         const auto dtype = static_cast<int64_t>(y.scalar_type());
         if (send_dtype_ < 0) {
           if (y.dim() > kMaxDims)
-            throw std::invalid_argument(pp_->prefix() + " Pipeline: stage " + std::to_string(s) +
+            throw ::tandem::Refused(pp_->prefix() + " Pipeline: stage " + std::to_string(s) +
                                         "'s output has " + std::to_string(y.dim()) +
                                         " dimensions; at most " + std::to_string(kMaxDims) +
                                         " travel between stages: reshape it");
@@ -144,7 +145,7 @@ double Pipeline::step(const at::Tensor& input, const at::Tensor& target) {
           send_dtype_ = dtype;
           send_shape_ = y.sizes().vec();
         } else if (dtype != send_dtype_ || y.sizes().vec() != send_shape_) {
-          throw std::invalid_argument(
+          throw ::tandem::Refused(
               pp_->prefix() + " Pipeline::step: stage " + std::to_string(s) + "'s output" + mb +
               std::to_string(j) + " is " + describe(dtype, y.sizes().vec()) +
               ", but the first step's was " + describe(send_dtype_, send_shape_) +
@@ -213,7 +214,7 @@ void Pipeline::reduce_gradients() {
 torch::nn::Sequential split_sequential(const torch::nn::Sequential& model, int stages, int stage) {
   const int64_t n = static_cast<int64_t>(model->size());
   if (stages < 1 || stages > n)
-    throw std::invalid_argument("split_sequential: cannot split " + std::to_string(n) +
+    throw ::tandem::Refused("split_sequential: cannot split " + std::to_string(n) +
                                 " children into " + std::to_string(stages) +
                                 " stages: every stage needs at least one child (use 1 to " +
                                 std::to_string(n) + " stages)");
@@ -231,13 +232,13 @@ torch::nn::Sequential split_sequential(const torch::nn::Sequential& model,
   if (!ok) {
     std::string got;
     for (auto f : first_child) got += (got.empty() ? "" : ", ") + std::to_string(f);
-    throw std::invalid_argument("split_sequential: stage boundaries {" + got + "} for " +
+    throw ::tandem::Refused("split_sequential: stage boundaries {" + got + "} for " +
                                 std::to_string(n) + " children: expected each stage's first "
                                 "child, starting at 0, strictly ascending, below " +
                                 std::to_string(n));
   }
   if (stage < 0 || stage >= stages)
-    throw std::invalid_argument("split_sequential: stage " + std::to_string(stage) + " of " +
+    throw ::tandem::Refused("split_sequential: stage " + std::to_string(stage) + " of " +
                                 std::to_string(stages) + ": expected 0 to " +
                                 std::to_string(stages - 1));
   const int64_t begin = first_child[stage], end = stage + 1 < stages ? first_child[stage + 1] : n;

@@ -1,5 +1,6 @@
 // Pipeline schedules (GPipe, 1F1B) as per-stage action lists, and a simulator that runs them.
 #include <algorithm>
+#include "tandem/error.h"
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -72,10 +73,10 @@ std::string to_string(ScheduleKind kind) { return kind == ScheduleKind::kGPipe ?
 
 std::vector<std::vector<PipelineAction>> pipeline_schedule(ScheduleKind kind, int p, int m) {
   if (p < 1)
-    throw std::invalid_argument("pipeline_schedule: " + std::to_string(p) +
+    throw ::tandem::Refused("pipeline_schedule: " + std::to_string(p) +
                                 " stages; a pipeline needs at least 1");
   if (m < p)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "pipeline_schedule: " + std::to_string(m) + " micro-batches for " + std::to_string(p) +
         " stages: use at least " + std::to_string(p) + " micro-batches (as many as stages), else "
         "the pipeline is mostly idle");

@@ -10,6 +10,7 @@
 // largest parameter beyond the rank's own state. The bytes are read with pread ranges, so a
 // ZeRO chunk costs its own bytes only.
 #include "detail/reshard.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -141,7 +142,7 @@ at::Tensor cut_for_rank(const at::Tensor& dense, const std::string& how, int ran
   if (how.empty() || size == 1) return dense;
   if (how == "cols") return shard_cols(dense, rank, size);
   if (how.rfind("rows/", 0) == 0) return shard_rows(dense, rank, size, std::stoll(how.substr(5)));
-  throw std::invalid_argument("a tensor-parallel split \"" + how +
+  throw ::tandem::Refused("a tensor-parallel split \"" + how +
                               "\" (expected \"cols\" or \"rows/<parts>\")");
 }
 

@@ -1,5 +1,6 @@
 // Distributed types and sharding options: names, parsing and checks (sharding_options.h).
 #include "tandem/parallel/sharding_options.h"
+#include "tandem/error.h"
 
 #include <map>
 #include <stdexcept>
@@ -34,7 +35,7 @@ DistributedType distributed_type_from_name(const std::string& name) {
     if (n == upper(name)) return t;
   std::string all;
   for (const auto& [t, n] : type_names()) all += (all.empty() ? "" : ", ") + n;
-  throw std::invalid_argument("distributed type '" + name + "': expected one of " + all);
+  throw ::tandem::Refused("distributed type '" + name + "': expected one of " + all);
 }
 
 const std::vector<FsdpShardingStrategy>& fsdp_sharding_strategies() {
@@ -56,7 +57,7 @@ const FsdpShardingStrategy& fsdp_sharding_strategy(const std::string& value) {
   std::string names;
   for (size_t i = 0; i < all.size(); ++i)
     names += (i ? ", " : "") + std::to_string(i + 1) + " " + all[i].name;
-  throw std::invalid_argument("expected one of " + names + " (a name or its number)");
+  throw ::tandem::Refused("expected one of " + names + " (a name or its number)");
 }
 
 std::string unsupported_sharding_message(const ShardingOptions& o) {

@@ -1,5 +1,6 @@
 // Strategy selection and the data parallel strategy (see strategy.h).
 #include "tandem/parallel/strategy.h"
+#include "tandem/error.h"
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -105,15 +106,15 @@ std::unique_ptr<Strategy> make_strategy(DistributedType type,
   // NO_SHARD: data parallel); the others run data parallel unless the program itself asked for
   // a sharding (AcceleratorOptions().sharding). CPU and GPU run the same strategies.
   if ((type == DistributedType::kDeepSpeed || type == DistributedType::kFsdp) && !sharding)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         context.pg->prefix() + " distributed_type " + to_string(type) +
         " without sharding options: set them (tandem launch --zero_stage / --fsdp_sharding_strategy, "
         "the config file's deepspeed_config / fsdp_config, or AcceleratorOptions().sharding)");
   if (sharding && sharding->stage() == 0 && !sharding->nvme_path().empty())
-    throw std::invalid_argument(context.pg->prefix() + " " + unsupported_sharding_message(*sharding));
+    throw ::tandem::Refused(context.pg->prefix() + " " + unsupported_sharding_message(*sharding));
   if (!sharding || sharding->stage() == 0) return std::make_unique<DdpStrategy>(std::move(context));
   auto msg = unsupported_sharding_message(*sharding);
-  if (!msg.empty()) throw std::invalid_argument(context.pg->prefix() + " " + msg);
+  if (!msg.empty()) throw ::tandem::Refused(context.pg->prefix() + " " + msg);
   context.dp_pg = context.pg;
   if (context.shard_pg) context.pg = context.shard_pg;  // ZeRO runs over dp_shard
   return detail::make_zero_strategy(*sharding, std::move(context));

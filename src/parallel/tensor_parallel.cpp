@@ -1,5 +1,6 @@
 // Tensor parallel: the communication regions as autograd functions, and the parallel layers.
 #include "tandem/parallel/tensor_parallel.h"
+#include "tandem/error.h"
 
 #include <torch/torch.h>
 
@@ -33,7 +34,7 @@ void check_divisible(const ProcessGroup& group, int64_t size, int64_t parts, con
   if (size % (n * parts) != 0) {
     const int64_t below = size / (n * parts) * (n * parts);
     const int64_t above = below + n * parts;
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         group.prefix() + " tensor parallel: " + what + " has size " + std::to_string(size) +
         ", which does not split evenly over " + std::to_string(n) + " ranks" +
         (parts > 1 ? " in each of its " + std::to_string(parts) + " fused parts" : "") +
@@ -94,7 +95,7 @@ at::Tensor gathered_along(const at::Tensor& t, ProcessGroup& group, int64_t dim)
 
 void check_sequence_divisible(const ProcessGroup& group, int64_t positions) {
   if (positions % group.size() != 0)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         group.prefix() + " sequence parallel: the sequence dimension has " +
         std::to_string(positions) + " positions, not divisible by the " +
         std::to_string(group.size()) +
@@ -184,14 +185,14 @@ using ScatterToSequence = SequenceRegion<my_part_along, gathered_along>;
 
 int64_t normalized_dim(const at::Tensor& t, int64_t dim) {
   const int64_t nd = t.dim();
-  TORCH_CHECK(dim >= -nd && dim < nd, "sequence parallel: dimension ", dim,
+  TANDEM_CHECK(dim >= -nd && dim < nd, "sequence parallel: dimension ", dim,
               " does not exist in a tensor of ", nd, " dimensions");
   return dim < 0 ? dim + nd : dim;
 }
 
 void check_group(const std::shared_ptr<ProcessGroup>& group, const char* what) {
   if (!group)
-    throw std::invalid_argument(std::string(what) +
+    throw ::tandem::Refused(std::string(what) +
                                 ": the process group is null (this rank is not in it); pass "
                                 "the rank's own tensor-parallel group, e.g. mesh[\"tp\"]");
 }
@@ -199,7 +200,7 @@ void check_group(const std::shared_ptr<ProcessGroup>& group, const char* what) {
 void check_shape(const ProcessGroup& g, const at::Tensor& t, std::vector<int64_t> expected,
                  const std::string& what) {
   if (!t.defined() || t.sizes().vec() != expected)
-    throw std::invalid_argument(g.prefix() + " " + what + ": expected a tensor of shape " +
+    throw ::tandem::Refused(g.prefix() + " " + what + ": expected a tensor of shape " +
                                 c10::str(at::IntArrayRef(expected)) + ", got " +
                                 (t.defined() ? c10::str(t.sizes()) : std::string("none")));
 }
@@ -390,7 +391,7 @@ VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t num_embeddings,
   start_ = local * group_->rank();
   end_ = start_ + local;
   if (!w.defined() || w.dim() != 2 || w.size(0) != local)
-    throw std::invalid_argument(group_->prefix() + " VocabParallelEmbedding: expected a [" +
+    throw ::tandem::Refused(group_->prefix() + " VocabParallelEmbedding: expected a [" +
                                 std::to_string(local) + ", dim] shard of the table, got " +
                                 (w.defined() ? c10::str(w.sizes()) : std::string("none")));
   weight = register_parameter("weight", std::move(w));

@@ -1,6 +1,7 @@
 // Tensor parallel: vocab-parallel cross entropy, plans (matching and applying them to a model),
 // and the per-rank RNG stream for dropout.
 #include <ATen/CPUGeneratorImpl.h>
+#include "tandem/error.h"
 #include <ATen/Context.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/torch.h>
@@ -112,7 +113,7 @@ struct ShardBook {
                    const std::string& path, const std::string& tensor, const std::string& what,
                    int64_t parts) {
     if (summed.count(dense.unsafeGetTensorImpl()))
-      throw std::invalid_argument(g.prefix() + " parallelize_module: " + path +
+      throw ::tandem::Refused(g.prefix() + " parallelize_module: " + path +
                                   " shares a parameter with a sequence-parallel module, which "
                                   "keeps it replicated; its plan entry would split it as " + how +
                                   "; untie the parameter or plan both modules alike");
@@ -120,7 +121,7 @@ struct ShardBook {
     if (it != shard_of.end()) {
       const auto& had = split.at(it->second.unsafeGetTensorImpl());
       if (had != how)
-        throw std::invalid_argument(g.prefix() + " parallelize_module: " + path +
+        throw ::tandem::Refused(g.prefix() + " parallelize_module: " + path +
                                     " shares a parameter with a module sharded as " + had +
                                     ", but its plan entry splits it as " + how +
                                     "; tied parameters must be split the same way");
@@ -183,15 +184,15 @@ at::Tensor vocab_parallel_cross_entropy(const at::Tensor& local_logits, const at
                                         std::shared_ptr<ProcessGroup> group,
                                         const VocabParallelCrossEntropyOptions& options) {
   if (!group)
-    throw std::invalid_argument("vocab_parallel_cross_entropy: the process group is null");
+    throw ::tandem::Refused("vocab_parallel_cross_entropy: the process group is null");
   const auto& r = options.reduction();
   if (r != "mean" && r != "sum" && r != "none")
-    throw std::invalid_argument(group->prefix() + " vocab_parallel_cross_entropy: reduction '" +
+    throw ::tandem::Refused(group->prefix() + " vocab_parallel_cross_entropy: reduction '" +
                                 r + "'; expected mean, sum or none");
   auto expected = local_logits.sizes().vec();
   expected.pop_back();
   if (target.sizes().vec() != expected)
-    throw std::invalid_argument(group->prefix() + " vocab_parallel_cross_entropy: targets of shape " +
+    throw ::tandem::Refused(group->prefix() + " vocab_parallel_cross_entropy: targets of shape " +
                                 c10::str(target.sizes()) + " for logits of shape " +
                                 c10::str(local_logits.sizes()) + "; expected " +
                                 c10::str(at::IntArrayRef(expected)));
@@ -275,13 +276,13 @@ std::vector<std::vector<std::string>> match_plan(const TensorParallelPlan& plan,
   for (size_t i = 0; i < plan.entries.size(); ++i) {
     const auto& e = plan.entries[i];
     if (e.parts < 1)
-      throw std::invalid_argument("tensor-parallel plan entry '" + e.pattern + "': parts " +
+      throw ::tandem::Refused("tensor-parallel plan entry '" + e.pattern + "': parts " +
                                   std::to_string(e.parts) + "; expected 1 or more");
     for (const auto& p : module_paths) {
       if (!plan_pattern_matches(e.pattern, p)) continue;
       auto [it, fresh] = claimed.emplace(p, e.pattern);
       if (!fresh)
-        throw std::invalid_argument("tensor-parallel plan: module " + p + " is matched by '" +
+        throw ::tandem::Refused("tensor-parallel plan: module " + p + " is matched by '" +
                                     it->second + "' and by '" + e.pattern +
                                     "'; make the patterns disjoint");
       out[i].push_back(p);
@@ -294,7 +295,7 @@ std::vector<std::vector<std::string>> match_plan(const TensorParallelPlan& plan,
     for (size_t i = 0; i < module_paths.size() && i < 12; ++i)
       some += (some.empty() ? "" : ", ") + module_paths[i];
     if (module_paths.size() > 12) some += ", ...";
-    throw std::invalid_argument("tensor-parallel plan entr" +
+    throw ::tandem::Refused("tensor-parallel plan entr" +
                                 std::string(unmatched.size() == 1 ? "y " : "ies ") + names +
                                 " match no module of the model; paths are named as "
                                 "named_modules() names them (" + some +
@@ -306,7 +307,7 @@ std::vector<std::vector<std::string>> match_plan(const TensorParallelPlan& plan,
 void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> tp,
                         const TensorParallelPlan& plan) {
   if (!tp)
-    throw std::invalid_argument("parallelize_module: the tensor-parallel group is null (this "
+    throw ::tandem::Refused("parallelize_module: the tensor-parallel group is null (this "
                                 "rank is not in it); pass this rank's group, e.g. mesh[\"tp\"]");
   auto named = model.named_modules(/*name_prefix=*/"", /*include_self=*/false);
   std::vector<std::string> paths;
@@ -325,7 +326,7 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
       auto& child = *named[path];
       auto w = param(child, "weight"), b = param(child, "bias");
       auto refuse = [&](const std::string& why) {
-        throw std::invalid_argument(tp->prefix() + " parallelize_module: " + path + " (" +
+        throw ::tandem::Refused(tp->prefix() + " parallelize_module: " + path + " (" +
                                     child.name() + ", plan entry '" + e.pattern + "', " +
                                     style_name(e.style) + "): " + why);
       };
@@ -445,7 +446,7 @@ void parallelize_module(torch::nn::Module& model, std::shared_ptr<ProcessGroup> 
         h->hooks().redirect(
             replacement,
             [layer, path](const std::vector<at::Tensor>& in) {
-              TORCH_CHECK(in.size() == 1, "tensor parallel: ", path, " was called with ",
+              TANDEM_CHECK(in.size() == 1, "tensor parallel: ", path, " was called with ",
                           in.size(), " tensors; its planned layer takes one");
               return std::vector<at::Tensor>{layer->forward(in[0])};
             },
@@ -525,7 +526,7 @@ TensorParallelRng::TensorParallelRng(uint64_t seed, int tp_rank) : seed_(seed) {
 TensorParallelRng::~TensorParallelRng() { unregister_random_stream(this); }
 
 void TensorParallelRng::set_stream_state(const std::vector<at::Tensor>& state) {
-  TORCH_CHECK(state.size() == 2, "TensorParallelRng::set_stream_state: expected the CPU and CUDA "
+  TANDEM_CHECK(state.size() == 2, "TensorParallelRng::set_stream_state: expected the CPU and CUDA "
               "states (2 tensors), got ", state.size());
   cpu_state_ = state[0];
   cuda_state_ = state[1];

@@ -1,5 +1,6 @@
 // The Topology (see topology.h): the groups of a run's layout and the arithmetic across them.
 #include "tandem/parallel/topology.h"
+#include "tandem/error.h"
 
 #include <torch/torch.h>
 
@@ -24,12 +25,12 @@ using json = nlohmann::json;
 
 comm::DeviceMesh build_mesh(std::shared_ptr<ProcessGroup> world, const comm::MeshShape& shape,
                             int local_world_size) {
-  if (!world) throw std::invalid_argument("Topology needs a world ProcessGroup (got nullptr)");
+  if (!world) throw ::tandem::Refused("Topology needs a world ProcessGroup (got nullptr)");
   const std::string prefix = world->prefix();
   try {
     return comm::make_device_mesh(std::move(world), shape, local_world_size);
   } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(prefix + " parallelism: " + e.what());
+    throw ::tandem::Refused(prefix + " parallelism: " + e.what());
   }
 }
 

@@ -1,5 +1,6 @@
 // fp8 options, and the stand-ins used where the fp8 kernels are not compiled (see fp8.h).
 #include "tandem/precision/fp8.h"
+#include "tandem/error.h"
 
 #include <stdexcept>
 
@@ -8,17 +9,17 @@ namespace tandem::precision {
 
 void Fp8Options::validate() const {
   if (fp8_format() != "HYBRID" && fp8_format() != "E4M3")
-    throw std::invalid_argument("fp8_format is '" + fp8_format() +
+    throw ::tandem::Refused("fp8_format is '" + fp8_format() +
                                 "': expected HYBRID (E4M3 forward, E5M2 backward) or E4M3");
   if (amax_compute_algo() != "max" && amax_compute_algo() != "most_recent")
-    throw std::invalid_argument("amax_compute_algo is '" + amax_compute_algo() +
+    throw ::tandem::Refused("amax_compute_algo is '" + amax_compute_algo() +
                                 "': expected max or most_recent");
   if (amax_history_len() < 1 || interval() < 1)
-    throw std::invalid_argument("amax_history_len and interval must be at least 1, found " +
+    throw ::tandem::Refused("amax_history_len and interval must be at least 1, found " +
                                 std::to_string(amax_history_len()) + " and " +
                                 std::to_string(interval()));
   if (margin() < 0)
-    throw std::invalid_argument("margin must be >= 0, found " + std::to_string(margin()));
+    throw ::tandem::Refused("margin must be >= 0, found " + std::to_string(margin()));
 }
 
 #ifndef TANDEM_FP8_KERNELS

@@ -9,6 +9,7 @@
 // the history's maximum ("max") or its latest row ("most_recent"). _scaled_mm needs every
 // dimension to be a multiple of 16; other shapes fall back to the plain product.
 #include <torch/torch.h>
+#include "tandem/error.h"
 
 #include <ATen/cuda/CUDAContext.h>
 
@@ -124,7 +125,7 @@ void Fp8LinearImpl::reset() {
 }
 
 at::Tensor Fp8LinearImpl::forward(const at::Tensor& input) {
-  TORCH_CHECK(input.is_cuda(), "Fp8Linear: expected a CUDA input, found one on ", input.device(),
+  TANDEM_CHECK(input.is_cuda(), "Fp8Linear: expected a CUDA input, found one on ", input.device(),
               "; fp8 runs on GPUs only (use mixed_precision bf16 on the CPU)");
   auto x = input.reshape({-1, options.in_features()});
   at::Tensor out;

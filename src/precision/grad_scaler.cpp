@@ -1,5 +1,6 @@
 // GradScaler (see grad_scaler.h).
 #include "tandem/precision/grad_scaler.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 
@@ -11,7 +12,7 @@ namespace {
 
 void check_options(const GradScalerOptions& o) {
   auto bad = [](const std::string& what) {
-    throw std::invalid_argument("GradScalerOptions: " + what);
+    throw ::tandem::Refused("GradScalerOptions: " + what);
   };
   if (!(o.init_scale() > 0) || !std::isfinite(o.init_scale()))
     bad("init_scale must be a positive finite number, found " + std::to_string(o.init_scale()));
@@ -75,7 +76,7 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   auto get = [&](const char* key) {
     auto it = state.find(key);
     if (it == state.end())
-      throw std::invalid_argument(std::string("GradScaler::load_state_dict: expected the key '") +
+      throw ::tandem::Refused(std::string("GradScaler::load_state_dict: expected the key '") +
                                   key + "', found only " + std::to_string(state.size()) +
                                   " keys; pass a map written by GradScaler::state_dict()");
     return it->second;
@@ -89,7 +90,7 @@ void GradScaler::load_state_dict(const std::map<std::string, double>& state) {
   check_options(o);
   const double s = get("scale");
   if (!(s > 0) || !std::isfinite(s))
-    throw std::invalid_argument("GradScaler::load_state_dict: scale must be positive and finite, "
+    throw ::tandem::Refused("GradScaler::load_state_dict: scale must be positive and finite, "
                                 "found " + std::to_string(s));
   options_ = o;
   scale_ = s;

@@ -2,6 +2,7 @@
 // dtype, fp32 master weights, loss scaling with a skip agreed by every rank, and the precision
 // of metric reductions. See docs/mixed_precision.md.
 #include "tandem/precision/mixed_precision.h"
+#include "tandem/error.h"
 
 #include <torch/torch.h>
 
@@ -35,7 +36,7 @@ MixedPrecision::MixedPrecision(MixedPrecisionOptions options, c10::DeviceType de
     try {
       recipe.validate();
     } catch (const std::exception& e) {
-      throw std::invalid_argument(prefix_ + " fp8 options: " + e.what());
+      throw ::tandem::Refused(prefix_ + " fp8 options: " + e.what());
     }
     fp8_ = recipe;
   }
@@ -80,7 +81,7 @@ void MixedPrecision::register_optimizer(torch::optim::Optimizer& optimizer,
       const void* key = p.unsafeGetTensorImpl();
       auto it = master_of_.find(key);
       if (it == master_of_.end()) {
-        TORCH_CHECK(optimizer.state().empty(), prefix_,
+        TANDEM_CHECK(optimizer.state().empty(), prefix_,
                     " prepare: master weights need an optimizer without state; expected a fresh "
                     "optimizer, found one that has stepped; prepare it before its first step");
         at::Tensor master = p.detach().to(at::kFloat).clone();
@@ -143,12 +144,12 @@ void MixedPrecision::load_master_weights(torch::optim::Optimizer& optimizer,
       if (it == half_of.end()) continue;
       const std::string key = checkpoint::optimizer_param_key(g, i);
       if (file) {
-        TORCH_CHECK(file->contains(key), prefix_, " load_state: ", dir,
+        TANDEM_CHECK(file->contains(key), prefix_, " load_state: ", dir,
                     " has master weights without '", key,
                     "': the checkpoint was saved with other parameter groups; build the "
                     "optimizer as in the run that saved it");
         auto t = file->tensor(key);
-        TORCH_CHECK(t.sizes() == master.sizes() && t.scalar_type() == master.scalar_type(),
+        TANDEM_CHECK(t.sizes() == master.sizes() && t.scalar_type() == master.scalar_type(),
                     prefix_, " load_state: master weight '", key, "' in ", dir, " is ",
                     t.scalar_type(), t.sizes(), ", expected ", master.scalar_type(),
                     master.sizes(), ": build the same model and optimizer before load_state");

@@ -1,5 +1,6 @@
 // PrecisionPolicy parsing and validation (see policy.h); Capabilities::detect probes LibTorch.
 #include "tandem/precision/policy.h"
+#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
@@ -34,7 +35,7 @@ std::string join(const std::vector<std::string>& v) {
 std::string lead(const std::string& prefix) { return prefix.empty() ? "" : prefix + " "; }
 
 [[noreturn]] void refuse(const PolicyOptions& o, const std::string& what) {
-  throw std::invalid_argument(lead(o.prefix()) + "mixed_precision '" + o.mode() + "': " + what);
+  throw ::tandem::Refused(lead(o.prefix()) + "mixed_precision '" + o.mode() + "': " + what);
 }
 
 }  // namespace
@@ -84,7 +85,7 @@ PrecisionPolicy PrecisionPolicy::create(const PolicyOptions& o, const Capabiliti
   size_t i = 0;
   while (i < names.size() && names[i] != o.mode()) ++i;
   if (i == names.size())
-    throw std::invalid_argument(lead(o.prefix()) + "mixed_precision is '" + o.mode() +
+    throw ::tandem::Refused(lead(o.prefix()) + "mixed_precision is '" + o.mode() +
                                 "', which is not a mode: expected one of " + join(names) +
                                 " (AcceleratorOptions().mixed_precision(...), tandem launch "
                                 "--mixed_precision or TANDEM_MIXED_PRECISION)");

@@ -1,5 +1,6 @@
 // find_executable_batch_size: try, recognise out-of-memory errors, release, shrink, retry.
 #include "tandem/track/batch_size.h"
+#include "tandem/error.h"
 
 #include <c10/util/Exception.h>
 
@@ -44,14 +45,14 @@ void release_cached_memory() {
 int64_t find_executable_batch_size(const std::function<void(int64_t)>& fn,
                                    int64_t starting_batch_size,
                                    const BatchSizeFinderOptions& options) {
-  if (!fn) throw std::invalid_argument("find_executable_batch_size: expected a function, got none");
+  if (!fn) throw ::tandem::Refused("find_executable_batch_size: expected a function, got none");
   if (starting_batch_size < 1) {
-    throw std::invalid_argument("find_executable_batch_size: expected a starting batch size of "
+    throw ::tandem::Refused("find_executable_batch_size: expected a starting batch size of "
                                 "at least 1, found " + std::to_string(starting_batch_size));
   }
   const double factor = options.factor();
   if (!(factor > 0 && factor < 1)) {
-    throw std::invalid_argument("find_executable_batch_size: expected a factor between 0 and 1 "
+    throw ::tandem::Refused("find_executable_batch_size: expected a factor between 0 and 1 "
                                 "(0.9, or 0.5 to halve), found " + std::to_string(factor));
   }
   int64_t batch = starting_batch_size;

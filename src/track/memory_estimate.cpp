@@ -1,5 +1,6 @@
 // Memory estimates: parameter counting (GPT shape, safetensors headers) and the size formulas.
 #include "tandem/track/memory_estimate.h"
+#include "tandem/error.h"
 
 #include <nlohmann/json.hpp>
 
@@ -124,7 +125,7 @@ ModelSize read_index(const fs::path& index) {
 
 ModelSize count_gpt_parameters(const GptShape& s) {
   if (s.layers <= 0 || s.hidden <= 0 || s.vocab <= 0 || s.context <= 0) {
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "expected positive --layers, --hidden, --vocab and --context for a GPT "
         "shape, found layers " +
         std::to_string(s.layers) + ", hidden " + std::to_string(s.hidden) + ", vocab " +
@@ -132,7 +133,7 @@ ModelSize count_gpt_parameters(const GptShape& s) {
   }
   // Every product and sum is checked: a count past 2^63 - 1 would wrap around into nonsense.
   auto overflow = [&](const std::string& flags) {
-    return std::invalid_argument(
+    return ::tandem::Refused(
         flags + ": the parameter count of this shape (layers " + std::to_string(s.layers) +
         ", hidden " + std::to_string(s.hidden) + ", vocab " + std::to_string(s.vocab) +
         ", context " + std::to_string(s.context) +
@@ -179,7 +180,7 @@ ModelSize count_gpt_parameters(const GptShape& s) {
 
 int64_t parse_parameter_count(const std::string& text) {
   auto fail = [&]() {
-    return std::invalid_argument(
+    return ::tandem::Refused(
         "expected a parameter count like 125M, 7.5B, "
         "1e9 or 350000, found '" +
         text + "'");
@@ -210,7 +211,7 @@ int64_t parse_parameter_count(const std::string& text) {
 
 ModelSize model_size_from_count(int64_t n) {
   if (n <= 0) {
-    throw std::invalid_argument("expected a positive parameter count, found " + std::to_string(n));
+    throw ::tandem::Refused("expected a positive parameter count, found " + std::to_string(n));
   }
   ModelSize m;
   m.num_parameters = n;
@@ -282,7 +283,7 @@ std::vector<std::string> memory_dtypes() { return {"float32", "float16/bfloat16"
 MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
                                const std::vector<std::string>& dtypes) {
   if (num_processes < 1) {
-    throw std::invalid_argument("--num_processes must be at least 1, got " +
+    throw ::tandem::Refused("--num_processes must be at least 1, got " +
                                 std::to_string(num_processes));
   }
   static const std::vector<std::pair<std::string, double>> kRows = {
@@ -299,7 +300,7 @@ MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
     else if (k == "int8") row = "int8";
     else if (k == "int4") row = "int4";
     else {
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           "expected dtypes among float32, float16, "
           "bfloat16, int8, int4, found '" +
           d + "'");

@@ -1,5 +1,6 @@
 // TrackerSet, the factory make_trackers, and HparamValue's text form.
 #include "tandem/track/trackers.h"
+#include "tandem/error.h"
 
 #include <algorithm>
 #include <cctype>
@@ -39,7 +40,7 @@ TrackerSet::~TrackerSet() {
 }
 
 void TrackerSet::add(std::unique_ptr<Tracker> tracker) {
-  if (!tracker) throw std::invalid_argument("TrackerSet::add: expected a tracker, got nullptr");
+  if (!tracker) throw ::tandem::Refused("TrackerSet::add: expected a tracker, got nullptr");
   trackers_.push_back(std::move(tracker));
   finished_ = false;
 }
@@ -82,7 +83,7 @@ TrackerSet make_trackers(const std::vector<std::string>& names, const std::strin
     if (std::find(known.begin(), known.end(), name) == known.end()) {
       std::string list;
       for (const auto& k : known) list += k + ", ";
-      throw std::invalid_argument("make_trackers: expected one of " + list + "or all, found '" + n +
+      throw ::tandem::Refused("make_trackers: expected one of " + list + "or all, found '" + n +
                                   "'; fix the tracker name (log_with)");
     }
     if (std::find(chosen.begin(), chosen.end(), name) == chosen.end()) chosen.push_back(name);
@@ -90,7 +91,7 @@ TrackerSet make_trackers(const std::vector<std::string>& names, const std::strin
   TrackerSet set;
   if (!is_main_process || chosen.empty()) return set;
   if (logging_dir.empty()) {
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "make_trackers: expected a logging folder for the trackers (" + chosen.front() +
         (chosen.size() > 1 ? ", ..." : "") +
         "), found an empty logging_dir; pass one, e.g. \"runs\"");

@@ -1,6 +1,7 @@
 // The layout planner's logic (plan.h): the model's tensors, the layouts the rules allow, the
 // per-rank memory each one is predicted to need, and a layout as launch flags or a config file.
 #include "tandem/trials/plan.h"
+#include "tandem/error.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,13 +27,13 @@ int64_t PlanModel::num_parameters() const {
 PlanModel gpt_plan_model(int64_t layers, int64_t hidden, int64_t heads, int64_t vocab,
                          int64_t context) {
   if (layers < 1 || hidden < 1 || heads < 1 || vocab < 1 || context < 1)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "GPT shape: layers, hidden, heads, vocab and context must all be "
         "positive, got " +
         std::to_string(layers) + ", " + std::to_string(hidden) + ", " + std::to_string(heads) +
         ", " + std::to_string(vocab) + ", " + std::to_string(context));
   if (hidden % heads != 0)
-    throw std::invalid_argument("GPT shape: hidden " + std::to_string(hidden) +
+    throw ::tandem::Refused("GPT shape: hidden " + std::to_string(hidden) +
                                 " must be a multiple of heads " + std::to_string(heads));
   PlanModel m;
   m.blocks = layers;
@@ -95,12 +96,12 @@ std::vector<std::string> checkpoint_files(const std::string& path, std::string* 
     else if (fs::exists(p / "model.safetensors"))
       p = p / "model.safetensors";
     else
-      throw std::invalid_argument("tandem plan: " + path +
+      throw ::tandem::Refused("tandem plan: " + path +
                                   " holds neither model.safetensors nor "
                                   "model.safetensors.index.json; give a checkpoint or a GPT shape "
                                   "(--layers --hidden --heads --vocab)");
   }
-  if (!fs::exists(p)) throw std::invalid_argument("tandem plan: no such file: " + p.string());
+  if (!fs::exists(p)) throw ::tandem::Refused("tandem plan: no such file: " + p.string());
   *dir = p.parent_path().string();
   if (p.extension() != ".json") return {p.string()};
   // The validating index parser (shard names without directories), as loading uses.
@@ -142,7 +143,7 @@ PlanModel safetensors_plan_model(const std::string& path, int64_t heads) {
     }
     m.tensors.push_back(std::move(t));
   }
-  if (m.tensors.empty()) throw std::invalid_argument("tandem plan: " + path + " holds no tensors");
+  if (m.tensors.empty()) throw ::tandem::Refused("tandem plan: " + path + " holds no tensors");
   // Block numbers as they come ("h.0" ... "h.11"), renumbered from 0 without gaps.
   std::map<int, int> index;
   for (int b : blocks) index.emplace(b, static_cast<int>(index.size()));
@@ -209,11 +210,11 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
                                       std::vector<std::string>* excluded) {
   const int n = machine.num_processes;
   if (n < 1 || machine.num_machines < 1 || n % machine.num_machines != 0)
-    throw std::invalid_argument("tandem plan: --num_processes " + std::to_string(n) +
+    throw ::tandem::Refused("tandem plan: --num_processes " + std::to_string(n) +
                                 " must be a positive multiple of --num_machines " +
                                 std::to_string(machine.num_machines));
   if (search.global_batch < 1)
-    throw std::invalid_argument("tandem plan: --global_batch_size must be positive, got " +
+    throw ::tandem::Refused("tandem plan: --global_batch_size must be positive, got " +
                                 std::to_string(search.global_batch));
   std::map<std::string, std::set<std::string>> why;  // rule -> the shapes it removed
   auto out_by = [&](const std::string& rule, const std::string& what) { why[rule].insert(what); };

@@ -1,5 +1,6 @@
 // `tandem plan` (planner.h): probes, predictions, timed candidates, the table and the config.
 #include "tandem/trials/planner.h"
+#include "tandem/error.h"
 
 #include <algorithm>
 #include <cmath>
@@ -171,7 +172,7 @@ ProbeFigures probe_program(const PlannerOptions& o, const std::vector<Layout>& l
         << std::flush;
     auto r = run_layout(o, l, m, o.probe_steps, name);
     if (!r.ok)
-      throw std::invalid_argument("tandem plan: the probe run " + name + " (" + l.name() +
+      throw ::tandem::Refused("tandem plan: the probe run " + name + " (" + l.name() +
                                   ") failed: " + r.error +
                                   "the program must train under `tandem launch` with these "
                                   "flags; see its log");
@@ -273,13 +274,13 @@ PlanResult run_plan(const PlannerOptions& o_in) {
   if (o.seq_len <= 0) o.seq_len = o.model.context;
   if (o.seq_len > 0) o.model.context = o.seq_len;
   if (o.machine.memory_per_process <= 0)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "tandem plan: memory per process must be positive "
         "(--memory_per_process)");
   const bool program = !o.program.empty();
   if (program) {
     if (!has(o.args, "{batch_size}"))
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           "tandem plan: the program's arguments must take the layout's batch: put {batch_size} "
           "where the program reads its sequences per data-parallel rank per micro-step (e.g. "
           "`-- build/examples/train_gpt --batch-size {batch_size}`)");
@@ -294,7 +295,7 @@ PlanResult run_plan(const PlannerOptions& o_in) {
   if (layouts.empty()) {
     std::string why;
     for (const auto& e : res.excluded) why += "\n  " + e;
-    throw std::invalid_argument("tandem plan: no layout of " +
+    throw ::tandem::Refused("tandem plan: no layout of " +
                                 std::to_string(o.machine.num_processes) +
                                 " processes fits the rules:" + why);
   }
@@ -310,7 +311,7 @@ PlanResult run_plan(const PlannerOptions& o_in) {
     res.probe = probe_program(o, layouts, &res.notes);
   } else {
     if (o.model.hidden <= 0 || o.model.context <= 0)
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           "tandem plan: without a program to probe, activations come from "
           "the GPT formula, which needs the hidden size and the sequence "
           "length (--hidden, --seq_len)");

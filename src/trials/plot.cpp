@@ -1,6 +1,7 @@
 // A study's picture: scatter panels drawn into an RGB buffer, labelled with a 3x5 pixel font,
 // written as PNG (zlib stored blocks: no compression library needed; the files stay small).
 #include "tandem/trials/plot.h"
+#include "tandem/error.h"
 
 #include <algorithm>
 #include <array>
@@ -91,7 +92,7 @@ std::string fmt(double v) {
 
 std::string encode_png(int width, int height, const std::vector<uint8_t>& rgb) {
   if (width <= 0 || height <= 0 || rgb.size() != static_cast<size_t>(width) * height * 3)
-    throw std::invalid_argument("encode_png: the buffer does not hold width x height RGB pixels");
+    throw ::tandem::Refused("encode_png: the buffer does not hold width x height RGB pixels");
   std::string png("\x89PNG\r\n\x1a\n", 8);
   std::string ihdr;
   put32(ihdr, static_cast<uint32_t>(width));

@@ -1,5 +1,6 @@
 // The median and successive-halving rules over reported (step, value) pairs.
 #include "tandem/trials/pruner.h"
+#include "tandem/error.h"
 
 #include <algorithm>
 #include <cmath>
@@ -81,12 +82,12 @@ bool asha_prunes(const PrunerOptions& o, Direction d, const TrialRecord& cur,
 
 void validate(const PrunerOptions& o) {
   if (o.type != "none" && o.type != "median" && o.type != "asha" && o.type != "successive_halving")
-    throw std::invalid_argument("pruner '" + o.type + "': expected none, median or asha");
+    throw ::tandem::Refused("pruner '" + o.type + "': expected none, median or asha");
   if (o.startup_trials < 0 || o.warmup_steps < 0 || o.interval_steps < 1)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "pruner: startup_trials and warmup_steps must be >= 0, interval_steps >= 1");
   if (o.min_resource < 1 || o.reduction_factor < 2 || o.min_early_stopping_rate < 0)
-    throw std::invalid_argument(
+    throw ::tandem::Refused(
         "pruner: min_resource must be >= 1, reduction_factor >= 2, min_early_stopping_rate >= 0");
 }
 

@@ -1,5 +1,6 @@
 // Search-space parsing and the three samplers (Note [TPE as Optuna defines it]).
 #include "tandem/trials/space.h"
+#include "tandem/error.h"
 
 #include <algorithm>
 #include <cmath>
@@ -20,7 +21,7 @@ double parse_number(const std::string& text, const std::string& what) {
     if (used == text.size()) return v;
   } catch (const std::exception&) {
   }
-  throw std::invalid_argument(what + ": '" + text + "' is not a number");
+  throw ::tandem::Refused(what + ": '" + text + "' is not a number");
 }
 
 // The value as the program receives it: six significant digits for reals, so that the value a
@@ -89,7 +90,7 @@ std::vector<std::string> grid_values(const ParamSpec& s) {
   if (!s.choices.empty()) return s.choices;
   if (s.type == ParamType::kInt) {
     if (s.high - s.low > 10000)
-      throw std::invalid_argument("grid sampler: parameter '" + s.name + "' spans " +
+      throw ::tandem::Refused("grid sampler: parameter '" + s.name + "' spans " +
                                   std::to_string(static_cast<long long>(s.high - s.low + 1)) +
                                   " integers; give it `choices` (the grid values)");
     std::vector<std::string> v;
@@ -97,7 +98,7 @@ std::vector<std::string> grid_values(const ParamSpec& s) {
       v.push_back(std::to_string(i));
     return v;
   }
-  throw std::invalid_argument("grid sampler: parameter '" + s.name + "' is " + to_string(s.type) +
+  throw ::tandem::Refused("grid sampler: parameter '" + s.name + "' is " + to_string(s.type) +
                               " over a real range; give it `choices` (the grid values), or use "
                               "sampler: random or tpe");
 }
@@ -268,7 +269,7 @@ ParamType parse_param_type(const std::string& t) {
   if (t == "loguniform" || t == "log_uniform" || t == "log") return ParamType::kLogUniform;
   if (t == "int" || t == "integer") return ParamType::kInt;
   if (t == "categorical" || t == "choice") return ParamType::kCategorical;
-  throw std::invalid_argument("parameter type '" + t +
+  throw ::tandem::Refused("parameter type '" + t +
                               "': expected uniform, loguniform, int or categorical");
 }
 
@@ -284,25 +285,25 @@ std::string to_string(ParamType t) {
 
 void validate(const ParamSpec& s) {
   const std::string where = "space." + s.name;
-  if (s.name.empty()) throw std::invalid_argument("space: a parameter without a name");
+  if (s.name.empty()) throw ::tandem::Refused("space: a parameter without a name");
   if (!s.flag.empty() && !s.env.empty())
-    throw std::invalid_argument(where + ": give `flag` or `env`, not both");
+    throw ::tandem::Refused(where + ": give `flag` or `env`, not both");
   if (s.type == ParamType::kCategorical) {
     if (s.choices.empty())
-      throw std::invalid_argument(where + ": categorical needs `choices` (a list of values)");
+      throw ::tandem::Refused(where + ": categorical needs `choices` (a list of values)");
     return;
   }
   if (!(s.low < s.high))
-    throw std::invalid_argument(where + ": needs low < high (got low " + std::to_string(s.low) +
+    throw ::tandem::Refused(where + ": needs low < high (got low " + std::to_string(s.low) +
                                 ", high " + std::to_string(s.high) + ")");
   if (s.type == ParamType::kLogUniform && s.low <= 0)
-    throw std::invalid_argument(where + ": loguniform needs low > 0");
+    throw ::tandem::Refused(where + ": loguniform needs low > 0");
   if (s.type == ParamType::kInt && (s.low != std::floor(s.low) || s.high != std::floor(s.high)))
-    throw std::invalid_argument(where + ": int needs whole low and high");
+    throw ::tandem::Refused(where + ": int needs whole low and high");
   for (const auto& c : s.choices) {
     double v = parse_number(c, where + " choices");
     if (v < s.low || v > s.high)
-      throw std::invalid_argument(where + ": grid value " + c + " lies outside [low, high]");
+      throw ::tandem::Refused(where + ": grid value " + c + " lies outside [low, high]");
   }
 }
 
@@ -310,7 +311,7 @@ double internal_value(const ParamSpec& s, const std::string& text) {
   if (s.type == ParamType::kCategorical) {
     auto it = std::find(s.choices.begin(), s.choices.end(), text);
     if (it == s.choices.end())
-      throw std::invalid_argument("space." + s.name + ": '" + text + "' is not one of its choices");
+      throw ::tandem::Refused("space." + s.name + ": '" + text + "' is not one of its choices");
     return static_cast<double>(it - s.choices.begin());
   }
   double v = parse_number(text, "space." + s.name);
@@ -320,7 +321,7 @@ double internal_value(const ParamSpec& s, const std::string& text) {
 Direction parse_direction(const std::string& t) {
   if (t == "min" || t == "minimize") return Direction::kMinimize;
   if (t == "max" || t == "maximize") return Direction::kMaximize;
-  throw std::invalid_argument("objective.mode '" + t + "': expected min or max");
+  throw ::tandem::Refused("objective.mode '" + t + "': expected min or max");
 }
 
 std::string to_string(TrialState s) {
@@ -336,7 +337,7 @@ std::string to_string(TrialState s) {
 TrialState parse_trial_state(const std::string& t) {
   for (auto s : {TrialState::kRunning, TrialState::kComplete, TrialState::kPruned, TrialState::kFailed})
     if (to_string(s) == t) return s;
-  throw std::invalid_argument("trial state '" + t + "'");
+  throw ::tandem::Refused("trial state '" + t + "'");
 }
 
 int64_t grid_size(const std::vector<ParamSpec>& space) {
@@ -363,14 +364,14 @@ std::optional<Params> sample(const SamplerOptions& o, const std::vector<ParamSpe
   }
   if (o.type == "tpe") return sample_tpe(o, space, history, direction, seed, number);
   if (o.type != "grid")
-    throw std::invalid_argument("sampler '" + o.type + "': expected grid, random or tpe");
+    throw ::tandem::Refused("sampler '" + o.type + "': expected grid, random or tpe");
   std::vector<std::vector<std::string>> values;
   int64_t total = 1;
   for (const auto& s : space) {
     values.push_back(grid_values(s));
     total *= static_cast<int64_t>(values.back().size());
     if (total > 1'000'000)
-      throw std::invalid_argument("grid sampler: more than a million points; give fewer choices");
+      throw ::tandem::Refused("grid sampler: more than a million points; give fewer choices");
   }
   std::vector<int64_t> order(static_cast<size_t>(total));
   std::iota(order.begin(), order.end(), 0);

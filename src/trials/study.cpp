@@ -1,5 +1,6 @@
 // Study files, the results file, the trials table and the in-process study.
 #include "tandem/trials/study.h"
+#include "tandem/error.h"
 
 #include <sys/stat.h>
 #include <yaml-cpp/yaml.h>
@@ -24,7 +25,7 @@ namespace {
 
 std::string scalar(const YAML::Node& n, const std::string& key) {
   if (!n.IsScalar())
-    throw std::invalid_argument("study file: `" + key + "` must be a single value");
+    throw ::tandem::Refused("study file: `" + key + "` must be a single value");
   return n.as<std::string>();
 }
 
@@ -36,24 +37,24 @@ double number(const YAML::Node& n, const std::string& key) {
     if (used == t.size()) return v;
   } catch (const std::exception&) {
   }
-  throw std::invalid_argument("study file: `" + key + "` must be a number, got '" + t + "'");
+  throw ::tandem::Refused("study file: `" + key + "` must be a number, got '" + t + "'");
 }
 
 int64_t integer(const YAML::Node& n, const std::string& key) {
   const double v = number(n, key);
   if (v != std::floor(v))
-    throw std::invalid_argument("study file: `" + key + "` must be a whole number");
+    throw ::tandem::Refused("study file: `" + key + "` must be a whole number");
   return static_cast<int64_t>(v);
 }
 
 void only_keys(const YAML::Node& map, const std::string& where, const std::set<std::string>& keys) {
-  if (!map.IsMap()) throw std::invalid_argument("study file: `" + where + "` must be a mapping");
+  if (!map.IsMap()) throw ::tandem::Refused("study file: `" + where + "` must be a mapping");
   for (const auto& kv : map) {
     const auto k = kv.first.as<std::string>();
     if (!keys.count(k)) {
       std::string list;
       for (const auto& a : keys) list += (list.empty() ? "" : ", ") + a;
-      throw std::invalid_argument("study file: unknown key `" + (where.empty() ? k : where + "." + k) +
+      throw ::tandem::Refused("study file: unknown key `" + (where.empty() ? k : where + "." + k) +
                                   "`; the keys " + (where.empty() ? "" : "of `" + where + "` ") +
                                   "are: " + list);
     }
@@ -91,20 +92,20 @@ StudyConfig parse_study(const std::string& text, const std::string& source, bool
   try {
     root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
-    throw std::invalid_argument("study file " + source + ": not YAML: " + e.what());
+    throw ::tandem::Refused("study file " + source + ": not YAML: " + e.what());
   }
-  if (!root.IsMap()) throw std::invalid_argument("study file " + source + ": expected a mapping of keys");
+  if (!root.IsMap()) throw ::tandem::Refused("study file " + source + ": expected a mapping of keys");
   only_keys(root, "", {"program", "args", "launch", "space", "objective", "trials", "sampler",
                        "pruner", "seed", "study_dir", "parallel"});
   StudyConfig c;
   c.source = source;
   if (root["program"]) c.program = resolve_path(scalar(root["program"], "program"), source);
   if (auto a = root["args"]) {
-    if (!a.IsSequence()) throw std::invalid_argument("study file: `args` must be a list");
+    if (!a.IsSequence()) throw ::tandem::Refused("study file: `args` must be a list");
     for (const auto& x : a) c.args.push_back(scalar(x, "args"));
   }
   if (auto l = root["launch"]) {
-    if (!l.IsMap()) throw std::invalid_argument("study file: `launch` must be a mapping of tandem launch flags");
+    if (!l.IsMap()) throw ::tandem::Refused("study file: `launch` must be a mapping of tandem launch flags");
     for (const auto& kv : l) {
       const auto k = kv.first.as<std::string>();
       if (kv.second.IsSequence()) {
@@ -117,20 +118,20 @@ StudyConfig parse_study(const std::string& text, const std::string& source, bool
     }
   }
   if (auto s = root["space"]) {
-    if (!s.IsMap()) throw std::invalid_argument("study file: `space` must map parameter names to {type, ...}");
+    if (!s.IsMap()) throw ::tandem::Refused("study file: `space` must map parameter names to {type, ...}");
     for (const auto& kv : s) {
       ParamSpec p;
       p.name = kv.first.as<std::string>();
       const std::string where = "space." + p.name;
       only_keys(kv.second, where, {"type", "low", "high", "choices", "flag", "env"});
-      if (!kv.second["type"]) throw std::invalid_argument("study file: `" + where + ".type` is missing (uniform, loguniform, int or categorical)");
+      if (!kv.second["type"]) throw ::tandem::Refused("study file: `" + where + ".type` is missing (uniform, loguniform, int or categorical)");
       p.type = parse_param_type(scalar(kv.second["type"], where + ".type"));
       if (kv.second["low"]) p.low = number(kv.second["low"], where + ".low");
       if (kv.second["high"]) p.high = number(kv.second["high"], where + ".high");
       if (p.type != ParamType::kCategorical && (!kv.second["low"] || !kv.second["high"]))
-        throw std::invalid_argument("study file: `" + where + "` needs low and high");
+        throw ::tandem::Refused("study file: `" + where + "` needs low and high");
       if (auto ch = kv.second["choices"]) {
-        if (!ch.IsSequence()) throw std::invalid_argument("study file: `" + where + ".choices` must be a list");
+        if (!ch.IsSequence()) throw ::tandem::Refused("study file: `" + where + ".choices` must be a list");
         for (const auto& x : ch) p.choices.push_back(scalar(x, where + ".choices"));
       }
       if (kv.second["flag"]) p.flag = scalar(kv.second["flag"], where + ".flag");
@@ -179,7 +180,7 @@ StudyConfig parse_study(const std::string& text, const std::string& source, bool
 
 StudyConfig load_study(const std::string& path, bool needs_program) {
   std::ifstream in(path);
-  if (!in) throw std::invalid_argument("study file " + path + ": cannot be read");
+  if (!in) throw ::tandem::Refused("study file " + path + ": cannot be read");
   std::stringstream ss;
   ss << in.rdbuf();
   return parse_study(ss.str(), path, needs_program);
@@ -187,30 +188,30 @@ StudyConfig load_study(const std::string& path, bool needs_program) {
 
 void validate(const StudyConfig& c, bool needs_program) {
   if (needs_program && c.program.empty())
-    throw std::invalid_argument("study file: `program` is missing (the trial's program, e.g. build/examples/train_gpt)");
-  if (c.space.empty()) throw std::invalid_argument("study file: `space` is empty: give at least one parameter");
+    throw ::tandem::Refused("study file: `program` is missing (the trial's program, e.g. build/examples/train_gpt)");
+  if (c.space.empty()) throw ::tandem::Refused("study file: `space` is empty: give at least one parameter");
   if (c.metric.empty())
-    throw std::invalid_argument("study file: `objective.metric` is missing (a key the trial logs, e.g. loss)");
-  if (c.trials < 1) throw std::invalid_argument("study file: `trials` must be >= 1");
-  if (c.parallel < 1) throw std::invalid_argument("study file: `parallel` must be >= 1");
+    throw ::tandem::Refused("study file: `objective.metric` is missing (a key the trial logs, e.g. loss)");
+  if (c.trials < 1) throw ::tandem::Refused("study file: `trials` must be >= 1");
+  if (c.parallel < 1) throw ::tandem::Refused("study file: `parallel` must be >= 1");
   if (c.sampler.type != "grid" && c.sampler.type != "random" && c.sampler.type != "tpe")
-    throw std::invalid_argument("study file: sampler '" + c.sampler.type + "': expected grid, random or tpe");
+    throw ::tandem::Refused("study file: sampler '" + c.sampler.type + "': expected grid, random or tpe");
   if (c.sampler.startup_trials < 0 || c.sampler.ei_candidates < 1)
-    throw std::invalid_argument("study file: sampler.startup_trials must be >= 0 and ei_candidates >= 1");
+    throw ::tandem::Refused("study file: sampler.startup_trials must be >= 0 and ei_candidates >= 1");
   validate(c.pruner);
   std::set<std::string> flags;
   for (const auto& s : c.space) {
     validate(s);
     const std::string to = s.env.empty() ? (s.flag.empty() ? "--" + s.name : s.flag) : "env " + s.env;
     if (!flags.insert(to).second)
-      throw std::invalid_argument("study file: two parameters go to " + to);
+      throw ::tandem::Refused("study file: two parameters go to " + to);
   }
   if (c.sampler.type == "grid") (void)sample(c.sampler, c.space, {}, c.direction, c.seed, 0);
   if (needs_program) {
     bool dir = false;
     for (const auto& a : c.args) dir |= a.find("{trial_dir}") != std::string::npos;
     if (!dir)
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           "study file: `args` must hand the program its trial directory, where its trackers "
           "write metrics.jsonl: add e.g. --project_dir, \"{trial_dir}\", --log_with, jsonl");
   }
@@ -265,7 +266,7 @@ ResultsLog::ResultsLog(const StudyConfig& c) {
     }
     for (const auto& [k, v] : id.items())
       if (old.value(k, json()) != v)
-        throw std::invalid_argument("study_dir " + c.study_dir + " holds a study with another `" + k +
+        throw ::tandem::Refused("study_dir " + c.study_dir + " holds a study with another `" + k +
                                     "` (" + old.value(k, json()).dump() + ", now " + v.dump() +
                                     "): its trials would not belong to this one; give another "
                                     "study_dir, or restore the study file");
@@ -362,7 +363,7 @@ namespace {
 const ParamSpec& spec_of(const StudyConfig& c, const std::string& name) {
   for (const auto& s : c.space)
     if (s.name == name) return s;
-  throw std::invalid_argument("trial parameter '" + name + "' is not in the study's space");
+  throw ::tandem::Refused("trial parameter '" + name + "' is not in the study's space");
 }
 }  // namespace
 
@@ -374,7 +375,7 @@ double Trial::real(const std::string& name) const {
 int64_t Trial::integer(const std::string& name) const {
   const auto& s = spec_of(study_->config(), name);
   if (s.type == ParamType::kUniform || s.type == ParamType::kLogUniform)
-    throw std::invalid_argument("trial parameter '" + name + "' is real-valued: use real()");
+    throw ::tandem::Refused("trial parameter '" + name + "' is real-valued: use real()");
   return std::stoll(record_.params.at(name));
 }
 

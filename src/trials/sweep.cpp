@@ -1,5 +1,6 @@
 // The sweep: trials as `tandem launch` jobs, followed through their metrics.jsonl.
 #include "tandem/trials/sweep.h"
+#include "tandem/error.h"
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -139,7 +140,7 @@ SweepResult run_sweep(const StudyConfig& c, const SweepOptions& o) {
   validate(c, /*needs_program=*/true);
   std::ostream& out = o.out ? *o.out : std::cout;
   if (::access(c.program.c_str(), X_OK) != 0)
-    throw std::invalid_argument("study file: program " + c.program + " is not an executable file");
+    throw ::tandem::Refused("study file: program " + c.program + " is not an executable file");
 
   // The launch settings, checked once by tandem launch itself.
   {
@@ -149,7 +150,7 @@ SweepResult run_sweep(const StudyConfig& c, const SweepOptions& o) {
     argv.insert(argv.begin() + 2, "--dry_run");
     auto [rc, text] = capture(argv);
     if (rc != 0)
-      throw std::invalid_argument("study file: `launch` settings refused by tandem launch:\n" + text);
+      throw ::tandem::Refused("study file: `launch` settings refused by tandem launch:\n" + text);
   }
 
   // Slots: disjoint cores (CPU trials) or devices (GPU trials) per concurrent trial.
@@ -161,7 +162,7 @@ SweepResult run_sweep(const StudyConfig& c, const SweepOptions& o) {
       const int per = launch_processes(c);
       const int have = static_cast<int>(torch::cuda::device_count());
       if (per * c.parallel > have)
-        throw std::invalid_argument("study file: parallel " + std::to_string(c.parallel) + " trials of " +
+        throw ::tandem::Refused("study file: parallel " + std::to_string(c.parallel) + " trials of " +
                                     std::to_string(per) + " process(es) need " + std::to_string(per * c.parallel) +
                                     " GPUs, and this machine has " + std::to_string(have) + ": lower `parallel`");
       for (int k = 0; k < c.parallel; ++k) {
@@ -173,7 +174,7 @@ SweepResult run_sweep(const StudyConfig& c, const SweepOptions& o) {
       auto cpus = usable_cpus();
       const size_t per = cpus.size() / static_cast<size_t>(c.parallel);
       if (per < 1)
-        throw std::invalid_argument("study file: parallel " + std::to_string(c.parallel) +
+        throw ::tandem::Refused("study file: parallel " + std::to_string(c.parallel) +
                                     " trials need a core each, and this process may use " +
                                     std::to_string(cpus.size()) + ": lower `parallel`");
       for (size_t k = 0; k < static_cast<size_t>(c.parallel); ++k)

@@ -1,6 +1,7 @@
 // `tandem launch` and `tandem config`: flags in; merging, validation and the environment of the
 // ranks live in tandem/launch/resolve.h and tandem/config/.
 #include "launch_cmd.h"
+#include "tandem/error.h"
 
 #include <unistd.h>
 
@@ -223,7 +224,7 @@ int LaunchCommand::run() {
     for (const auto& kv : env_kv_) {
       auto eq = kv.find('=');
       if (eq == std::string::npos || eq == 0)
-        throw std::invalid_argument("--env: got '" + kv + "', expected KEY=VALUE");
+        throw ::tandem::Refused("--env: got '" + kv + "', expected KEY=VALUE");
       user_env[kv.substr(0, eq)] = kv.substr(eq + 1);
     }
     int threads = 0;
@@ -235,7 +236,7 @@ int LaunchCommand::run() {
         pos = 0;
       }
       if (pos != threads_.size() || threads < 1)
-        throw std::invalid_argument("--num_cpu_threads_per_process: got '" + threads_ +
+        throw ::tandem::Refused("--num_cpu_threads_per_process: got '" + threads_ +
                                     "', expected an integer of at least 1");
     }
     launch::LaunchOptions lo;

@@ -1,6 +1,7 @@
 // The ZeRO strategy's checkpoints: optimizer shards, whole weights one unit at a time,
 // resharding and loading into shards (strategy.h).
 #include "strategy.h"
+#include "tandem/error.h"
 
 namespace tandem::parallel::detail::zero {
 
@@ -8,7 +9,7 @@ namespace tandem::parallel::detail::zero {
 checkpoint::OptimizerState ZeroStrategy::optimizer_shard_state(
     const torch::optim::Optimizer& optimizer) const {
   const auto* s = find(optimizer);
-  TORCH_CHECK(s, "optimizer_shard_state: not a sharded optimizer");
+  TANDEM_CHECK(s, "optimizer_shard_state: not a sharded optimizer");
   // Note [Optimizer state on disk]: read for the save, and let go again after it.
   std::vector<StateFields> read_back;
   if (s->disk)
@@ -46,16 +47,16 @@ void ZeroStrategy::load_optimizer_shards(
     const std::function<std::string(int)>& json_of,
     const std::function<at::Tensor(int, const std::string&)>& tensor_of) {
   auto* s = find(optimizer);
-  TORCH_CHECK(s, "load_optimizer_shards: not a sharded optimizer");
+  TANDEM_CHECK(s, "load_optimizer_shards: not a sharded optimizer");
   const auto& pg = *ctx_.pg;
   auto doc = json::parse(json_of(0));
-  TORCH_CHECK(doc.contains("zero"), pg.prefix(), " load_state: the optimizer state was not "
+  TANDEM_CHECK(doc.contains("zero"), pg.prefix(), " load_state: the optimizer state was not "
               "saved sharded");
   const json units = doc["zero"]["units"];  // a copy: "zero" is erased below
   // The saving run's sharding group: its world, or under hybrid sharding one replica's ranks
   // (Note [Hybrid sharding]: the first replica wrote the parts).
   const int saved_world = doc["zero"].at("world").get<int>();
-  TORCH_CHECK(units.size() == s->units.size(), pg.prefix(), " load_state: the checkpoint's "
+  TANDEM_CHECK(units.size() == s->units.size(), pg.prefix(), " load_state: the checkpoint's "
               "sharded optimizer has ", units.size(), " units, this run's ", s->units.size(),
               ": the model or its optimizer groups differ from the saved run's");
   checkpoint::OptimizerState state;
@@ -63,7 +64,7 @@ void ZeroStrategy::load_optimizer_shards(
   for (size_t k = 0; k < s->units.size(); ++k) {
     const auto& u = s->units[k];
     const auto saved_names = units[k]["names"].get<std::vector<std::string>>();
-    TORCH_CHECK(units[k]["numel"].get<int64_t>() == u.numel && saved_names == u.names,
+    TANDEM_CHECK(units[k]["numel"].get<int64_t>() == u.numel && saved_names == u.names,
                 pg.prefix(), " load_state: unit ", k, " of the checkpoint holds ",
                 units[k]["numel"].get<int64_t>(), " elements (", saved_names.front(), ", ...), "
                 "this run's ", u.numel, " (", u.names.front(), ", ...): the model differs from "
@@ -83,7 +84,7 @@ void ZeroStrategy::load_optimizer_shards(
   };
   for (auto& [key, entry] : doc["state"].items()) {
     auto it = unit_of_key.find(key);
-    TORCH_CHECK(it != unit_of_key.end(), pg.prefix(), " load_state: optimizer state for ", key,
+    TANDEM_CHECK(it != unit_of_key.end(), pg.prefix(), " load_state: optimizer state for ", key,
                 " belongs to no unit");
     const auto& u = s->units[it->second];
     for (const auto& field : entry["tensors"]) {
@@ -157,11 +158,11 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroStrategy::model_state(
 void ZeroStrategy::load_optimizer_resharded(torch::optim::Optimizer& optimizer,
                                             const ResavedOptimizer& saved) {
   auto* s = find(optimizer);
-  TORCH_CHECK(s, "load_optimizer_resharded: not a sharded optimizer");
+  TANDEM_CHECK(s, "load_optimizer_resharded: not a sharded optimizer");
   json doc = json::parse(saved.json);
   const auto& pg = *ctx_.pg;
   const size_t groups = optimizer.param_groups().size();
-  TORCH_CHECK(doc.contains("param_groups") && doc["param_groups"].size() == groups, pg.prefix(),
+  TANDEM_CHECK(doc.contains("param_groups") && doc["param_groups"].size() == groups, pg.prefix(),
               " load_state: the checkpoint's optimizer has ",
               doc.contains("param_groups") ? doc["param_groups"].size() : 0,
               " parameter groups, this run's ", groups, ": build the optimizer as it was saved");
@@ -199,7 +200,7 @@ void ZeroStrategy::load_optimizer_resharded(torch::optim::Optimizer& optimizer,
         std::vector<at::Tensor> parts;
         for (const auto& n : u.names) {
           auto t = field == "param" ? saved.master(n) : saved.field(n, field);
-          TORCH_CHECK(t.defined(), pg.prefix(), " load_state: the checkpoint has no ", field,
+          TANDEM_CHECK(t.defined(), pg.prefix(), " load_state: the checkpoint has no ", field,
                       " for ", n, ", but does for ", u.names.front(), " of the same unit");
           parts.push_back(t.reshape({-1}));
         }
@@ -258,7 +259,7 @@ void ZeroStrategy::load_model_tensors(torch::nn::Module& model,
       t.copy_(source);
       return;
     }
-    TORCH_CHECK(source.sizes() == t.sizes(), ctx_.pg->prefix(), " load_state: ", name,
+    TANDEM_CHECK(source.sizes() == t.sizes(), ctx_.pg->prefix(), " load_state: ", name,
                 " has shape ", source.sizes(), " in the checkpoint, ", t.sizes(), " here");
     auto flat = source.reshape({-1});
     for (const auto& slice : it->second)

@@ -1,12 +1,13 @@
 // The ZeRO strategy's optimizer: shards, their step, clipping (strategy.h).
 #include "strategy.h"
+#include "tandem/error.h"
 
 namespace tandem::parallel::detail::zero {
 
 
 bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
   auto& pg = *ctx_.pg;
-  auto fail = [&](const std::string& what) { throw std::invalid_argument(pg.prefix() + " prepare: " + what); };
+  auto fail = [&](const std::string& what) { throw ::tandem::Refused(pg.prefix() + " prepare: " + what); };
   if (!optimizer.state().empty())
     fail("ZeRO shards the optimizer's state, so it needs an optimizer that has not stepped yet; "
          "prepare it before its first step");

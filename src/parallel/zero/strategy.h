@@ -4,6 +4,7 @@
 #pragma once
 
 #include "reducer.h"
+#include "tandem/error.h"
 
 namespace tandem::parallel::detail::zero {
 
@@ -63,7 +64,7 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
     const std::string label = model_label(model, static_cast<int>(models_.size()));
     if (all.empty()) return;
     if (in_units.empty())
-      throw std::invalid_argument(
+      throw ::tandem::Refused(
           ctx_.pg->prefix() + " " + options_.origin() + ": ZeRO-3 finds no module of " + label +
           " that it can gather and release (its " + std::to_string(all.size()) +
           " parameters would stay whole on every rank, which is ZeRO-2's memory under "
@@ -296,7 +297,7 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
             present.insert(tandem::nn::module_type_name(*child));
             if (wanted(*child)) {
               if (!tandem::nn::hookable(*child))
-                throw std::invalid_argument(
+                throw ::tandem::Refused(
                     ctx_.pg->prefix() + " " + options_.origin() + ": " + path + " is a " +
                     tandem::nn::module_type_name(*child) +
                     " (fsdp_transformer_layer_cls_to_wrap), but its parent calls it directly, "
@@ -317,7 +318,7 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
     if (!missing.empty()) {
       std::string have;
       for (const auto& t : present) have += (have.empty() ? "" : ", ") + t;
-      throw std::invalid_argument(ctx_.pg->prefix() + " " + options_.origin() +
+      throw ::tandem::Refused(ctx_.pg->prefix() + " " + options_.origin() +
                                   ": fsdp_transformer_layer_cls_to_wrap names " + missing +
                                   ", which is no module of the model (its module types: " + have +
                                   "); name the class of the model's blocks, as declared "
