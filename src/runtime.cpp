@@ -1,4 +1,6 @@
-// The CPU math libraries a process has loaded (see runtime.h).
+// The CPU math libraries a process has loaded (see runtime.h); LibTorch's own settings are read
+// by cpu_runtime() in torch_runtime.cpp, so that this file does not need LibTorch at run time
+// (the launcher, Note [A launcher without LibTorch]).
 #include "tandem/runtime.h"
 #include "tandem/state.h"
 
@@ -6,9 +8,6 @@
 #include <link.h>
 #include <sched.h>
 #include <unistd.h>
-
-#include <ATen/Context.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cctype>
@@ -116,7 +115,7 @@ std::vector<std::string> cpu_flags() {
   return flags;
 }
 
-CpuRuntime cpu_runtime() {
+CpuRuntime cpu_libraries() {
   CpuRuntime r;
   // The variables other libraries read, from one snapshot (Note [The environment is read in
   // one place]).
@@ -184,10 +183,7 @@ CpuRuntime cpu_runtime() {
   } else {
     r.blas_kind = "unknown";
   }
-  r.intra_op_threads = at::get_num_threads();
-  r.inter_op_threads = at::get_num_interop_threads();
   if (env.count("OMP_NUM_THREADS")) r.omp_num_threads = variable("OMP_NUM_THREADS");
-  r.onednn = at::hasMKLDNN();
   r.usable_cores = static_cast<int>(usable_cpus().size());
   r.online_cores = static_cast<int>(::sysconf(_SC_NPROCESSORS_ONLN));
   return r;

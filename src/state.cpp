@@ -3,7 +3,6 @@
 #include "tandem/error.h"
 #include "tandem/config/run_env.h"
 
-#include <torch/cuda.h>
 
 #include <cctype>
 #include <cstdlib>
@@ -302,22 +301,6 @@ std::vector<std::string> expand_slurm_nodelist(const std::string& nodelist) {
     for (auto& p : partial) hosts.push_back(p);
   }
   return hosts;
-}
-
-c10::Device select_device(const ProcessState& state, bool force_cpu) {
-  if (force_cpu || !torch::cuda::is_available()) return c10::Device(c10::kCPU);
-  // CUDA renumbers the devices CUDA_VISIBLE_DEVICES leaves visible from 0, so local rank r uses
-  // visible device r; more local ranks than visible devices is an error that says how many.
-  int count = static_cast<int>(torch::cuda::device_count());
-  if (state.local_rank >= count) {
-    const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
-    throw ::tandem::Refused(state.prefix() + " local rank " + std::to_string(state.local_rank) +
-                                " has no GPU: " + std::to_string(count) + " visible" +
-                                (vis ? std::string(" (CUDA_VISIBLE_DEVICES=") + vis + ")" : "") +
-                                "; start at most " + std::to_string(count) +
-                                " processes per machine or pass --cpu");
-  }
-  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(state.local_rank));
 }
 
 }  // namespace tandem

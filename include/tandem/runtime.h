@@ -55,6 +55,10 @@ struct CpuRuntime {
 /// LibTorch's thread settings). Cheap: no computation.
 CpuRuntime cpu_runtime();
 
+/// cpu_runtime() without LibTorch's settings (threads and oneDNN stay 0 and false): what a
+/// process that does not load LibTorch, as the launcher, can read of the libraries it maps.
+CpuRuntime cpu_libraries();
+
 /// Lines "BLAS: ...", "LAPACK: ...", "OpenMP: ...", "threads: ...", "oneDNN: ...", "CPU cores: ...".
 std::string cpu_runtime_report(const CpuRuntime& runtime);
 

@@ -474,7 +474,7 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
   const int world = o.num_processes() * o.num_machines();
   // Note [OpenBLAS kernels]: the ranks get the kernels this CPU runs, unless the user chose.
   std::string blas_core;
-  if (!environment.count("OPENBLAS_CORETYPE")) blas_core = cpu_runtime().blas_core_better;
+  if (!environment.count("OPENBLAS_CORETYPE")) blas_core = cpu_libraries().blas_core_better;
   std::vector<RankPlan> plan;
   for (int local = 0; local < o.num_processes(); ++local) {
     RankPlan p;
@@ -543,6 +543,10 @@ std::string describe_plan(const std::vector<RankPlan>& plan) {
 }
 
 int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
+  // The machines' store first, before this process changes anything (bin/tandem hands such a
+  // launch to the full command line: Note [A launcher without LibTorch]).
+  std::unique_ptr<MachineRendezvous> machines;
+  if (opts.min_machines() > 0) machines = std::make_unique<MachineRendezvous>(opts);
   if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
     throw std::runtime_error(std::string("pipe() failed: ") + std::strerror(errno));
   struct sigaction sa {};
@@ -575,8 +579,6 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
     }
   } restore{plan, error_dir, old_int, old_term};
   int rc = 0;
-  std::unique_ptr<MachineRendezvous> machines;
-  if (opts.min_machines() > 0) machines = std::make_unique<MachineRendezvous>(opts);
   const std::vector<RankPlan> launched = plan;
   for (int attempt = 0;; ++attempt) {
     if (machines) {

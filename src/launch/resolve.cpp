@@ -14,7 +14,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <torch/cuda.h>
 
 #include <algorithm>
 #include <cctype>
@@ -434,10 +433,6 @@ std::string local_address_for(const std::string& host, int port) {
   if (fd >= 0) ::close(fd);
   ::freeaddrinfo(res);
   return out;
-}
-
-int visible_cuda_devices() {
-  return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
 }
 
 }  // namespace tandem::launch

@@ -307,3 +307,54 @@ TEST(Launch, OneProcessGetsTheThreadsOfAProgramStartedByHand) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "omp=2 wait="), 1) << r.output;
 }
+
+// Note [A launcher without LibTorch]: bin/tandem starts and watches the ranks without mapping
+// LibTorch, gives them the environment the full command line gives, and hands every other
+// command to it.
+TEST(Launch, TheLauncherMapsNoLibTorchAndPlansAsTheFullCommandLine) {
+  auto r = run_command({kCli, "launch", "--num_processes", "2", "--cpu", "/bin/sh", "-c",
+                        "echo maps=$(grep -c -E 'libtorch|libc10_cuda' /proc/$PPID/maps)"},
+                       {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "maps=0"), 2) << r.output;
+
+  // The ranks' plan (argv and environment) from either executable: the same but for the port.
+  const std::string full = kCli.substr(0, kCli.rfind('/')) + "/../libexec/tandem/tandem";
+  auto plan = [](const std::string& cli) {
+    auto p = run_command({cli, "launch", "--num_processes", "2", "--cpu", "--dry_run",
+                          "--main_process_port", "29511", "/bin/true"},
+                         {}, 60);
+    EXPECT_EQ(p.exit_code, 0) << p.output;
+    return p.output;
+  };
+  const auto from_front = plan(kCli), from_full = plan(full);
+  EXPECT_NE(from_front.find("OMP_NUM_THREADS"), std::string::npos) << from_front;
+  EXPECT_EQ(from_front, from_full);
+
+  // Every other command runs in the full command line, with its exit code and output.
+  auto env = run_command({kCli, "env"}, {}, 60);
+  EXPECT_EQ(env.exit_code, 0) << env.output;
+  EXPECT_NE(env.output.find("LibTorch version"), std::string::npos) << env.output;
+  auto bad = run_command({kCli, "merge-weights"}, {}, 60);
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("checkpoint_directory"), std::string::npos) << bad.output;
+}
+
+TEST(Launch, AFrontWithoutTheFullCommandLineSaysWhereItLooked) {
+  char tmpl[] = "/tmp/tandem-front-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  ASSERT_EQ(std::system(("mkdir -p " + dir + "/bin && cp " + kCli + " " + dir + "/bin/").c_str()),
+            0);
+  auto r = run_command({dir + "/bin/tandem", "env"}, {}, 60);
+  EXPECT_EQ(r.exit_code, 127) << r.output;
+  EXPECT_NE(r.output.find(dir + "/bin/../libexec/tandem/tandem"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("reinstall tandem"), std::string::npos) << r.output;
+  // launch and config need nothing else.
+  auto l = run_command({dir + "/bin/tandem", "launch", "--num_processes", "1", "--cpu", "/bin/sh",
+                        "-c", "echo ran"},
+                       {}, 60);
+  EXPECT_EQ(l.exit_code, 0) << l.output;
+  EXPECT_EQ(count_of(l.output, "[rank 0] ran\n"), 1) << l.output;
+  std::system(("rm -rf " + dir).c_str());
+}

@@ -18,6 +18,7 @@
 #include "tandem/parallel/sharding_options.h"
 
 #include "flag_names.h"
+#include "full_cli.h"
 
 namespace tandem::cli {
 namespace {
@@ -195,14 +196,9 @@ int LaunchCommand::split_program(int argc, char** argv) {
 
 int LaunchCommand::run() {
   try {
-    const EnvMap environment = current_environment();
-    config::LaunchConfig base;
-    std::string path = config_file_;
-    if (path.empty() && file_exists(config::default_config_path(environment)))
-      path = config::default_config_path(environment);
-    if (!path.empty()) base = config::load_config_file(path);
-    if (auto w = config::ignored_warning(base); !w.empty()) std::cerr << w << "\n";
-
+    // What needs LibTorch comes first, before anything is printed (Note [A launcher without
+    // LibTorch]): bin/tandem hands such a launch to the full command line at that point.
+    if (min_machines_ > 0) needs_libtorch();  // the machines' rendezvous store
     launch::FlagValues flags;
     bool cpu_flag = false;
     for (const auto& t : tracked_) {
@@ -212,6 +208,14 @@ int LaunchCommand::run() {
     }
     launch::MachineInfo machine;
     if (!cpu_flag) machine.cuda_devices = launch::visible_cuda_devices();
+
+    const EnvMap environment = current_environment();
+    config::LaunchConfig base;
+    std::string path = config_file_;
+    if (path.empty() && file_exists(config::default_config_path(environment)))
+      path = config::default_config_path(environment);
+    if (!path.empty()) base = config::load_config_file(path);
+    if (auto w = config::ignored_warning(base); !w.empty()) std::cerr << w << "\n";
     if (auto it = environment.find("CUDA_VISIBLE_DEVICES"); it != environment.end())
       machine.cuda_visible_devices = it->second;
     auto resolved = launch::resolve_launch(base, flags, machine);
@@ -363,11 +367,11 @@ int ConfigCommand::run() {
       return 2;
     }
     const std::string path = pick("");
+    const int cuda_devices = launch::visible_cuda_devices();  // before the first question
     std::cout << "tandem config: answer each question, or press Enter for the default in "
                  "brackets.\n";
-    auto cfg = config::ask_config(
-        std::cin, std::cout,
-        config::QuestionnaireOptions().cuda_devices(launch::visible_cuda_devices()));
+    auto cfg = config::ask_config(std::cin, std::cout,
+                                  config::QuestionnaireOptions().cuda_devices(cuda_devices));
     config::write_config_file(path, config::to_yaml(cfg));
     std::cout << "tandem configuration saved at " << path << "\n";
     return 0;

@@ -1,5 +1,7 @@
-// The `tandem` command line: launch, config, env, estimate-memory, merge-weights, quantize,
-// sweep, plan. Thin: the logic lives in src/.
+// The full `tandem` command line (libexec/tandem/tandem): launch, config, env, estimate-memory,
+// merge-weights, quantize, sweep, plan. Thin: the logic lives in src/. Users type bin/tandem
+// (front.cpp), which runs launch and config itself and the rest here (Note [A launcher without
+// LibTorch]).
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -14,8 +16,16 @@
 #include "tandem/trials/sweep.h"
 #include "tandem/version.h"
 #include "estimate_memory_cmd.h"
+#include "full_cli.h"
 #include "launch_cmd.h"
 #include "plan_cmd.h"
+
+namespace tandem::cli {
+
+// This executable has LibTorch.
+void needs_libtorch() {}
+
+}  // namespace tandem::cli
 
 int main(int argc, char** argv) {
   CLI::App app{"tandem: distributed training for LibTorch"};
@@ -90,13 +100,8 @@ int main(int argc, char** argv) {
   if (launch.chosen()) return launch.run();
   if (config.chosen()) return config.run();
 
-  auto self_exe = [] {
-    char self[PATH_MAX];
-    const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n <= 0) throw std::runtime_error("cannot find this executable (/proc/self/exe)");
-    self[n] = '\0';
-    return std::string(self);
-  };
+  // Trials and plans start their jobs through bin/tandem (Note [A launcher without LibTorch]).
+  auto self_exe = [] { return tandem::cli::launcher_path(tandem::cli::self_executable()); };
   try {
     if (plan.chosen()) return plan.run(self_exe());
     if (*merge) {
