@@ -15,7 +15,8 @@ cmake --build "$work/build" > "$work/build.log" || { cat "$work/build.log"; exit
 # A clean environment for the libraries: the installed CLI and the consumer find libtandem and
 # LibTorch through their RPATHs, not through LD_LIBRARY_PATH.
 unset LD_LIBRARY_PATH
-for f in "$work/prefix/bin/tandem" "$work/build/consumer"; do
+# bin/tandem runs launch itself and hands the other commands to libexec/tandem/tandem.
+for f in "$work/prefix/bin/tandem" "$work/prefix/libexec/tandem/tandem" "$work/build/consumer"; do
   if ldd "$f" | grep -q "not found"; then
     echo "run.sh: $f misses libraries without LD_LIBRARY_PATH:" >&2
     ldd "$f" | grep "not found" >&2
