@@ -178,6 +178,13 @@ void GradientReducer::on_gradient_ready(size_t i) {
   }
   ready_[i] = 1;
   Bucket& b = *bucket_state_[bucket_of_[i]];
+  // Note [Two buckets at a time]: with release_gradients (ZeRO 2 and 3) a bucket's buffer is
+  // made when its first gradient arrives; the reductions in flight finish first, so that one
+  // bucket's buffer and one collective's (its alltoall receive buffer) are all there is, not a
+  // third bucket filling beside them. The reduction overlapped the backward up to this gradient;
+  // the memory a stage 2 or 3 saves is what it is for.
+  if (options_.release_gradients() && !b.flat().defined() && !used_anywhere_.defined())
+    while (next_finish_ < next_bucket_) finish_bucket(next_finish_++);
   ensure_buffer(b);
   auto& grad = params_[i].mutable_grad();
   if (view_[i]) {

@@ -223,12 +223,18 @@ int train(const Args& a) {
 // ZeRO-3 keeps its shard of everything (16S) and a few units at a time.
 int memory(const Args&) {
   tandem::track::install_counting_cpu_allocator();
-  const double bucket_mb = 8;
+  // ZW_WIDTH, ZW_LAYERS, ZW_BUCKET_MB: another shape of the same model, to measure by hand.
+  auto knob = [](const char* name, double fallback) {
+    const char* v = std::getenv(name);
+    return v ? std::stod(v) : fallback;
+  };
+  const double bucket_mb = knob("ZW_BUCKET_MB", 8);
   tandem::Accelerator acc(tandem::AcceleratorOptions().bucket_cap_mb(bucket_mb).first_bucket_cap_mb(bucket_mb));
   // The library's baseline: the process's resident memory before any tensor (LibTorch, Gloo).
   const int64_t baseline_kb = (tandem::track::resident_memory().current_bytes / 1024);
   torch::manual_seed(1);
-  const int64_t width = 1024, layers = 24, rows = 16;
+  const int64_t width = static_cast<int64_t>(knob("ZW_WIDTH", 1024)),
+                layers = static_cast<int64_t>(knob("ZW_LAYERS", 24)), rows = 16;
   torch::nn::Sequential net;
   for (int64_t l = 0; l < layers; ++l) {
     net->push_back(torch::nn::Linear(width, width));
@@ -272,17 +278,22 @@ int memory(const Args&) {
   step(2);
   const auto stats = tandem::track::cpu_memory_stats();
   const std::string name = acc.strategy().name();
-  const int64_t bucket_bytes = static_cast<int64_t>(bucket_mb * (1 << 20));
+  // B: the largest bucket's bytes (a bucket closes at the first parameter that reaches the cap).
+  int64_t bucket_bytes = 0;
+  for (const auto* r : acc.reducers())
+    for (size_t b = 0; b < r->buckets().size(); ++b)
+      bucket_bytes = std::max<int64_t>(bucket_bytes, r->bucket_numel(b) * 4);
   int64_t formula = 0;
   // Transients: the all-gather of one unit after the step (its list form and the flat result,
-  // 2B, B = a bucket's bytes); at stage 2 during backward, the bucket in flight with its
-  // alltoall receive buffer and the bucket filling (3B) plus one parameter's gradient.
+  // 2B); at stage 2 during backward, the bucket in flight with its alltoall receive buffer (2B),
+  // the next bucket made only once it finished (Note [Two buckets at a time]), plus one
+  // parameter's gradient.
   if (name == "ddp")
     formula = (world > 1 ? 20 : 16) * n;
   else if (name == "zero-1")
     formula = 8 * n + 8 * shard + 2 * bucket_bytes;
   else if (name == "zero-2")
-    formula = 4 * n + 12 * shard + 3 * bucket_bytes + 4 * largest;
+    formula = 4 * n + 12 * shard + 2 * bucket_bytes + 4 * largest;
   else  // zero-3: the units are the Linear layers (auto-wrapped Sequential entries), U bytes
         // each; in backward two gathered units, one in flight with its receive buffer, one
         // filling, a gradient and an all-gather's list and result: 8U (estimate-memory's 32L).
