@@ -280,6 +280,42 @@ ModelSize read_safetensors_model_size(const std::string& path_text) {
 
 std::vector<std::string> memory_dtypes() { return {"float32", "float16/bfloat16", "int8", "int4"}; }
 
+StrategyMemory strategy_memory(int stage, double parameters, double world, double bucket_bytes,
+                               double largest_parameter, double largest_unit) {
+  const double p = parameters, w = std::max(1.0, world);
+  StrategyMemory m;
+  switch (stage) {
+    case 0:
+      m.states = 16 * p;
+      m.transient = w > 1 ? 4 * p : 0;
+      m.formula = "16P + 4P";
+      break;
+    case 1:
+      m.states = 8 * p + 8 * p / w;
+      m.transient = 2 * bucket_bytes;
+      m.formula = "8P + 8P/W + 2B";
+      break;
+    case 2:
+      m.states = 4 * p + 12 * p / w;
+      m.transient = 2 * bucket_bytes + 4 * largest_parameter;
+      m.formula = "4P + 12P/W + 2B + 4G";
+      break;
+    case 3:
+      m.states = 16 * p / w;
+      m.transient = 32 * largest_unit;
+      m.formula = "16P/W + 32U";
+      break;
+    default:
+      throw ::tandem::Refused("strategy_memory: ZeRO stage " + std::to_string(stage) +
+                              "; expected 0 (data parallel), 1, 2 or 3");
+  }
+  return m;
+}
+
+double default_bucket_bytes(double parameters) {
+  return std::min(4 * parameters, 25.0 * (1 << 20));
+}
+
 MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
                                const std::vector<std::string>& dtypes) {
   if (num_processes < 1) {
@@ -329,12 +365,14 @@ MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
       {"zero3", "ZeRO-3 (+ parameters)", "(2+2+K)P/N", (2 + 2 + kZeroK) * p / n},
   };
   const double l = static_cast<double>(model.largest_layer_parameters);
-  e.tandem_fp32 = {
-      {"ddp", "DDP", "16P + 4P buckets", 20 * p},
-      {"zero1", "ZeRO-1", "8P + 8P/N", 8 * p + 8 * p / n},
-      {"zero2", "ZeRO-2", "4P + 12P/N (+ buckets)", 4 * p + 12 * p / n},
-      {"zero3", "ZeRO-3", "16P/N + 32L", 16 * p / n + 32 * l},
-  };
+  const double bucket = default_bucket_bytes(p);
+  const std::vector<std::pair<std::string, std::string>> schemes{
+      {"ddp", "DDP"}, {"zero1", "ZeRO-1"}, {"zero2", "ZeRO-2"}, {"zero3", "ZeRO-3"}};
+  for (int stage = 0; stage < 4; ++stage) {
+    const auto m = strategy_memory(stage, p, n, bucket, l, l);
+    e.tandem_fp32.push_back({schemes[static_cast<size_t>(stage)].first,
+                             schemes[static_cast<size_t>(stage)].second, m.formula, m.total()});
+  }
   e.caveats = {
       "activations (they grow with batch size and sequence length, and are often the largest "
       "part of training memory; activation checkpointing trades them for compute)",
@@ -459,8 +497,9 @@ std::string format_memory_estimate(const MemoryEstimate& e) {
   rows = {{"scheme", "formula", "per device"}};
   for (const auto& z : e.tandem_fp32)
     rows.push_back({z.stage, z.formula, format_bytes(z.bytes_per_device)});
-  out += "\ntandem's strategies on fp32 weights with AdamW (what bench/ measures; L = largest "
-         "layer):\n" + table(rows);
+  out += "\ntandem's strategies on fp32 weights with AdamW (the memory tests hold them to the "
+         "measured peaks;\nW = processes, B = a gradient bucket (25 MiB, or the model when smaller), "
+         "G = U = the largest layer):\n" + table(rows);
 
   out += "\nNot included:\n";
   for (const auto& c : e.caveats) out += wrap("  - ", c, "    ");

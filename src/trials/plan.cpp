@@ -2,6 +2,7 @@
 // per-rank memory each one is predicted to need, and a layout as launch flags or a config file.
 #include "tandem/trials/plan.h"
 #include "tandem/error.h"
+#include "tandem/track/memory_estimate.h"
 
 #include <algorithm>
 #include <cmath>
@@ -398,15 +399,15 @@ ProbeFigures gpt_activation_formula(const PlanModel& model, int64_t seq_len, dou
 // (4 x 256 and 4 x 512, dp 2 and 4, TANDEM_PROFILE): under data parallel the buckets live
 // through the forward and the peak is the sum (20P + activations); under every ZeRO stage the
 // peak tensor count did not move with the micro-batch (1 to 4), so it comes after the
-// activations are gone, at the end of backward or in the step. The per-stage terms are fitted
-// to those runs, as a + b/W with W = 2 and 4: ZeRO-1 12P + 8P/W, ZeRO-2 10.5P + 18P/W, ZeRO-3
-// 10P/W + 24L (L: the largest unit's parameters), + 8P/W with gradient accumulation, within
-// 5% of the measured tensor peaks above the workspace. Under tensor parallel the ZeRO stages
+// activations are gone, at the end of backward or in the step. The per-stage terms are the
+// library's (Note [One memory model] in tandem/track/memory_estimate.h, which the memory tests
+// hold to measured peaks): ZeRO-1 8P + 8P/W + 2B, ZeRO-2 4P + 12P/W + 2B + 4G, ZeRO-3 16P/W +
+// 32U, + 8P/W with gradient accumulation. Under tensor parallel the ZeRO stages
 // hold more than the formulas say, and the terms differ from model to model (a GPT of 8 x 256
 // holds 42 bytes per parameter of its largest block under ZeRO-3 on 4 ranks, one of 4 x 512
-// holds 27), so `tandem plan` measures each stage's term (for each tp size) with a probe at the
-// layouts' own data-parallel size and uses the formula only where it could not probe. The DESIGN.md
-// formulas (ZeRO-2 4P + 12P/W, ZeRO-3 16P/W) are the states alone; the rest are tandem's buckets
+// holds 27), so `tandem plan` measures each stage's transient term (for each tp size) with a
+// probe at the layouts' own data-parallel size and uses the library's only where it could not
+// probe. The states are DESIGN.md's formulas; the transients are tandem's buckets
 // and gathers as they run today. Activations come from the probe (micro-batches 1 and 2; the share
 // tensor parallel splits from a tp 2 run), scaled by the micro-batch, the stage's share of the
 // model (by Korthikanti et al.'s per-layer weights) and, under 1F1B, the micro-batches in flight on
@@ -425,32 +426,20 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
     const double n = static_cast<double>(r.parameters), l = static_cast<double>(r.largest_unit);
     const bool disk = layout.offload == "nvme";
     const bool host = layout.offload == "cpu";  // on a GPU: moments (and the step) in host memory
-    const double moments = (disk || host) ? 0.0 : 8 * n / w;
-    // What each strategy holds, fitted to tandem's own runs (Note [Planner memory model]):
-    // `p.buffers` peak after the activations are gone (end of backward, the step), except
+    // Note [One memory model]: the library's terms for the stage; offloaded moments leave the
+    // rank. `p.buffers` peak after the activations are gone (end of backward, the step), except
     // under data parallel, whose buckets live through the forward as well.
+    const auto shared = track::strategy_memory(layout.zero_stage, n, w,
+                                               track::default_bucket_bytes(n), l, l);
+    p.model_states = shared.states - ((disk || host) && layout.zero_stage > 0 ? 8 * n / w : 0.0);
+    p.buffers = shared.transient;
     double forward_buffers = 0;
-    switch (layout.zero_stage) {
-      case 0:
-        p.model_states = 16 * n;  // weights, gradients, Adam's two moments
-        // Gradients copied into their buckets; a pipeline averages its stage's gradients
-        // itself, once per step, without buckets.
-        p.buffers = w > 1 && layout.pp == 1 ? 4 * n : 0;
-        forward_buffers = p.buffers;
-        break;
-      case 1:
-        p.model_states = 8 * n + moments;  // weights, gradients, this rank's moments
-        p.buffers = 4 * n;                 // the buckets the gradients are averaged in
-        break;
-      case 2:
-        p.model_states = 4 * n + 4 * n / w + moments;  // weights, gradient shard, moments
-        p.buffers = 6.5 * n + 6 * n / w;  // gradients, buckets and reduced shards in flight
-        break;
-      default:
-        p.model_states = 8 * n / w + moments + 2 * n / w;  // shards of all, the step's scratch
-        p.buffers = 24 * l;       // units gathered, in flight, and their gradients
-        forward_buffers = 8 * l;  // two units gathered during the forward
-        break;
+    if (layout.zero_stage == 0) {
+      // A pipeline averages its stage's gradients itself, once per step, without buckets.
+      p.buffers = w > 1 && layout.pp == 1 ? shared.transient : 0;
+      forward_buffers = p.buffers;
+    } else if (layout.zero_stage == 3) {
+      forward_buffers = 8 * l;  // two units gathered during the forward
     }
     if (auto it = probe.zero_buffers.find({layout.zero_stage, layout.tp});
         it != probe.zero_buffers.end())

@@ -26,6 +26,7 @@
 #include "../../examples/common/gpt.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/tandem.h"
+#include "tandem/track/memory_estimate.h"
 
 namespace {
 
@@ -216,11 +217,9 @@ int train(const Args& a) {
 
 // The memory test's model: 24 layers of 1024 x 1024 (25.2M parameters), AdamW, buckets of 8 MiB.
 // Peak CPU tensor bytes over two steps after the first (Adam's state exists by then), beside the
-// model-state formula of the strategy (docs/sharding.md): fp32 weights 4N, gradients 4N, Adam
-// 8N; data parallel adds bucket copies of the gradients (4N); ZeRO-1 keeps the gradients in the
-// buckets (4N) and Adam's state of its shard (8S, S = its elements of every unit); ZeRO-2 keeps
-// its shard's gradient and Adam state (12S) and one bucket in flight while the next fills;
-// ZeRO-3 keeps its shard of everything (16S) and a few units at a time.
+// library's model of the strategy (Note [One memory model] in tandem/track/memory_estimate.h,
+// docs/sharding.md): the states each stage keeps and its transients (buckets, receive buffers,
+// gathered units).
 int memory(const Args&) {
   tandem::track::install_counting_cpu_allocator();
   // ZW_WIDTH, ZW_LAYERS, ZW_BUCKET_MB: another shape of the same model, to measure by hand.
@@ -248,9 +247,6 @@ int memory(const Args&) {
     largest = std::max<int64_t>(largest, p.numel());
   }
   const int world = acc.num_processes();
-  int64_t shard = 0;  // this rank's elements over all units (padding included)
-  for (const auto* r : acc.reducers())
-    for (size_t b = 0; b < r->buckets().size(); ++b) shard += r->bucket_numel(b) / world;
   const bool debug = std::getenv("ZW_DEBUG") != nullptr;
   auto phase = [&](const char* what) {
     if (!debug || acc.process_index() != 0) return;
@@ -283,21 +279,14 @@ int memory(const Args&) {
   for (const auto* r : acc.reducers())
     for (size_t b = 0; b < r->buckets().size(); ++b)
       bucket_bytes = std::max<int64_t>(bucket_bytes, r->bucket_numel(b) * 4);
-  int64_t formula = 0;
-  // Transients: the all-gather of one unit after the step (its list form and the flat result,
-  // 2B); at stage 2 during backward, the bucket in flight with its alltoall receive buffer (2B),
-  // the next bucket made only once it finished (Note [Two buckets at a time]), plus one
-  // parameter's gradient.
-  if (name == "ddp")
-    formula = (world > 1 ? 20 : 16) * n;
-  else if (name == "zero-1")
-    formula = 8 * n + 8 * shard + 2 * bucket_bytes;
-  else if (name == "zero-2")
-    formula = 4 * n + 12 * shard + 2 * bucket_bytes + 4 * largest;
-  else  // zero-3: the units are the Linear layers (auto-wrapped Sequential entries), U bytes
-        // each; in backward two gathered units, one in flight with its receive buffer, one
-        // filling, a gradient and an all-gather's list and result: 8U (estimate-memory's 32L).
-    formula = 16 * shard + 8 * 4 * largest;
+  // Note [One memory model]: the library's terms, with this run's P, W, B (the largest bucket),
+  // G = U = the largest parameter (a Linear's weight; each Linear is a unit at stage 3).
+  const int stage = name == "ddp" ? 0 : name.back() - '0';
+  const int64_t formula = static_cast<int64_t>(
+      tandem::track::strategy_memory(stage, static_cast<double>(n), world,
+                                     static_cast<double>(bucket_bytes),
+                                     static_cast<double>(largest), static_cast<double>(largest))
+          .total());
   // Activations: each layer keeps its input and its ReLU output for backward.
   const int64_t activations = 2 * layers * rows * width * 4;
   // Resident memory over the whole run, the model's construction and prepare included (VmHWM),

@@ -98,13 +98,19 @@ TEST(MemoryEstimate, ZeroPaperExample) {
   EXPECT_EQ(format_bytes(e.zero[3].bytes_per_device), "1.9 GB");
   EXPECT_EQ(e.zero[0].id, "ddp");
   EXPECT_EQ(e.zero[3].id, "zero3");
-  // tandem's own strategies on fp32 weights (what the sharding benchmark measures); the largest
-  // layer is unknown from a bare count (L = 0).
+  // tandem's own strategies on fp32 weights (Note [One memory model], which the memory tests
+  // hold to measured peaks): 25 MiB buckets; the largest layer is unknown from a bare count
+  // (G = U = 0).
+  const double bucket = 25.0 * (1 << 20);
+  EXPECT_DOUBLE_EQ(default_bucket_bytes(7.5e9), bucket);
+  EXPECT_DOUBLE_EQ(default_bucket_bytes(1000), 4000);  // a model smaller than a bucket
   ASSERT_EQ(e.tandem_fp32.size(), 4u);
   EXPECT_DOUBLE_EQ(e.tandem_fp32[0].bytes_per_device, 20 * 7.5e9);
-  EXPECT_DOUBLE_EQ(e.tandem_fp32[1].bytes_per_device, 8 * 7.5e9 + 8 * 7.5e9 / 64);
-  EXPECT_DOUBLE_EQ(e.tandem_fp32[2].bytes_per_device, 4 * 7.5e9 + 12 * 7.5e9 / 64);
+  EXPECT_DOUBLE_EQ(e.tandem_fp32[1].bytes_per_device, 8 * 7.5e9 + 8 * 7.5e9 / 64 + 2 * bucket);
+  EXPECT_DOUBLE_EQ(e.tandem_fp32[2].bytes_per_device, 4 * 7.5e9 + 12 * 7.5e9 / 64 + 2 * bucket);
   EXPECT_DOUBLE_EQ(e.tandem_fp32[3].bytes_per_device, 16 * 7.5e9 / 64);
+  EXPECT_EQ(e.tandem_fp32[2].formula, "4P + 12P/W + 2B + 4G");
+  EXPECT_THROW(strategy_memory(4, 1, 1, 1, 1, 1), std::invalid_argument);
 
   std::string text = format_memory_estimate(e);
   for (const char* s : {"7,500,000,000", "120 GB", "31.4 GB", "16.6 GB", "1.9 GB", "K = 12",

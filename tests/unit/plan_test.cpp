@@ -189,11 +189,14 @@ TEST(Predict, TermsFollowTheFormulas) {
   l.activation_checkpointing = true;
   EXPECT_DOUBLE_EQ(tt::predict_memory(m, l, f).activations, 0.5e6);
   l.activation_checkpointing = false;
-  // ZeRO-1: 8P + 8P/W, the buckets after the activations.
+  // ZeRO-1: 8P + 8P/W, a unit's all-gather (2B) after the activations (Note [One memory model]).
   l.zero_stage = 1;
   p = tt::predict_memory(m, l, f);
   EXPECT_DOUBLE_EQ(p.model_states, 8 * n + 2 * n);
-  EXPECT_DOUBLE_EQ(p.tensor_peak, 5e6 + 10 * n + std::max(4 * n, 2e6));
+  const double bucket = tandem::track::default_bucket_bytes(n);
+  EXPECT_DOUBLE_EQ(p.tensor_peak, 5e6 + 10 * n + std::max(2 * bucket, 2e6));
+  EXPECT_DOUBLE_EQ(p.model_states + p.buffers,
+                   tandem::track::strategy_memory(1, n, 4, bucket, 0, 0).total());
   // A probed buffer term replaces the formula's.
   f.zero_buffers[{1, 1}] = 5.0;
   EXPECT_DOUBLE_EQ(tt::predict_memory(m, l, f).buffers, 5 * n);

@@ -87,16 +87,42 @@ struct ZeroMemory {
   double bytes_per_device;
 };
 
+/// Note [One memory model]: what one rank holds of its model under each of tandem's strategies,
+/// on fp32 weights with AdamW, in bytes. `tandem estimate-memory` prints it, `tandem plan`
+/// starts from it where it has not measured a stage, and the memory tests hold it to the
+/// counting allocator's peaks (tests/dist/zero_worker.cpp, within 10%).
+///   data parallel  16P states              + 4P of gradient buckets (W > 1)
+///   ZeRO-1         8P + 8P/W (gradients kept in their buckets)  + 2B (a unit's all-gather)
+///   ZeRO-2         4P + 12P/W              + 2B (the bucket in flight and its receive buffer:
+///                                            Note [Two buckets at a time]) + 4G (a gradient)
+///   ZeRO-3         16P/W                   + 32U (about eight units' worth in use at once:
+///                                            gathered, prefetched, in flight, their gradients)
+/// P: the rank's parameters; W: the data-parallel size; B: the largest bucket's bytes (a bucket
+/// closes at the first parameter that reaches the cap); G: the largest parameter's elements;
+/// U: the largest unit's elements.
+struct StrategyMemory {
+  double states = 0;     ///< weights, gradients, Adam's two moments the rank keeps
+  double transient = 0;  ///< buckets, receive buffers and gathered units at their peak
+  std::string formula;   ///< e.g. "4P + 12P/W + 2B + 4G"
+  double total() const { return states + transient; }
+};
+
+/// The terms of Note [One memory model] for ZeRO stage `stage` (0: data parallel).
+StrategyMemory strategy_memory(int stage, double parameters, double world, double bucket_bytes,
+                               double largest_parameter, double largest_unit);
+
+/// A bucket's bytes for a model of `parameters` fp32 elements under the default cap (25 MiB;
+/// a model smaller than that is one bucket).
+double default_bucket_bytes(double parameters);
+
 /// Everything `tandem estimate-memory` prints.
 struct MemoryEstimate {
   ModelSize model;
   int64_t num_processes = 1;
   std::vector<DtypeMemory> dtypes;
   std::vector<ZeroMemory> zero;
-  /// The same schemes as tandem runs them on fp32 weights with Adam(W) (what bench/ measures,
-  /// docs/sharding.md): DDP 16P + 4P of gradient buckets, ZeRO-1 8P + 8P/N (gradients kept in
-  /// the buckets), ZeRO-2 4P + 12P/N (+ the buckets in flight), ZeRO-3 16P/N + about eight
-  /// copies of the largest layer L in use at once (gathered, in flight, its gradient: 32L bytes).
+  /// The same schemes as tandem runs them on fp32 weights with Adam(W): strategy_memory
+  /// (Note [One memory model]) with the default buckets and the largest layer as G and U.
   std::vector<ZeroMemory> tandem_fp32;
   /// What the estimate leaves out.
   std::vector<std::string> caveats;
