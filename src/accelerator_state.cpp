@@ -11,11 +11,11 @@
 #include <regex>
 
 #include "tandem/accelerator.h"
+#include "tandem/checkpoint/layout.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/checkpoint/training_state.h"
-#include "parallel/detail/reshard.h"
 #include "tandem/host_allocator.h"
 
 namespace tandem {
@@ -121,11 +121,11 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                                  state_.prefix(), " load_state: the checkpoint has ",
                                  loaders.size(), " loaders but only ", loaders_.size(),
                                  " were prepared; prepare them before load_state");
-                     const auto saved = parallel::detail::saved_run_layout(r);
+                     const auto saved = checkpoint::layout::saved_run_layout(r);
                      loaded_.saved_layout = saved.describe();
                      loaded_.resharded =
                          loaded_.saved_layout !=
-                         parallel::detail::SavedRunLayout{topology_->shape_string(),
+                         checkpoint::layout::SavedRunLayout{topology_->shape_string(),
                                                           strategy_->name(), state_.world_size, true}
                              .describe();
                      loaded_.random_states = r.saved_world_size() == state_.world_size;
@@ -225,25 +225,25 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                      if (!w.is_main()) return;
                      json names = json::array();
                      for (const auto& reg : registered_) {
-                       w.write_bytes("custom_" + reg.name + ".bin", reg.save());
+                       w.write_bytes(checkpoint::layout::custom_file(reg.name), reg.save());
                        names.push_back(reg.name);
                      }
                      w.set_state("custom", names.dump());
                    },
                    [this](const StateReader& r) {
                      for (const auto& reg : registered_)
-                       reg.load(r.read_bytes("custom_" + reg.name + ".bin"));
+                       reg.load(r.read_bytes(checkpoint::layout::custom_file(reg.name)));
                    }});
 
   parts.push_back({"rng",
                    [](StateWriter& w) {
-                     w.write_tensors("random_states_" + std::to_string(w.rank()) + ".safetensors",
+                     w.write_tensors(checkpoint::layout::random_states_file(w.rank()),
                                      checkpoint::rng_states());
                    },
                    [this](const StateReader& r) {
                      if (r.saved_world_size() != state_.world_size) return;
                      checkpoint::set_rng_states(r.tensors(
-                         "random_states_" + std::to_string(state_.rank) + ".safetensors"));
+                         checkpoint::layout::random_states_file(state_.rank)));
                    }});
   return parts;
 }

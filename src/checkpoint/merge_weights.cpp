@@ -18,9 +18,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
-#include "detail/json_depth.h"
+#include "tandem/checkpoint/layout.h"
 #include "tandem/checkpoint/safetensors_header.h"
 #include "tandem/checkpoint/training_state.h"
 
@@ -49,15 +47,14 @@ std::vector<fs::path> model_files(const fs::path& checkpoint, std::size_t index,
   };
   fs::path p = checkpoint;
   if (fs::is_directory(p)) {
-    const std::string stem = index == 0 ? "model" : "model_" + std::to_string(index);
-    if (fs::exists(p / (stem + ".safetensors.index.json")))
-      p = p / (stem + ".safetensors.index.json");
-    else if (fs::exists(p / (stem + ".safetensors")))
-      p = p / (stem + ".safetensors");
+    const auto whole = layout::model_file(index), sharded = layout::model_index_file(index);
+    if (fs::exists(p / sharded))
+      p = p / sharded;
+    else if (fs::exists(p / whole))
+      p = p / whole;
     else
-      fail("holds neither " + stem + ".safetensors nor " + stem +
-           ".safetensors.index.json; expected a directory written by save_state() or "
-           "save_model()");
+      fail("holds neither " + whole + " nor " + sharded +
+           "; expected a directory written by save_state() or save_model()");
   } else if (!fs::exists(p)) {
     fail("does not exist");
   }
@@ -87,20 +84,14 @@ struct Segment {
 std::vector<fs::path> model_parallel_files(const fs::path& checkpoint, std::size_t index) {
   std::vector<std::pair<int, fs::path>> found;
   if (!fs::is_directory(checkpoint)) return {};
-  const std::string prefix = (index == 0 ? "model" : "model_" + std::to_string(index)) + ".mp";
-  const std::string suffix = ".safetensors";
   for (const auto& e : fs::directory_iterator(checkpoint)) {
-    const std::string f = e.path().filename().string();
-    if (f.size() <= prefix.size() + suffix.size() || f.compare(0, prefix.size(), prefix) != 0 ||
-        f.compare(f.size() - suffix.size(), suffix.size(), suffix) != 0)
-      continue;
-    const std::string rank = f.substr(prefix.size(), f.size() - prefix.size() - suffix.size());
-    if (rank.find_first_not_of("0123456789") != std::string::npos) continue;
-    if (rank.size() > 9)
-      throw std::runtime_error("merge_weights: " + e.path().string() +
-                               ": expected a rank of fewer than 10 digits in its name (" + prefix +
-                               "<rank>" + suffix + "); rename or remove the file");
-    found.emplace_back(std::stoi(rank), e.path());
+    std::optional<int> rank;
+    try {
+      rank = layout::model_part_rank(e.path().filename().string(), index);
+    } catch (const std::runtime_error& bad) {
+      throw std::runtime_error("merge_weights: " + checkpoint.string() + "/" + bad.what());
+    }
+    if (rank) found.emplace_back(*rank, e.path());
   }
   std::sort(found.begin(), found.end());
   std::vector<fs::path> out;
@@ -117,88 +108,10 @@ std::string shown(const std::string& value) {
   return "\"" + (value.size() > 80 ? value.substr(0, 77) + "..." : value) + "\"";
 }
 
-[[noreturn]] void bad_metadata(const fs::path& file, const std::string& key,
-                               const std::string& value, const std::string& expected) {
-  throw std::runtime_error("merge_weights: " + file.string() + ": metadata \"" + key + "\" is " +
-                           shown(value) + ", expected " + expected + kMetadataFix);
-}
-
-// A decimal integer in [lo, hi] written without sign, spaces or leading zeros, or nullopt.
-std::optional<int64_t> parse_count(const std::string& text, int64_t lo, int64_t hi) {
-  if (text.empty() || text.size() > 18 ||
-      text.find_first_not_of("0123456789") != std::string::npos ||
-      (text.size() > 1 && text[0] == '0'))
-    return std::nullopt;
-  const int64_t v = std::stoll(text);
-  if (v < lo || v > hi) return std::nullopt;
-  return v;
-}
-
-// The tensor-parallel metadata of one model.mp<r> file (Note [Tensor-parallel shards in
-// checkpoints]), every value checked; size 0 when the file has none (a pipeline stage of a run
-// without tensor parallelism).
-struct TpMetadata {
-  int size = 0;
-  int rank = 0;
-  std::map<std::string, std::string> split;  // name -> "cols" | "rows/<parts>"
-};
-
-constexpr int64_t kMaxTpSize = 1 << 16;
-
-TpMetadata tp_metadata(const fs::path& file, const SafetensorsMetadata& meta) {
-  TpMetadata out;
-  const bool any =
-      meta.count("tandem_tp_size") || meta.count("tandem_tp_rank") || meta.count("tandem_tp_split");
-  if (!any) return out;
-  for (const char* key : {"tandem_tp_size", "tandem_tp_rank", "tandem_tp_split"})
-    if (!meta.count(key))
-      throw std::runtime_error(
-          "merge_weights: " + file.string() + ": the metadata has " +
-          (meta.count("tandem_tp_size") ? "\"tandem_tp_size\"" : "tensor-parallel keys") +
-          " but no \"" + key +
-          "\" (expected tandem_tp_size, tandem_tp_rank and tandem_tp_split "
-          "together)" +
-          kMetadataFix);
-  const std::string& size = meta.at("tandem_tp_size");
-  const auto tp = parse_count(size, 1, kMaxTpSize);
-  if (!tp)
-    bad_metadata(
-        file, "tandem_tp_size", size,
-        "the number of tensor-parallel ranks, an integer from 1 to " + std::to_string(kMaxTpSize));
-  out.size = static_cast<int>(*tp);
-  const std::string& rank = meta.at("tandem_tp_rank");
-  const auto r = parse_count(rank, 0, *tp - 1);
-  if (!r)
-    bad_metadata(file, "tandem_tp_rank", rank,
-                 "this file's tensor-parallel rank, an integer from 0 to " +
-                     std::to_string(*tp - 1) + " (tandem_tp_size is " + size + ")");
-  out.rank = static_cast<int>(*r);
-
-  // Note [JSON depth limit]: the value is text from the file, parsed as JSON.
-  const std::string& text = meta.at("tandem_tp_split");
-  const std::string split_expected = "a JSON object {tensor name: \"cols\" or \"rows/<parts>\"}";
-  if (auto deep = detail::json_depth_problem(text); !deep.empty())
-    bad_metadata(file, "tandem_tp_split", text, split_expected + " (the value " + deep + ")");
-  nlohmann::json cuts;
-  try {
-    cuts = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    bad_metadata(file, "tandem_tp_split", text,
-                 split_expected + " (it does not parse: " + e.what() + ")");
-  }
-  if (!cuts.is_object()) bad_metadata(file, "tandem_tp_split", text, split_expected);
-  for (const auto& [name, how] : cuts.items()) {
-    const std::string value = how.is_string() ? how.get<std::string>() : how.dump();
-    const bool rows = how.is_string() && value.rfind("rows/", 0) == 0 &&
-                      parse_count(value.substr(5), 1, std::numeric_limits<int32_t>::max());
-    if (!rows && value != "cols")
-      throw std::runtime_error(
-          "merge_weights: " + file.string() + ": metadata \"tandem_tp_split\" gives tensor '" +
-          name + "' the split " + (how.is_string() ? shown(value) : value) +
-          ", expected \"cols\" or \"rows/<parts>\" with <parts> a positive integer" + kMetadataFix);
-    out.split[name] = value;
-  }
-  return out;
+// The tensor-parallel cut of one model.mp<r> file (Note [Tensor-parallel shards in
+// checkpoints]), every value checked by the checkpoint's layout.
+layout::TpCut tp_metadata(const fs::path& file, const SafetensorsMetadata& meta) {
+  return layout::read_tp_cut(meta, "merge_weights: " + file.string(), kMetadataFix);
 }
 
 std::string shape_text(const std::vector<int64_t>& shape) {
@@ -228,7 +141,7 @@ std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> join_model_pa
     std::size_t file;
     const TensorInfo* info;
   };
-  std::vector<TpMetadata> meta;
+  std::vector<layout::TpCut> meta;
   for (std::size_t f = 0; f < files.size(); ++f)
     meta.push_back(tp_metadata(files[f], headers[f].metadata));
   const int tp_size = meta.front().size;
@@ -287,7 +200,7 @@ std::map<std::string, std::pair<TensorInfo, std::vector<Segment>>> join_model_pa
         fail("the shard of tp rank " + std::to_string(r) + " of '" + name +
              "' is in none of the model.mp<r> files; copy every rank's file of the checkpoint");
     const bool cols = cut == "cols";
-    const int64_t parts = cols ? 1 : std::stoll(cut.substr(5));
+    const int64_t parts = layout::split_parts(cut);
     for (const auto& [r, s] : ranks) {
       const TensorInfo& t = *s.info;
       const std::string file = files[s.file].string();
@@ -416,7 +329,7 @@ MergeReport merge_weights(const std::string& checkpoint, const std::string& out_
   const std::string header = encode_safetensors_header(layout, {{"format", "pt"}});
 
   fs::create_directories(out_dir);
-  const fs::path target = fs::path(out_dir) / "model.safetensors";
+  const fs::path target = fs::path(out_dir) / layout::model_file(0);
   const fs::path tmp = fs::path(out_dir) / ".model.safetensors.tmp";
   auto fail = [&](const std::string& what) {
     std::error_code ec;

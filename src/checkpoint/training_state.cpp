@@ -2,19 +2,9 @@
 // into a temporary directory, a manifest with every file's size and xxh64 written by rank 0
 // last, and an atomic rename (Note [Atomic checkpoints]); loading verifies before reading.
 //
-// The files of a checkpoint directory, by the part that writes them (src/accelerator_state.cpp):
-//   model.safetensors, model_1.safetensors ...        prepared models (main process)
-//   optimizer.safetensors + optimizer.json, _1 ...    optimizer state and hyper-parameters (main)
-//   master_weights.safetensors, _1 ...                fp32 masters of the -true modes, keyed as
-//                                                     the optimizer state ("g<group>.p<index>")
-//   optimizer.rank<r>.safetensors + .json, _1 ...     a sharded optimizer (ZeRO): every rank's
-//                                                     shards, with the layout in the JSON, so
-//                                                     that any number of ranks can resume
-//   state.json                                        counters, loaders, schedulers, scaler,
-//                                                     tracking (main; one key per part)
-//   custom_<name>.bin                                 registered objects (main)
-//   random_states_<rank>.safetensors                  every rank's RNG states (each rank)
-//   manifest.json                                     size and xxh64 of every file (main, last)
+// What the parts write into a checkpoint directory: Note [Checkpoint layout]
+// (tandem/checkpoint/layout.h); besides them, state.json (counters, loaders, schedulers, scaler,
+// tracking: main; one key per part) and manifest.json (size and xxh64 of every file: main, last).
 #include "tandem/checkpoint/training_state.h"
 #include "tandem/error.h"
 

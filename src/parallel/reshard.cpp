@@ -10,7 +10,6 @@
 // largest parameter beyond the rank's own state. The bytes are read with pread ranges, so a
 // ZeRO chunk costs its own bytes only.
 #include "detail/reshard.h"
-#include "tandem/error.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -21,6 +20,7 @@
 #include <stdexcept>
 
 #include "detail/tp_shard.h"
+#include "tandem/checkpoint/layout.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/checkpoint/training_state.h"
 #include "tandem/parallel/full_state.h"
@@ -30,10 +30,7 @@ namespace tandem::parallel::detail {
 namespace {
 
 using json = nlohmann::json;
-
-std::string indexed(const std::string& stem, size_t i) {
-  return stem + (i == 0 ? "" : "_" + std::to_string(i));
-}
+namespace layout = checkpoint::layout;
 
 // Elements [file_begin, file_begin + length) of tensor `tensor` in `file` are elements
 // [local_begin, ...) of one tp rank's tensor, flattened.
@@ -63,71 +60,6 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-namespace {
-// The "name size" parts of a mesh string, in order.
-std::vector<std::pair<std::string, int>> mesh_dims(const std::string& mesh) {
-  std::vector<std::pair<std::string, int>> dims;
-  for (size_t at = 0; at < mesh.size();) {
-    const auto end = mesh.find(" x ", at);
-    const auto part = mesh.substr(at, end == std::string::npos ? std::string::npos : end - at);
-    const auto space = part.rfind(' ');
-    if (space != std::string::npos)
-      dims.emplace_back(part.substr(0, space), std::stoi(part.substr(space + 1)));
-    if (end == std::string::npos) break;
-    at = end + 3;
-  }
-  return dims;
-}
-}  // namespace
-
-bool model_parallel_mesh(const std::string& mesh) {
-  for (const auto& [name, n] : mesh_dims(mesh))
-    if ((name == "tp" || name == "pp") && n > 1) return true;
-  return false;
-}
-
-std::string short_mesh(const std::string& mesh) {
-  const auto dims = mesh_dims(mesh);
-  std::map<std::string, int> size(dims.begin(), dims.end());
-  const int replicate = size.count("dp_replicate") ? size["dp_replicate"] : 1;
-  const int shard = size.count("dp_shard") ? size["dp_shard"] : 1;
-  const bool hybrid = replicate > 1 && shard > 1;
-  std::string out;
-  auto add = [&](const std::string& name, int n) {
-    if (n > 1) out += (out.empty() ? "" : " x ") + name + " " + std::to_string(n);
-  };
-  for (const auto& [name, n] : dims) {
-    if (name == "dp") continue;  // dp_replicate x dp_shard, said once
-    if (name == "dp_replicate" && hybrid) add(name, n);
-    else if (name == "dp_shard" && hybrid) add(name, n);
-    else if (name == "dp_replicate") add("dp", replicate * shard);
-    else if (name != "dp_shard") add(name, n);
-  }
-  return out.empty() ? "1 process" : out;
-}
-
-std::string SavedRunLayout::describe() const {
-  std::string out = mesh.empty() ? "an unrecorded layout" : short_mesh(mesh);
-  std::string extra;
-  if (world > 0) extra = std::to_string(world) + (world == 1 ? " process" : " processes");
-  if (!strategy.empty()) extra += (extra.empty() ? "" : ", ") + strategy;
-  return extra.empty() ? out : out + " (" + extra + ")";
-}
-
-SavedRunLayout saved_run_layout(const checkpoint::StateReader& r) {
-  SavedRunLayout out;
-  out.world = r.saved_world_size();
-  if (auto layout = r.state("layout")) {
-    auto doc = json::parse(*layout);
-    out.recorded = true;
-    out.mesh = doc.value("mesh", "");
-    out.strategy = doc.value("strategy", "");
-    return out;
-  }
-  if (auto mesh = r.state("mesh")) out.mesh = json::parse(*mesh).get<std::string>();
-  return out;
-}
-
 std::map<const void*, std::string> qualified_parameter_names(
     const std::vector<std::shared_ptr<torch::nn::Module>>& models) {
   std::map<const void*, std::string> out;
@@ -141,9 +73,7 @@ std::map<const void*, std::string> qualified_parameter_names(
 at::Tensor cut_for_rank(const at::Tensor& dense, const std::string& how, int rank, int size) {
   if (how.empty() || size == 1) return dense;
   if (how == "cols") return shard_cols(dense, rank, size);
-  if (how.rfind("rows/", 0) == 0) return shard_rows(dense, rank, size, std::stoll(how.substr(5)));
-  throw ::tandem::Refused("a tensor-parallel split \"" + how +
-                              "\" (expected \"cols\" or \"rows/<parts>\")");
+  return shard_rows(dense, rank, size, layout::split_parts(how));
 }
 
 struct SavedTensors::Impl {
@@ -188,25 +118,23 @@ struct SavedTensors::Impl {
   void index_models(size_t count) {
     models.resize(count);
     for (size_t m = 0; m < count; ++m) {
-      const auto dense = indexed("model", m) + ".safetensors";
+      const auto dense = layout::model_file(m);
       if (r.has(dense)) {
         for (const auto& n : r.tensors(dense).names()) add(models[m][n], "", 0, 1, whole(dense, n));
         continue;
       }
       for (int k = 0; k < r.saved_world_size(); ++k) {
-        const auto file = indexed("model", m) + ".mp" + std::to_string(k) + ".safetensors";
+        const auto file = layout::model_part_file(m, k);
         if (!r.has(file)) continue;
         const auto& f = r.tensors(file);
-        const auto& meta = f.metadata();
-        json split = json::object();
-        int tp_rank = 0, tp_size = 1;
-        if (meta.count("tandem_tp_split")) {
-          split = json::parse(meta.at("tandem_tp_split"));
-          tp_rank = std::stoi(meta.at("tandem_tp_rank"));
-          tp_size = std::stoi(meta.at("tandem_tp_size"));
+        const auto cut = layout::read_tp_cut(f.metadata(), r.where() + r.dir() + "/" + file,
+                                             layout::kAlteredFileFix);
+        const int tp_rank = cut.size ? cut.rank : 0, tp_size = cut.size ? cut.size : 1;
+        for (const auto& n : f.names()) {
+          auto how = cut.split.find(n);
+          add(models[m][n], how == cut.split.end() ? "" : how->second, tp_rank, tp_size,
+              whole(file, n));
         }
-        for (const auto& n : f.names())
-          add(models[m][n], split.value(n, ""), tp_rank, tp_size, whole(file, n));
       }
     }
   }
@@ -214,28 +142,30 @@ struct SavedTensors::Impl {
   // A whole optimizer file (optimizer.json or optimizer.mp<r>.json): its "tandem" part names
   // every parameter.
   void index_whole_optimizer(Optimizer& o, const std::string& stem, const std::string& masters) {
-    auto doc = json::parse(r.read_bytes(stem + ".json"));
-    if (!doc.contains("tandem"))
-      fail(stem + ".json does not name its parameters (a checkpoint of an earlier tandem): it "
+    const auto file = stem + layout::kJson;
+    auto doc = json::parse(r.read_bytes(file));
+    if (!doc.is_object() || !doc.contains(layout::kOptimizerRecordKey))
+      fail(file + " does not name its parameters (a checkpoint of an earlier tandem): it "
            "resumes only on the layout that saved it");
-    const auto& t = doc["tandem"];
-    const int tp_rank = t.value("tp_rank", 0), tp_size = t.value("tp_size", 1);
+    const auto t = layout::read_optimizer_record(doc[layout::kOptimizerRecordKey].dump(),
+                                                 r.where() + r.dir() + "/" + file);
     if (o.json.empty()) o.json = doc.dump();
     const bool has_masters = !masters.empty() && r.has(masters);
-    for (size_t g = 0; g < t["names"].size(); ++g)
-      for (size_t i = 0; i < t["names"][g].size(); ++i) {
-        const auto name = t["names"][g][i].get<std::string>();
-        const auto how = t["splits"][g][i].get<std::string>();
+    const json& state = doc.value("state", json::object());
+    for (size_t g = 0; g < t.names.size(); ++g)
+      for (size_t i = 0; i < t.names[g].size(); ++i) {
+        const auto& name = t.names[g][i];
+        const auto& how = t.splits[g][i];
         const auto key = "g" + std::to_string(g) + ".p" + std::to_string(i);
         if (has_masters && r.tensors(masters).contains(key))
-          add(o.masters[name], how, tp_rank, tp_size, whole(masters, key));
-        if (!doc["state"].contains(key)) continue;
-        const auto& entry = doc["state"][key];
+          add(o.masters[name], how, t.tp_rank, t.tp_size, whole(masters, key));
+        if (!state.contains(key)) continue;
+        const auto& entry = state[key];
         if (entry.contains("step")) o.steps.emplace(name, entry["step"].get<int64_t>());
         for (const auto& f : entry["tensors"]) {
           const auto field = f.get<std::string>();
-          add(o.fields[name][field], how, tp_rank, tp_size,
-              whole(stem + ".safetensors", key + "." + field));
+          add(o.fields[name][field], how, t.tp_rank, t.tp_size,
+              whole(stem + layout::kTensors, key + "." + field));
         }
       }
   }
@@ -247,8 +177,13 @@ struct SavedTensors::Impl {
     if (static_cast<int>(files.size()) != world)
       fail("the sharded optimizer state of " + std::to_string(world) + " ranks has " +
            std::to_string(files.size()) + " files for one of its groups: files are missing");
-    const auto& t = first.value("tandem", json::object());
-    const int tp_rank = t.value("tp_rank", 0), tp_size = t.value("tp_size", 1);
+    const auto t = first.contains(layout::kOptimizerRecordKey)
+                       ? layout::read_optimizer_record(first[layout::kOptimizerRecordKey].dump(),
+                                                       r.where() + r.dir() + "/" +
+                                                           files.begin()->second.first +
+                                                           layout::kJson)
+                       : layout::OptimizerRecord{};
+    const int tp_rank = t.tp_rank, tp_size = t.tp_size;
     const auto& units = first["zero"]["units"];
     for (size_t k = 0; k < units.size(); ++k) {
       const auto& unit = units[k];
@@ -259,8 +194,15 @@ struct SavedTensors::Impl {
         fail("its sharded optimizer state does not record its parameters' shapes (a checkpoint "
              "of an earlier tandem): it resumes only on a layout with the same mesh");
       const auto shapes = unit["shapes"].get<std::vector<std::vector<int64_t>>>();
-      const auto splits = t.contains("splits") ? t["splits"][k].get<std::vector<std::string>>()
-                                               : std::vector<std::string>(names.size());
+      std::vector<std::string> splits(names.size());  // none recorded: whole
+      if (!t.splits.empty()) {
+        if (k >= t.splits.size() || t.splits[k].size() != names.size())
+          fail(files.begin()->second.first + layout::kJson + ": its \"" +
+               layout::kOptimizerRecordKey + "\" record does not give unit " + std::to_string(k) +
+               " one split for each of its " + std::to_string(names.size()) + " parameters" +
+               layout::kAlteredFileFix);
+        splits = t.splits[k];
+      }
       const json& entry = first["state"].contains(key) ? first["state"][key] : json();
       std::vector<std::string> fields;
       if (!entry.is_null())
@@ -301,23 +243,27 @@ struct SavedTensors::Impl {
     optimizers.resize(count);
     for (size_t i = 0; i < count; ++i) {
       auto& o = optimizers[i];
-      const auto stem = indexed("optimizer", i);
-      const auto masters = indexed("master_weights", i);
-      if (r.has(stem + ".json")) {
-        index_whole_optimizer(o, stem, masters + ".safetensors");
+      const auto stem = layout::optimizer_stem(i);
+      if (r.has(stem + layout::kJson)) {
+        index_whole_optimizer(o, stem, layout::master_weights_file(i));
         continue;
       }
       std::map<int, std::map<int, std::pair<std::string, json>>> zero_groups;  // tp rank -> rank
       for (int k = 0; k < r.saved_world_size(); ++k) {
-        const auto mp = stem + ".mp" + std::to_string(k);
-        if (r.has(mp + ".json")) {
-          index_whole_optimizer(o, mp, masters + ".mp" + std::to_string(k) + ".safetensors");
+        const auto mp = layout::optimizer_part_stem(i, k);
+        if (r.has(mp + layout::kJson)) {
+          index_whole_optimizer(o, mp, layout::master_weights_part_file(i, k));
           continue;
         }
-        const auto shard = stem + ".rank" + std::to_string(k);
-        if (!r.has(shard + ".json")) continue;
-        auto doc = json::parse(r.read_bytes(shard + ".json"));
-        const int tp_rank = doc.value("tandem", json::object()).value("tp_rank", 0);
+        const auto shard = layout::optimizer_shard_stem(i, k);
+        if (!r.has(shard + layout::kJson)) continue;
+        auto doc = json::parse(r.read_bytes(shard + layout::kJson));
+        const int tp_rank =
+            doc.contains(layout::kOptimizerRecordKey)
+                ? layout::read_optimizer_record(doc[layout::kOptimizerRecordKey].dump(),
+                                                r.where() + r.dir() + "/" + shard + layout::kJson)
+                      .tp_rank
+                : 0;
         zero_groups[tp_rank].emplace(doc["zero"]["rank"].get<int>(), std::make_pair(shard, doc));
       }
       for (const auto& [tp_rank, files] : zero_groups) index_zero_group(o, files);
@@ -357,7 +303,14 @@ struct SavedTensors::Impl {
 SavedTensors::SavedTensors(const checkpoint::StateReader& r, size_t models, size_t optimizers)
     : impl_(std::make_unique<Impl>(r)) {
   impl_->index_models(models);
-  impl_->index_optimizers(optimizers);
+  try {
+    impl_->index_optimizers(optimizers);
+  } catch (const nlohmann::json::exception& e) {
+    // A record of an optimizer file that is not what tandem wrote (a key missing, a value of
+    // another type): named, never a bare JSON error.
+    impl_->fail(std::string("its optimizer files' records are not what save_state() wrote (") +
+                e.what() + ")" + layout::kAlteredFileFix);
+  }
 }
 
 SavedTensors::~SavedTensors() = default;

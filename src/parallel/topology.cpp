@@ -4,15 +4,13 @@
 
 #include <torch/torch.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <functional>
 #include <iostream>
 #include <set>
 #include <stdexcept>
 
-#include "detail/reshard.h"
+#include "tandem/checkpoint/layout.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/full_state.h"
 #include "tandem/parallel/strategy.h"
@@ -20,8 +18,6 @@
 
 namespace tandem::parallel {
 namespace {
-
-using json = nlohmann::json;
 
 comm::DeviceMesh build_mesh(std::shared_ptr<ProcessGroup> world, const comm::MeshShape& shape,
                             int local_world_size) {
@@ -83,24 +79,25 @@ std::vector<std::pair<std::string, at::Tensor>> Topology::gather_model_state(
 // each split tensor was cut ("tandem_tp_split": {name: "rows/<parts>" | "cols"}, parallelize_
 // module's split), so that merge_weights can join the shards into the dense tensors.
 std::map<std::string, std::string> Topology::model_file_metadata(torch::nn::Module& model) const {
-  std::map<std::string, std::string> meta{{"format", "pt"}, {"tandem_mesh", shape_string()}};
-  if (pp() > 1) meta["tandem_pp_stage"] = std::to_string(coordinate("pp"));
-  if (tp() == 1) return meta;
-  json split = json::object();
-  for (const auto& [name, how] : tensor_parallel_splits(model)) split[name] = how;
-  meta["tandem_tp_rank"] = std::to_string(coordinate("tp"));
-  meta["tandem_tp_size"] = std::to_string(tp());
-  meta["tandem_tp_split"] = split.dump();
-  return meta;
+  checkpoint::layout::TpCut cut;
+  if (tp() > 1) {
+    cut.size = tp();
+    cut.rank = coordinate("tp");
+    for (const auto& [name, how] : tensor_parallel_splits(model)) cut.split[name] = how;
+  }
+  return checkpoint::layout::model_part_metadata(
+      shape_string(), pp() > 1 ? std::optional<int>(coordinate("pp")) : std::nullopt, cut);
 }
 
 checkpoint::StatePart Topology::checkpoint_part(const std::string& strategy) const {
   return {"mesh",
           [this](checkpoint::StateWriter& w) {
-            if (w.is_main() && model_parallel()) w.set_state("mesh", json(shape_string()).dump());
+            if (w.is_main() && model_parallel())
+              w.set_state(checkpoint::layout::kMeshKey,
+                          checkpoint::layout::mesh_json(shape_string()));
           },
           [this, strategy](const checkpoint::StateReader& r) {
-            const auto saved = detail::saved_run_layout(r);
+            const auto saved = checkpoint::layout::saved_run_layout(r);
             const std::string mine = shape_string();
             if (!saved.recorded) {  // an earlier tandem's checkpoint: its shards are per mesh
               const std::string theirs = saved.mesh;
@@ -109,18 +106,18 @@ checkpoint::StatePart Topology::checkpoint_part(const std::string& strategy) con
                     world()->prefix() + " load_state: " + r.dir() + " was saved by a run on " +
                     (theirs.empty() ? "no model-parallel mesh" : "the mesh " + theirs) +
                     " and this run has " +
-                    (model_parallel() ? "the mesh " + detail::short_mesh(mine) : "none") +
+                    (model_parallel() ? "the mesh " + checkpoint::layout::short_mesh(mine) : "none") +
                     ": a checkpoint of an earlier tandem records no layout, so its shards resume "
                     "only on the same mesh; launch with the sizes it was saved with");
               return;
             }
             // Note [Resharding a checkpoint]: any other layout loads too; said once.
-            detail::SavedRunLayout here{mine, strategy, world_size(), true};
+            checkpoint::layout::SavedRunLayout here{mine, strategy, world_size(), true};
             if (world()->rank() == 0 && saved.describe() != here.describe())
               std::cerr << world()->prefix() << " load_state: " << r.dir() << " was saved on "
                         << saved.describe() << "; resuming on " << here.describe()
                         << (saved.mesh != mine &&
-                                    (model_parallel() || detail::model_parallel_mesh(saved.mesh))
+                                    (model_parallel() || checkpoint::layout::model_parallel_mesh(saved.mesh))
                                 ? ": every tensor is joined from its saved pieces and cut again"
                                 : "")
                         << std::endl;

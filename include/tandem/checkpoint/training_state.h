@@ -83,6 +83,8 @@ class StateReader {
   /// Key `key` of state.json as a JSON document, or nullopt.
   std::optional<std::string> state(const std::string& key) const;
   const std::string& prefix() const { return prefix_; }
+  /// "<prefix> <operation>: ", the start of its errors.
+  const std::string& where() const { return where_; }
 
  private:
   struct Impl;

@@ -19,24 +19,6 @@ class Module;
 
 namespace tandem::parallel::detail {
 
-/// How a checkpoint's run was laid out: its state.json "layout" ({"mesh", "world", "strategy"}),
-/// or for a checkpoint written before it, what its "mesh" key and world size say.
-struct SavedRunLayout {
-  std::string mesh;      // Topology::shape_string() of the saving run ("" when unknown)
-  std::string strategy;  // "ddp", "zero-2", ... ("" when unknown)
-  int world = 0;
-  bool recorded = false;  // written by a run that records its layout
-  /// "dp 2 x tp 2 (4 processes, zero-3)".
-  std::string describe() const;
-};
-SavedRunLayout saved_run_layout(const checkpoint::StateReader& r);
-
-/// "dp 2 x tp 2" of a mesh string ("pp 1 x dp_replicate 1 x dp_shard 2 x tp 2"): the sizes
-/// above 1 (dp for dp_replicate x dp_shard unless both are above 1), or "1 process".
-std::string short_mesh(const std::string& mesh);
-/// Whether a mesh string has tp or pp above 1.
-bool model_parallel_mesh(const std::string& mesh);
-
 /// Where the pieces of every tensor of a checkpoint lie, by the tensor's dense name: model m's
 /// tensors ("model" files, their tensor-parallel shards and pipeline stages) and optimizer o's
 /// state per parameter (its moments, step counts and fp32 masters, whole or as ZeRO chunks).

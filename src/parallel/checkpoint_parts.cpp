@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "detail/reshard.h"
+#include "tandem/checkpoint/layout.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
@@ -34,31 +35,29 @@ namespace {
 using checkpoint::StateReader;
 using checkpoint::StateWriter;
 using json = nlohmann::json;
+namespace layout = checkpoint::layout;
 
-// "model", "model_1", ...: the i-th object of a kind.
-std::string indexed(const std::string& stem, size_t i) {
-  return stem + (i == 0 ? "" : "_" + std::to_string(i));
-}
-
-// Where this rank's files go under a topology.
+// Where this rank's files go under a topology (Note [Checkpoint layout]).
 struct Layout {
   const Topology& topology;
 
   bool per_rank() const { return topology.model_parallel(); }
   int rank() const { return topology.world()->rank(); }
-  // A file this rank writes itself: "<stem>.mp<rank><ext>" under model parallel.
-  std::string mine(const std::string& stem, size_t i, const std::string& ext) const {
-    return indexed(stem, i) + (per_rank() ? ".mp" + std::to_string(rank()) : "") + ext;
-  }
   // The model file of this rank's (tp, pp) coordinate: the data-parallel replicas hold the same
   // model, which their first rank writes (gathered, under ZeRO-3).
   std::string model_file(size_t i) const {
-    if (!per_rank()) return mine("model", i, ".safetensors");
-    return indexed("model", i) + ".mp" +
-           std::to_string(topology.data_parallel()->global_rank(0)) + ".safetensors";
+    if (!per_rank()) return layout::model_file(i);
+    return layout::model_part_file(i, topology.data_parallel()->global_rank(0));
   }
   bool writes_model(const StateWriter& w) const {
     return per_rank() ? topology.data_parallel()->rank() == 0 : w.is_main();
+  }
+  // This rank's whole optimizer i (add kTensors or kJson) and its masters.
+  std::string optimizer_stem(size_t i) const {
+    return per_rank() ? layout::optimizer_part_stem(i, rank()) : layout::optimizer_stem(i);
+  }
+  std::string master_weights_file(size_t i) const {
+    return per_rank() ? layout::master_weights_part_file(i, rank()) : layout::master_weights_file(i);
   }
 };
 
@@ -82,31 +81,32 @@ struct ParamNames {
 };
 
 // Note [Resharding a checkpoint]: what a whole optimizer file records of its parameters.
-json parameter_record(const torch::optim::Optimizer& opt, const ParamNames& names,
-                      const Topology& topology) {
-  json rec{{"names", json::array()}, {"splits", json::array()}, {"tp_rank", topology.coordinate("tp")},
-           {"tp_size", topology.tp()}};
+std::string parameter_record(const torch::optim::Optimizer& opt, const ParamNames& names,
+                             const Topology& topology) {
+  layout::OptimizerRecord rec;
+  rec.tp_rank = topology.coordinate("tp");
+  rec.tp_size = topology.tp();
   for (const auto& group : opt.param_groups()) {
-    json n = json::array(), h = json::array();
+    std::vector<std::string> n, h;
     for (const auto& p : group.params()) {
       auto it = names.name.find(p.unsafeGetTensorImpl());
       const std::string q = it == names.name.end() ? "" : it->second;
       n.push_back(q);
       h.push_back(names.how(q));
     }
-    rec["names"].push_back(n);
-    rec["splits"].push_back(h);
+    rec.names.push_back(n);
+    rec.splits.push_back(h);
   }
-  return rec;
+  return layout::optimizer_record_json(rec);
 }
 
 // Whether this run must reshard what `r` holds: under model parallel (here or in the saving
 // run) the mesh differs.
 bool mesh_changed(const StateReader& r, const Topology& topology) {
-  const auto saved = detail::saved_run_layout(r);
+  const auto saved = layout::saved_run_layout(r);
   if (!saved.recorded) return false;  // an earlier checkpoint: its own "mesh" check decides
   // Without model parallel on either side, ZeRO reshards over dp by itself.
-  if (!detail::model_parallel_mesh(saved.mesh) && !topology.model_parallel()) return false;
+  if (!layout::model_parallel_mesh(saved.mesh) && !topology.model_parallel()) return false;
   return saved.mesh != topology.shape_string();
 }
 
@@ -186,7 +186,6 @@ void load_resharded_optimizer(Strategy& strategy, const Topology& topology,
 void load_optimizer(Strategy& strategy, const Layout& layout, precision::MixedPrecision& precision,
                     torch::optim::Optimizer& opt, size_t i, const StateReader& r) {
   const auto& topo = layout.topology;
-  const auto stem = indexed("optimizer", i);
   if (strategy.shards_optimizer(opt)) {
     // Each rank wrote its shards under its global rank. Under model parallel the shards of this
     // rank's (tp, pp) coordinate are those of its sharding group (the same mesh); otherwise the
@@ -194,21 +193,21 @@ void load_optimizer(Strategy& strategy, const Layout& layout, precision::MixedPr
     // any world size: ranks 0 to its sharding group's size.
     const auto group = topo.sharding();
     const auto rank_stem = [&](int k) {
-      return stem + ".rank" + std::to_string(layout.per_rank() ? group->global_rank(k) : k);
+      return layout::optimizer_shard_stem(i, layout.per_rank() ? group->global_rank(k) : k);
     };
     strategy.load_optimizer_shards(
-        opt, [&](int k) { return r.read_bytes(rank_stem(k) + ".json"); },
+        opt, [&](int k) { return r.read_bytes(rank_stem(k) + layout::kJson); },
         [&](int k, const std::string& name) {
-          return r.tensors(rank_stem(k) + ".safetensors").tensor(name);
+          return r.tensors(rank_stem(k) + layout::kTensors).tensor(name);
         });
     return;
   }
   checkpoint::OptimizerState os;
-  const auto& f = r.tensors(layout.mine("optimizer", i, ".safetensors"));
+  const auto& f = r.tensors(layout.optimizer_stem(i) + layout::kTensors);
   for (const auto& n : f.names()) os.tensors.emplace_back(n, f.tensor(n));
-  os.json = r.read_bytes(layout.mine("optimizer", i, ".json"));
+  os.json = r.read_bytes(layout.optimizer_stem(i) + layout::kJson);
   checkpoint::load_optimizer_state(opt, os);
-  const auto masters_name = layout.mine("master_weights", i, ".safetensors");
+  const auto masters_name = layout.master_weights_file(i);
   precision.load_master_weights(opt, r.has(masters_name) ? &r.tensors(masters_name) : nullptr,
                                 r.dir(), topo.world()->rank() == 0);
 }
@@ -225,8 +224,8 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
   parts.push_back({"models",
                    [this, layout, &models](StateWriter& w) {
                      if (w.is_main())
-                       w.set_state("layout", json{{"mesh", layout.topology.shape_string()},
-                                                  {"strategy", name()}}.dump());
+                       w.set_state(layout::kLayoutKey,
+                                   layout::run_layout_json(layout.topology.shape_string(), name()));
                      // On every rank together: a sharded strategy gathers unit by unit.
                      for (size_t i = 0; i < models.size(); ++i) {
                        auto tensors = model_state(*models[i]);
@@ -273,36 +272,38 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                          auto st = optimizer_shard_state(opt);
                          {  // Note [Resharding a checkpoint]: this rank's tp cut of each unit
                            auto doc = json::parse(st.json);
-                           json splits = json::array();
+                             std::vector<std::vector<std::string>> splits;
                            for (const auto& unit : doc["zero"]["units"]) {
-                             json h = json::array();
+                             std::vector<std::string> h;
                              for (const auto& n : unit["names"]) h.push_back(names.how(n.get<std::string>()));
                              splits.push_back(h);
                            }
-                           doc["tandem"] = {{"tp_rank", layout.topology.coordinate("tp")},
-                                            {"tp_size", layout.topology.tp()},
-                                            {"splits", splits}};
+                           layout::OptimizerRecord rec;
+                           rec.tp_rank = layout.topology.coordinate("tp");
+                           rec.tp_size = layout.topology.tp();
+                           rec.splits = splits;
+                           doc[layout::kOptimizerRecordKey] =
+                               json::parse(layout::optimizer_record_json(rec));
                            st.json = doc.dump(2);
                          }
-                         const auto stem =
-                             indexed("optimizer", i) + ".rank" + std::to_string(w.rank());
-                         w.write_tensors(stem + ".safetensors", st.tensors);
-                         w.write_bytes(stem + ".json", st.json);
+                         const auto stem = layout::optimizer_shard_stem(i, w.rank());
+                         w.write_tensors(stem + layout::kTensors, st.tensors);
+                         w.write_bytes(stem + layout::kJson, st.json);
                          continue;
                        }
                        if (!w.is_main() && !layout.per_rank()) continue;
                        auto st = checkpoint::optimizer_state(opt);
                        {
                          auto doc = json::parse(st.json);
-                         doc["tandem"] = parameter_record(opt, names, layout.topology);
+                         doc[layout::kOptimizerRecordKey] =
+                             json::parse(parameter_record(opt, names, layout.topology));
                          st.json = doc.dump(2);
                        }
-                       w.write_tensors(layout.mine("optimizer", i, ".safetensors"), st.tensors);
-                       w.write_bytes(layout.mine("optimizer", i, ".json"), st.json);
+                       w.write_tensors(layout.optimizer_stem(i) + layout::kTensors, st.tensors);
+                       w.write_bytes(layout.optimizer_stem(i) + layout::kJson, st.json);
                        auto masters = precision.master_weights_of(opt);
                        if (!masters.empty())
-                         w.write_tensors(layout.mine("master_weights", i, ".safetensors"),
-                                         masters);
+                         w.write_tensors(layout.master_weights_file(i), masters);
                      }
                    },
                    [this, layout, &precision, &models, &optimizers,
@@ -312,7 +313,7 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                      for (size_t i = 0; i < optimizers.size(); ++i) {
                        auto& opt = *optimizers[i];
                        // Rank 0 writes its shards whenever a run shards (every layout).
-                       const bool saved_sharded = r.has(indexed("optimizer", i) + ".rank0.json");
+                       const bool saved_sharded = r.has(layout::optimizer_shard_stem(i, 0) + layout::kJson);
                        if (!changed && saved_sharded == shards_optimizer(opt)) {
                          load_optimizer(*this, layout, precision, opt, i, r);
                          continue;
