@@ -16,7 +16,7 @@ import sys
 # From the ground up. A file's layer is the first rule whose pattern matches its path below
 # include/tandem/ or src/ (without the extension).
 LAYERS = [
-    ("compat, state, data", [r"compat/", r"detail/", r"data/", r"state$", r"version$", r"error$",
+    ("compat, state, data", [r"compat/", r"detail/", r"data/", r"state$", r"version$", r"error$", r"preemption$",
                               r"host_allocator$"]),
     ("comm, nn, runtime", [r"comm/", r"nn/", r"runtime$", r"torch_runtime$", r"optimizer$"]),
     ("checkpoint", [r"checkpoint/"]),

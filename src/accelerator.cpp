@@ -5,7 +5,11 @@
 
 #include <torch/torch.h>
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -147,6 +151,9 @@ Accelerator::Accelerator(AcceleratorOptions options)
     auto_resume_pending_ = true;
     loader_state_->before_first_pass = [this] { auto_resume(); };
   }
+  if (config_.checkpoint_on_preemption)
+    preemption_ = std::make_unique<preemption::Watch>(
+        std::vector<int>{SIGTERM, config_.preemption_signal});
   // A log always says what ran.
   if (is_main_process()) std::cerr << layout_line() << std::endl;
 }
@@ -618,6 +625,7 @@ void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer)
   // Periodic checkpoints, once every optimizer of the step has stepped (the last prepared one).
   if (optimizers_.empty() || optimizers_.back().get() != &optimizer) return;
   if (profile_) profile_->step();
+  stop_if_preempted();
   bool due = options_.checkpoint_every_steps() > 0 &&
              optimizer_steps_ % options_.checkpoint_every_steps() == 0;
   if (!due && options_.checkpoint_every_minutes() > 0) {
@@ -632,6 +640,43 @@ void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer)
   if (!due) return;
   save_state();
   last_checkpoint_ = std::chrono::steady_clock::now();
+}
+
+// Note [Preemption]: every rank learns at the same step boundary whether any rank was signalled
+// (the launcher forwards a signal to all, but each receives it in its own step), so that they
+// save and stop together.
+void Accelerator::stop_if_preempted() {
+  if (!preemption_) return;
+  int signal = preemption::Watch::received();
+  if (state_.world_size > 1) {
+    auto flag = at::full({1}, signal, at::kInt);
+    pg_->allreduce(flag, ReduceOp::kMax);
+    signal = flag.item<int>();
+  }
+  if (signal == 0) return;
+  const auto step = optimizer_steps_;
+  if (is_main_process())
+    std::cerr << state_.prefix() << " preempted (" << preemption::signal_name(signal)
+              << ") at step " << step << ": saving a checkpoint" << std::endl;
+  const auto dir = save_state();
+  if (is_main_process())
+    std::cerr << state_.prefix() << " preempted at step " << step << ": saved " << dir
+              << "; exiting with code " << preemption::kExitCode
+              << " (auto_resume continues from it)" << std::endl;
+  try {
+    if (profile_) profile_->write();
+    end_training();
+  } catch (const std::exception& e) {
+    std::cerr << state_.prefix() << " could not finish the trackers or the timeline: " << e.what()
+              << std::endl;
+  }
+  wait_for_everyone();
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  // The checkpoint is complete on every rank; the program's own code after the step is not
+  // run (as a SIGTERM's default would not run it either).
+  ::_exit(preemption::kExitCode);
 }
 
 Accelerator::MainProcessFirst::MainProcessFirst(Accelerator* acc) : acc_(acc) {

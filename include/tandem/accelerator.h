@@ -38,6 +38,7 @@
 #include "tandem/precision/grad_scaler.h"
 #include "tandem/precision/mixed_precision.h"
 #include "tandem/precision/policy.h"
+#include "tandem/preemption.h"
 #include "tandem/state.h"
 #include "tandem/track/run_profile.h"
 #include "tandem/track/run_recorder.h"
@@ -580,6 +581,10 @@ class Accelerator {
   std::function<std::unique_ptr<precision::MixedPrecision>()> make_precision_;
   std::unique_ptr<track::RunRecorder> recorder_;
   std::unique_ptr<track::RunProfile> profile_;  // TANDEM_PROFILE
+  // Note [Preemption]: the signals watched while checkpoint_on_preemption is on.
+  std::unique_ptr<preemption::Watch> preemption_;
+  // At the end of a step: when any rank was signalled, save, say so and exit on every rank.
+  void stop_if_preempted();
 };
 
 }  // namespace tandem

@@ -118,6 +118,12 @@ struct AcceleratorOptions {
   /// load_state() itself: its first backward with a checkpoint present and nothing loaded is
   /// an error saying so.
   TORCH_ARG(bool, auto_resume) = false;
+  /// Note [Preemption]: on SIGTERM (or tandem launch --preemption_signal), every rank finishes
+  /// its optimizer step, a checkpoint is saved (project_dir/checkpoints/checkpoint_<n>) and the
+  /// process exits with preemption::kExitCode (75) after saying "preempted at step k". Unset: on
+  /// when the program checkpoints periodically or sets auto_resume (which continues from it);
+  /// false: a signal ends the process as it would without tandem.
+  TORCH_ARG(std::optional<bool>, checkpoint_on_preemption) = std::nullopt;
   /// Trackers started by init_trackers: any of "jsonl", "csv", "tensorboard", or "all".
   TORCH_ARG(std::vector<std::string>, log_with) = std::vector<std::string>{"all"};
   /// Where init_trackers writes (<logging_dir>/<project_name>/); empty: project_dir/logs.

@@ -9,6 +9,7 @@
 
 #include "env_reader.h"
 #include "tandem/accelerator_options.h"
+#include "tandem/preemption.h"
 #include "tandem/parallel/comm_hook.h"
 
 namespace tandem::config {
@@ -159,6 +160,20 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
     if (c.host_cache_mb < 0)
       throw ::tandem::Refused("host_cache_mb is " + std::to_string(c.host_cache_mb) +
                                   " (AcceleratorOptions().host_cache_mb); it must be 0 or more");
+    // Note [Preemption].
+    const bool checkpoints = options.checkpoint_every_steps() > 0 ||
+                             options.checkpoint_every_minutes() > 0 || options.auto_resume();
+    c.checkpoint_on_preemption = options.checkpoint_on_preemption().value_or(
+        checkpoints && options.automatic_checkpoint_naming());
+    if (c.checkpoint_on_preemption && !options.automatic_checkpoint_naming())
+      throw ::tandem::Refused(
+          "checkpoint_on_preemption is true and automatic_checkpoint_naming is false "
+          "(AcceleratorOptions): the checkpoint of a preemption is written as "
+          "project_dir/checkpoints/checkpoint_<n>; set automatic_checkpoint_naming(true), or "
+          "checkpoint_on_preemption(false)");
+    if (auto name = env.get(var::kPreemptionSignal))
+      c.preemption_signal = preemption::signal_from_name(
+          *name, std::string(var::kPreemptionSignal) + " (tandem launch --preemption_signal)");
     c.debug = env.boolean(var::kDebug).value_or(false);
     c.num_machines = env.positive_int(var::kNumMachines).value_or(1);
     if (c.distributed_type == parallel::DistributedType::kDeepSpeed) {
@@ -195,6 +210,10 @@ std::string describe(const RunConfig& c) {
   os << "  activation_checkpointing: " << yes(c.activation_checkpointing) << "\n";
   os << "  timeline_dir: " << (c.timeline_dir.empty() ? "none" : c.timeline_dir) << "\n";
   os << "  profile: " << (c.profile.empty() ? "none" : c.profile) << "\n";
+  os << "  checkpoint_on_preemption: " << yes(c.checkpoint_on_preemption)
+     << (c.preemption_signal ? " (SIGTERM and " + preemption::signal_name(c.preemption_signal) + ")"
+                             : std::string())
+     << "\n";
   os << "  host_allocator: " << yes(c.host_allocator) << ", host_cache_mb: " << c.host_cache_mb
      << "\n";
   os << "  from the environment:";

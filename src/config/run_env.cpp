@@ -108,6 +108,8 @@ const std::vector<EnvVar>& run_environment_table() {
        "write a per-rank Chrome-trace timeline into this folder (--env)"},
       {var::kProfile, "", "", K::kText, R::kRunConfig, false, "/tmp/profile",
        "each rank writes its memory and step-time profile to <this>.rank<r>.json when its Accelerator ends, for tandem plan (--env)"},
+      {var::kPreemptionSignal, "", "--preemption_signal", K::kText, R::kRunConfig, true, "USR1",
+       "a signal that, as SIGTERM, makes the ranks save a checkpoint and stop (Note [Preemption])"},
       {var::kHostAllocator, "", "", K::kBool, R::kRunConfig, false, "0",
        "tandem's host allocator serves large CPU blocks (default true; false: malloc serves every block) (--env)"},
       {var::kHostCacheMb, "", "", K::kNumber, R::kRunConfig, false, "64",

@@ -2,6 +2,7 @@
 #include "tandem/launch/launcher.h"
 #include "tandem/error.h"
 #include "tandem/launch/machine_rendezvous.h"
+#include "tandem/preemption.h"
 #include "tandem/runtime.h"
 
 #include <fcntl.h>
@@ -35,6 +36,13 @@ using Clock = std::chrono::steady_clock;
 
 int g_signal_pipe[2] = {-1, -1};
 
+// The signal of --preemption_signal, or 0 (Note [Preemption]).
+int preemption_signal_of(const LaunchOptions& o) {
+  return o.preemption_signal().empty()
+             ? 0
+             : preemption::signal_from_name(o.preemption_signal(), "--preemption_signal");
+}
+
 extern "C" void on_signal(int sig) {
   unsigned char b = static_cast<unsigned char>(sig);
   if (g_signal_pipe[1] >= 0) {
@@ -65,7 +73,8 @@ std::string signal_name(int sig) {
   const char* d = strsignal(sig);
   static const std::map<int, std::string> abbrev = {
       {SIGKILL, "SIGKILL"}, {SIGTERM, "SIGTERM"}, {SIGINT, "SIGINT"},   {SIGSEGV, "SIGSEGV"},
-      {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},   {SIGHUP, "SIGHUP"}};
+      {SIGABRT, "SIGABRT"}, {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},   {SIGHUP, "SIGHUP"},
+      {SIGUSR1, "SIGUSR1"}, {SIGUSR2, "SIGUSR2"}, {SIGQUIT, "SIGQUIT"}, {SIGALRM, "SIGALRM"}};
   auto it = abbrev.find(sig);
   return std::to_string(sig) + " (" + (it != abbrev.end() ? it->second : std::string(d ? d : "?")) +
          ")";
@@ -159,6 +168,8 @@ void spawn(Child& c, const LaunchOptions& opts) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
+  const int preemption_signal = preemption_signal_of(opts);
+  if (preemption_signal) sigaddset(&stop_signals, preemption_signal);
   ::sigprocmask(SIG_BLOCK, &stop_signals, &before);
   pid_t pid = ::fork();
   if (pid < 0) {
@@ -175,6 +186,7 @@ void spawn(Child& c, const LaunchOptions& opts) {
     ::signal(SIGINT, SIG_DFL);
     ::signal(SIGTERM, SIG_DFL);
     ::signal(SIGPIPE, SIG_DFL);
+    if (preemption_signal) ::signal(preemption_signal, SIG_DFL);
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
@@ -256,6 +268,10 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
   }
   const Child* failed = nullptr;
   int forwarded_signal = 0;
+  // Note [Preemption]: SIGTERM and --preemption_signal give the ranks preemption_grace_s to save
+  // and stop; a rank that did exits with preemption::kExitCode, which is not a failure.
+  const int preemption_signal = preemption_signal_of(opts);
+  bool preempted = false;
   bool stopping = false;
   Clock::time_point kill_at{};
   bool killed = false;
@@ -267,12 +283,14 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
     for (auto& c : children)
       if (c.alive) ::kill(-c.pid, sig);
   };
-  auto begin_stop = [&](int sig) {
+  auto after = [](double seconds) {
+    return Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+  };
+  auto begin_stop = [&](int sig, double grace_s) {
     if (stopping) return;
     stopping = true;
     signal_all(sig);
-    kill_at = Clock::now() + std::chrono::milliseconds(
-                                 static_cast<int64_t>(opts.grace_period_s() * 1000.0));
+    kill_at = after(grace_s);
   };
 
   for (;;) {
@@ -296,13 +314,20 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
           if (::read(g_signal_pipe[0], &sig, 1) == 1) {
             forwarded_signal = sig;
             interrupted = true;
+            const bool preemption = sig == SIGTERM || sig == preemption_signal;
             if (!opts.quiet())
               write_all(2, "tandem launch: received signal " + signal_name(sig) +
-                               ", forwarding it to every rank\n");
+                               ", forwarding it to every rank" +
+                               (preemption && !stopping
+                                    ? " (a rank that checkpoints on preemption saves and stops; "
+                                      "SIGKILL in " + number_text(opts.preemption_grace_s()) +
+                                      " s, or at a second signal)"
+                                    : "") +
+                               "\n");
             if (stopping) {
               signal_all(SIGKILL);
             } else {
-              begin_stop(sig);
+              begin_stop(sig, preemption ? opts.preemption_grace_s() : opts.grace_period_s());
             }
           }
         } else if (!streams[i]->read_some()) {
@@ -322,7 +347,16 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
       if (r == c.pid) {
         c.alive = false;
         c.status = st;
-        if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) newly_failed.push_back(&c);
+        if (WIFEXITED(st) && WEXITSTATUS(st) == preemption::kExitCode) {
+          // Saved and stopped; the others are at the same step boundary and follow.
+          preempted = true;
+          if (!stopping) {
+            stopping = true;
+            kill_at = after(opts.preemption_grace_s());
+          }
+        } else if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
+          newly_failed.push_back(&c);
+        }
         if (WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL && !stopping) lost.push_back(&c);
       }
     }
@@ -340,7 +374,7 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
       if (primary != candidates.end() || Clock::now() >= settle_until || all_done) {
         failed = primary != candidates.end() ? *primary : candidates.front();
         write_all(2, "tandem launch: " + describe_exit(*failed) + "; stopping the other ranks\n");
-        begin_stop(SIGTERM);
+        begin_stop(SIGTERM, opts.grace_period_s());
       }
     }
     bool any_alive = std::any_of(children.begin(), children.end(), [](auto& c) { return c.alive; });
@@ -364,6 +398,25 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
     }
   }
   if (failed) return exit_code_of(failed->status);
+  const bool all_stopped_cleanly = std::all_of(children.begin(), children.end(), [](const Child& c) {
+    return WIFEXITED(c.status) &&
+           (WEXITSTATUS(c.status) == 0 || WEXITSTATUS(c.status) == preemption::kExitCode);
+  });
+  if (preempted && all_stopped_cleanly) {
+    interrupted = true;  // not restarted: the job was asked to stop
+    write_all(2, "tandem launch: the job was preempted: its ranks saved a checkpoint and stopped; "
+                 "exit code " + std::to_string(preemption::kExitCode) +
+                 " (run it again to continue from the checkpoint)\n");
+    return preemption::kExitCode;
+  }
+  if (preempted)  // a rank that did not stop within the grace period
+    for (const auto& c : children)
+      if (!(WIFEXITED(c.status) &&
+            (WEXITSTATUS(c.status) == 0 || WEXITSTATUS(c.status) == preemption::kExitCode))) {
+        write_all(2, "tandem launch: the job was preempted, and " + describe_exit(c) +
+                         " instead of saving and stopping\n");
+        return exit_code_of(c.status);
+      }
   if (forwarded_signal) return 128 + forwarded_signal;
   return 0;
 }
@@ -414,6 +467,11 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
   if (o.min_machines() > 0 && !(o.rdzv_timeout_s() > 0))
     throw ::tandem::Refused("--rdzv_timeout=" + number_text(o.rdzv_timeout_s()) +
                                 " must be above 0: seconds machine 0 waits for the others");
+  preemption_signal_of(o);  // refuses a name that is not a signal
+  if (!(o.preemption_grace_s() >= 0))
+    throw ::tandem::Refused("--preemption_grace_s=" + number_text(o.preemption_grace_s()) +
+                            " must be at least 0: seconds the ranks get to save a checkpoint "
+                            "and stop after SIGTERM or --preemption_signal, before SIGKILL");
   if (!(o.grace_period_s() >= 0))
     throw ::tandem::Refused("--grace_period=" + number_text(o.grace_period_s()) +
                                 " must be at least 0: seconds between SIGTERM and SIGKILL when "
@@ -504,6 +562,8 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
       p.env[config::var::kCpuAffinity] = list;
     }
     if (o.cpu()) p.env[config::var::kUseCpu] = "1";
+    if (!o.preemption_signal().empty())
+      p.env[config::var::kPreemptionSignal] = o.preemption_signal();
     if (!environment.count(config::var::kRestartCount)) p.env[config::var::kRestartCount] = "0";
     plan.push_back(std::move(p));
   }
@@ -552,9 +612,12 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
-  struct sigaction old_int {}, old_term {};
+  struct sigaction old_int {}, old_term {}, old_preemption {};
   ::sigaction(SIGINT, &sa, &old_int);
   ::sigaction(SIGTERM, &sa, &old_term);
+  // Note [Preemption]: the cluster's signal is forwarded as SIGTERM is.
+  const int preemption_signal = preemption_signal_of(opts);
+  if (preemption_signal) ::sigaction(preemption_signal, &sa, &old_preemption);
   ::signal(SIGPIPE, SIG_IGN);
 
   char tmpl[] = "/tmp/tandem-launch-XXXXXX";
@@ -564,7 +627,8 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
   struct Restore {
     const std::vector<RankPlan>& plan;
     const std::string& error_dir;
-    struct sigaction old_int, old_term;
+    struct sigaction old_int, old_term, old_preemption;
+    int preemption_signal;
     ~Restore() {
       if (!error_dir.empty()) {
         for (const auto& p : plan)
@@ -573,11 +637,12 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
       }
       ::sigaction(SIGINT, &old_int, nullptr);
       ::sigaction(SIGTERM, &old_term, nullptr);
+      if (preemption_signal) ::sigaction(preemption_signal, &old_preemption, nullptr);
       ::close(g_signal_pipe[0]);
       ::close(g_signal_pipe[1]);
       g_signal_pipe[0] = g_signal_pipe[1] = -1;
     }
-  } restore{plan, error_dir, old_int, old_term};
+  } restore{plan, error_dir, old_int, old_term, old_preemption, preemption_signal};
   int rc = 0;
   const std::vector<RankPlan> launched = plan;
   for (int attempt = 0;; ++attempt) {

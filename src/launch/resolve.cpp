@@ -301,6 +301,8 @@ const std::vector<std::pair<std::string, std::string>>& launcher_variables() {
       {config::var::kNumCpuThreads, "choose it with --num_cpu_threads_per_process"},
       {config::var::kCpuAffinity, "choose it with --enable_cpu_affinity"},
       {config::var::kUseCpu, "choose it with --cpu"},
+      {config::var::kPreemptionSignal,
+       "choose it with --preemption_signal (which the launcher also forwards)"},
       {config::var::kLauncher, "it marks a rank that tandem launch started"},
       {config::var::kRestartCount, "it counts restarts (0, 1, ...; --max_restarts)"},
       {config::var::kErrorFile, "it is the launcher's own file for each rank's failure"},

@@ -157,3 +157,116 @@ TEST(Elastic, LostMachineRestartsTheJobOnTheMachinesThatRemain) {
   EXPECT_EQ(digest_of(r0.output), expected) << r0.output;
   std::system(("rm -rf " + project).c_str());
 }
+
+// ---- Note [Preemption] ------------------------------------------------------------------------
+
+namespace {
+
+// 2 ranks, 10 steps, checkpoints every 3 (and on preemption: auto_resume turns it on).
+std::string uninterrupted_digest(const std::vector<std::string>& flags) {
+  const auto project = tandem::testing::temp_path("preempt", "whole");
+  std::system(("rm -rf " + project).c_str());
+  auto r = launch(2, kWorker, {"--project", project, "--steps", "10"},
+                  LaunchOptions().flags(flags).timeout_s(180));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  std::system(("rm -rf " + project).c_str());
+  const auto d = digest_of(r.output);
+  EXPECT_FALSE(d.empty()) << r.output;
+  return d;
+}
+
+// The step the job was preempted at, from "preempted at step <k>: saved <dir>".
+int preempted_step(const std::string& output) {
+  const auto at = output.find("preempted at step ");
+  if (at == std::string::npos) return -1;
+  return std::stoi(output.substr(at + 18));
+}
+
+// A SIGTERM after step 4 (to the launcher, which forwards it, or to rank 1 alone): every rank
+// finishes its step, they save together and exit 75; the same command again resumes from that
+// checkpoint and ends with the uninterrupted run's weights, bit for bit.
+void preempt_and_resume(const std::vector<std::string>& flags) {
+  const auto expected = uninterrupted_digest(flags);
+  for (const bool to_launcher : {true, false}) {
+    SCOPED_TRACE(to_launcher ? "SIGTERM to the launcher" : "SIGTERM to rank 1");
+    const auto project = tandem::testing::temp_path("preempt", to_launcher ? "launcher" : "rank");
+    std::system(("rm -rf " + project).c_str());
+    std::vector<std::string> args{"--project", project, "--steps", "10", "--preempt_after", "4"};
+    if (to_launcher) args.push_back("--preempt_launcher");
+    else args.insert(args.end(), {"--preempt_rank", "1"});
+    auto first = launch(2, kWorker, args, LaunchOptions().flags(flags).timeout_s(180));
+    EXPECT_EQ(first.exit_code, 75) << first.output;
+    EXPECT_EQ(count_of(first.output, "tandem launch: the job was preempted: its ranks saved a "
+                                     "checkpoint and stopped; exit code 75"),
+              1)
+        << first.output;
+    const int k = preempted_step(first.output);
+    EXPECT_GE(k, 5) << first.output;  // the signal came after step 4: a later boundary saw it
+    EXPECT_EQ(count_of(first.output, "final_digest"), 0) << first.output;
+    const auto dir = project + "/checkpoints/checkpoint_" + std::to_string((k - 1) / 3);
+    EXPECT_EQ(count_of(first.output, "preempted at step " + std::to_string(k) + ": saved " + dir), 1)
+        << first.output;
+
+    auto second = launch(2, kWorker, {"--project", project, "--steps", "10"},
+                         LaunchOptions().flags(flags).timeout_s(180));
+    EXPECT_EQ(second.exit_code, 0) << second.output;
+    EXPECT_EQ(count_of(second.output, "world 2 resumed " + dir + " step " + std::to_string(k)), 2)
+        << second.output;
+    EXPECT_EQ(digest_of(second.output), expected) << second.output;
+    std::system(("rm -rf " + project).c_str());
+  }
+}
+
+}  // namespace
+
+TEST(Preemption, DataParallelSavesOnSigtermAndResumesBitwise) { preempt_and_resume({}); }
+
+TEST(Preemption, ZeroThreeSavesOnSigtermAndResumesBitwise) {
+  preempt_and_resume({"--use_deepspeed", "--zero_stage", "3"});
+}
+
+// A second SIGTERM to the launcher while the preemption's save is being written ends the job at
+// once (SIGKILL): the cut save is never a checkpoint, and the job resumes from the one before.
+TEST(Preemption, ASecondSignalDuringTheSaveLeavesThePreviousCheckpoint) {
+  const auto expected = uninterrupted_digest({});
+  const auto project = tandem::testing::temp_path("preempt", "twice");
+  std::system(("rm -rf " + project).c_str());
+  auto first = launch(2, kWorker,
+                      {"--project", project, "--steps", "10", "--preempt_after", "4",
+                       "--preempt_launcher", "--signal_in_save"},
+                      LaunchOptions().timeout_s(180));
+  EXPECT_EQ(first.exit_code, 128 + 15) << first.output;
+  EXPECT_EQ(count_of(first.output, "second signal in save"), 1) << first.output;
+  EXPECT_EQ(count_of(first.output, "received signal 15 (SIGTERM)"), 2) << first.output;
+  auto second = launch(2, kWorker, {"--project", project, "--steps", "10"},
+                       LaunchOptions().timeout_s(180));
+  EXPECT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_EQ(count_of(second.output, "world 2 resumed " + project + "/checkpoints/checkpoint_0 step 3"), 2)
+      << second.output;
+  EXPECT_EQ(digest_of(second.output), expected) << second.output;
+  std::system(("rm -rf " + project).c_str());
+}
+
+// --preemption_signal USR1 (SLURM's --signal=USR1@90): the launcher forwards it as SIGTERM, the
+// ranks save on it; a name that is not a signal a process can catch is refused.
+TEST(Preemption, APreemptionSignalOfTheClusterIsForwardedAndSavedOn) {
+  const auto project = tandem::testing::temp_path("preempt", "usr1");
+  std::system(("rm -rf " + project).c_str());
+  auto r = launch(2, kWorker,
+                  {"--project", project, "--steps", "10", "--preempt_after", "4",
+                   "--preempt_launcher", "--preempt_signal", "USR1"},
+                  LaunchOptions().flags({"--preemption_signal", "USR1"}).timeout_s(180));
+  EXPECT_EQ(r.exit_code, 75) << r.output;
+  EXPECT_EQ(count_of(r.output, "received signal 10 (SIGUSR1), forwarding it to every rank (a rank that "
+                               "checkpoints on preemption saves and stops; SIGKILL in 30 s"),
+            1)
+      << r.output;
+  EXPECT_EQ(count_of(r.output, "preempted (SIGUSR1) at step"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "tandem launch: the job was preempted"), 1) << r.output;
+  std::system(("rm -rf " + project).c_str());
+  auto bad = launch(2, kWorker, {"--project", project, "--steps", "1"},
+                    LaunchOptions().flags({"--preemption_signal", "KILL"}).timeout_s(60));
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_EQ(count_of(bad.output, "--preemption_signal=KILL: expected a signal a process can catch"), 1)
+      << bad.output;
+}

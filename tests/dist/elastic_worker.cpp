@@ -4,6 +4,8 @@
 //
 //   elastic_worker --project DIR --steps N [--exit_after S] [--kill_rank R --kill_after S]
 //                  [--kill_in_save K] [--kill_machine]
+//                  [--preempt_after S [--preempt_rank R] [--preempt_launcher] [--signal_in_save]
+//                   [--preempt_signal USR1]]
 //
 // --exit_after S: stop (exit 0) after step S, as a job stopped by hand. On the first attempt only
 // (TANDEM_RESTART_COUNT 0): --kill_rank R --kill_after S: rank R kills itself with SIGKILL after
@@ -11,7 +13,10 @@
 // a machine is lost); --kill_in_save K: the main process kills itself with SIGKILL in the middle of its K-th
 // save (in a registered object's save, after the other files were written). Rank 0 prints
 // "final_digest <sum of |parameters| in double>" and every rank "world <n> resumed <dir> step
-// <k>" after the resume.
+// <k>" after the resume. --preempt_after S: after step S, rank R (default 0) sends itself
+// SIGTERM (--preempt_signal USR1: SIGUSR1), or with --preempt_launcher its launcher (which forwards it to every rank), as a
+// cluster preempting the job (Note [Preemption]); with --signal_in_save it sends its launcher a
+// second SIGTERM in the middle of the next save and waits for the SIGKILL that follows.
 #include <signal.h>
 #include <unistd.h>
 
@@ -44,11 +49,13 @@ struct Points : torch::data::datasets::Dataset<Points> {
 int run(int argc, char** argv) {
   std::string project;
   int steps = 10, exit_after = -1, kill_rank = -1, kill_after = -1, kill_in_save = -1;
-  bool kill_machine = false;
+  int preempt_after = -1, preempt_rank = 0, preempt_signal = SIGTERM;
+  bool kill_machine = false, preempt_launcher = false, signal_in_save = false, preempted = false;
   for (int i = 1; i < argc; i += 2) {
     const std::string k = argv[i];
-    if (k == "--kill_machine") {
-      kill_machine = true;
+    if (k == "--kill_machine" || k == "--preempt_launcher" || k == "--signal_in_save") {
+      (k == "--kill_machine" ? kill_machine
+                             : k == "--preempt_launcher" ? preempt_launcher : signal_in_save) = true;
       --i;
       continue;
     }
@@ -60,6 +67,9 @@ int run(int argc, char** argv) {
     else if (k == "--kill_rank") kill_rank = std::stoi(v);
     else if (k == "--kill_after") kill_after = std::stoi(v);
     else if (k == "--kill_in_save") kill_in_save = std::stoi(v);
+    else if (k == "--preempt_after") preempt_after = std::stoi(v);
+    else if (k == "--preempt_rank") preempt_rank = std::stoi(v);
+    else if (k == "--preempt_signal") preempt_signal = v == "USR1" ? SIGUSR1 : SIGTERM;
     else throw std::invalid_argument("unknown argument " + k);
   }
   const char* restart = std::getenv("TANDEM_RESTART_COUNT");
@@ -83,6 +93,12 @@ int run(int argc, char** argv) {
           std::printf("killing rank %d in save %d\n", acc.process_index(), saves);
           std::fflush(stdout);
           ::kill(::getpid(), SIGKILL);
+        }
+        if (signal_in_save && preempted) {
+          std::printf("second signal in save %d\n", saves);
+          std::fflush(stdout);
+          ::kill(::getppid(), SIGTERM);
+          ::sleep(30);  // the launcher's SIGKILL ends the save here
         }
         return std::to_string(saves);
       },
@@ -112,6 +128,14 @@ int run(int argc, char** argv) {
           ::kill(::getppid(), SIGKILL);
         }
         ::kill(::getpid(), SIGKILL);
+      }
+      if (s == preempt_after && acc.process_index() == preempt_rank) {
+        std::printf("signalling %s after step %d\n",
+                    preempt_launcher ? "the launcher" : ("rank " + std::to_string(preempt_rank)).c_str(),
+                    s);
+        std::fflush(stdout);
+        preempted = true;
+        ::kill(preempt_launcher ? ::getppid() : ::getpid(), preempt_signal);
       }
       if (s == exit_after) {
         std::printf("stopped after step %d\n", s);

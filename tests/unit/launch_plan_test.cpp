@@ -136,3 +136,26 @@ TEST(LaunchPlan, CpuAffinityGivesEachRankItsOwnCores) {
     EXPECT_NE(std::string(e.what()).find("--enable_cpu_affinity"), std::string::npos) << e.what();
   }
 }
+
+// Note [Preemption]: --preemption_signal reaches every rank as TANDEM_PREEMPTION_SIGNAL; a name
+// that is no catchable signal, and a negative grace, are refused naming the flag.
+TEST(LaunchPlan, PreemptionSignalAndGrace) {
+  auto plan = make_plan(LaunchOptions().num_processes(2).preemption_signal("USR1"), {"p"}, {});
+  for (const auto& p : plan) EXPECT_EQ(p.env.at("TANDEM_PREEMPTION_SIGNAL"), "USR1");
+  plan = make_plan(LaunchOptions().num_processes(1), {"p"}, {});
+  EXPECT_EQ(plan[0].env.count("TANDEM_PREEMPTION_SIGNAL"), 0u);
+  auto error = [](const LaunchOptions& o) {
+    try {
+      make_plan(o, {"p"}, {});
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto e = error(LaunchOptions().preemption_signal("STOP"));
+  EXPECT_NE(e.find("--preemption_signal=STOP: expected a signal a process can catch"),
+            std::string::npos)
+      << e;
+  e = error(LaunchOptions().preemption_grace_s(-1));
+  EXPECT_NE(e.find("--preemption_grace_s=-1 must be at least 0"), std::string::npos) << e;
+}

@@ -4,6 +4,8 @@
 // read back to the configuration it came from. No processes.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <fstream>
 #include <set>
@@ -537,3 +539,30 @@ TEST(RunConfig, ReadersAgreeWithTheRunConfiguration) {
 }
 
 }  // namespace
+
+// Note [Preemption]: a program that checkpoints (periodically, or resumes by itself) saves on
+// preemption unless it says otherwise; the cluster's signal comes from the launcher's variable.
+TEST(RunConfig, CheckpointOnPreemption) {
+  EXPECT_FALSE(resolve_run_config(AcceleratorOptions(), {}).checkpoint_on_preemption);
+  EXPECT_TRUE(resolve_run_config(AcceleratorOptions().auto_resume(true), {}).checkpoint_on_preemption);
+  EXPECT_TRUE(resolve_run_config(AcceleratorOptions().checkpoint_every_steps(100), {})
+                  .checkpoint_on_preemption);
+  EXPECT_FALSE(resolve_run_config(
+                   AcceleratorOptions().checkpoint_every_steps(100).checkpoint_on_preemption(false), {})
+                   .checkpoint_on_preemption);
+  EXPECT_TRUE(resolve_run_config(AcceleratorOptions().checkpoint_on_preemption(true), {})
+                  .checkpoint_on_preemption);
+  auto e = resolve_error(
+      AcceleratorOptions().checkpoint_on_preemption(true).automatic_checkpoint_naming(false), {});
+  EXPECT_NE(e.find("checkpoint_on_preemption is true and automatic_checkpoint_naming is false"),
+            std::string::npos)
+      << e;
+  const auto c = resolve_run_config(AcceleratorOptions(), {{var::kPreemptionSignal, "USR1"}});
+  EXPECT_EQ(c.preemption_signal, SIGUSR1);
+  EXPECT_NE(describe(c).find("checkpoint_on_preemption: false"), std::string::npos);
+  e = resolve_error(AcceleratorOptions(), {{var::kPreemptionSignal, "nine"}});
+  EXPECT_NE(e.find("TANDEM_PREEMPTION_SIGNAL (tandem launch --preemption_signal)=nine: expected "
+                   "a signal"),
+            std::string::npos)
+      << e;
+}

@@ -1,6 +1,8 @@
 // ProcessState: every launcher's variables, SLURM node lists, and each bad value.
 #include <gtest/gtest.h>
+#include <signal.h>
 
+#include "tandem/preemption.h"
 #include "tandem/state.h"
 
 using tandem::EnvMap;
@@ -159,4 +161,41 @@ TEST(SlurmNodeList, RejectsMalformed) {
   for (const char* bad : {"gpu[01-03", "gpu]", "gpu[]", "gpu[a-b]", "gpu[5-3]"}) {
     EXPECT_THROW(tandem::expand_slurm_nodelist(bad), std::invalid_argument) << bad;
   }
+}
+
+// Note [Preemption]: signal names as a cluster's documentation writes them, and a Watch that
+// records the first signal instead of ending the process, then puts the handler back.
+TEST(Preemption, SignalNamesAndTheWatch) {
+  using tandem::preemption::signal_from_name;
+  EXPECT_EQ(signal_from_name("USR1", "f"), SIGUSR1);
+  EXPECT_EQ(signal_from_name("sigusr2", "f"), SIGUSR2);
+  EXPECT_EQ(signal_from_name("15", "f"), SIGTERM);
+  EXPECT_EQ(tandem::preemption::signal_name(SIGUSR1), "SIGUSR1");
+  for (const char* bad : {"KILL", "STOP", "9", "", "USR3"}) {
+    try {
+      signal_from_name(bad, "--preemption_signal");
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("--preemption_signal=" + std::string(bad) +
+                                           ": expected a signal a process can catch"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  struct sigaction before {};
+  ::sigaction(SIGUSR1, nullptr, &before);
+  {
+    tandem::preemption::Watch watch({SIGTERM, SIGUSR1});
+    EXPECT_EQ(tandem::preemption::Watch::received(), 0);
+    {
+      tandem::preemption::Watch second({SIGTERM});  // shares the first one's record
+      ::raise(SIGUSR1);
+    }
+    EXPECT_EQ(tandem::preemption::Watch::received(), SIGUSR1);
+    ::raise(SIGTERM);  // a second one is ignored: the process lives on
+    EXPECT_EQ(tandem::preemption::Watch::received(), SIGUSR1);
+  }
+  struct sigaction after {};
+  ::sigaction(SIGUSR1, nullptr, &after);
+  EXPECT_EQ(after.sa_handler, before.sa_handler);
 }

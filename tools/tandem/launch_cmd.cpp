@@ -109,6 +109,14 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
       ->group(dist);
   sub_->add_option(both("grace_period"), grace_, "Seconds between SIGTERM and SIGKILL")
       ->group(dist);
+  sub_->add_option(both("preemption_signal"), preemption_signal_,
+                   "A signal forwarded to every rank as SIGTERM is, for a checkpoint and a stop "
+                   "(e.g. USR1 of SLURM's --signal=USR1@90)")
+      ->group(dist);
+  sub_->add_option(both("preemption_grace_s"), preemption_grace_,
+                   "Seconds the ranks get to save and stop after SIGTERM or --preemption_signal, "
+                   "before SIGKILL (30)")
+      ->group(dist);
 
   value("mixed_precision", "mixed_precision", "no, fp16, bf16, fp8, bf16-true or fp16-true", prec);
   flag(both("downcast_bf16"), "downcast_bf16", "true", "Store fp32 tensors as bf16 (bf16 runs)",
@@ -250,6 +258,8 @@ int LaunchCommand::run() {
         .rdzv_timeout_s(rdzv_timeout_)
         .monitor_interval_s(monitor_)
         .grace_period_s(grace_)
+        .preemption_signal(preemption_signal_)
+        .preemption_grace_s(preemption_grace_)
         .log_dir(log_dir_)
         .tee(tee_)
         .quiet(quiet_)

@@ -74,6 +74,12 @@ struct RunConfig {
   std::string timeline_dir;
   /// TANDEM_PROFILE: each rank writes <this>.rank<r>.json (track/run_profile.h); empty: none.
   std::string profile;
+  /// Note [Preemption]: whether SIGTERM (and preemption_signal) make every rank save a
+  /// checkpoint at the end of its step and stop (AcceleratorOptions::checkpoint_on_preemption;
+  /// unset: when the program checkpoints periodically or resumes by itself).
+  bool checkpoint_on_preemption = false;
+  /// TANDEM_PREEMPTION_SIGNAL (tandem launch --preemption_signal): a second such signal; 0: none.
+  int preemption_signal = 0;
   /// TANDEM_DEBUG: the main process prints describe() at start.
   bool debug = false;
   int num_machines = 1;

@@ -42,6 +42,7 @@ inline constexpr const char kDpShardSize[] = "TANDEM_DP_SHARD_SIZE";
 inline constexpr const char kTpSize[] = "TANDEM_TP_SIZE";
 inline constexpr const char kTimeline[] = "TANDEM_TIMELINE";
 inline constexpr const char kProfile[] = "TANDEM_PROFILE";
+inline constexpr const char kPreemptionSignal[] = "TANDEM_PREEMPTION_SIGNAL";
 inline constexpr const char kHostAllocator[] = "TANDEM_HOST_ALLOCATOR";
 inline constexpr const char kHostCacheMb[] = "TANDEM_HOST_CACHE_MB";
 /// fsdp_config.fsdp_<key> travels as TANDEM_FSDP_<KEY>; fp8_config.<key> as TANDEM_FP8_<KEY>.

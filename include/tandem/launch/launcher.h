@@ -41,6 +41,13 @@ struct LaunchOptions {
   TORCH_ARG(EnvMap, extra_env) = {};
   /// Seconds between SIGTERM and SIGKILL when the other ranks are stopped.
   TORCH_ARG(double, grace_period_s) = 5.0;
+  /// Note [Preemption]: a signal that, as SIGTERM, the launcher forwards to every rank for a
+  /// checkpoint and a stop (--preemption_signal USR1; TANDEM_PREEMPTION_SIGNAL to the ranks);
+  /// empty: SIGTERM alone.
+  TORCH_ARG(std::string, preemption_signal) = "";
+  /// Seconds the ranks get after a forwarded SIGTERM or preemption signal to save and exit,
+  /// before SIGKILL (--preemption_grace_s); keep it below the cluster's own grace period.
+  TORCH_ARG(double, preemption_grace_s) = 30.0;
   TORCH_ARG(int, max_restarts) = 0;
   /// Elastic on one machine (--min_processes): when ranks are lost (killed by a signal: the
   /// out-of-memory killer, kill -9, a crash), a restart runs on the processes that remain while
