@@ -146,7 +146,9 @@ int run(int argc, char** argv) {
     if (acc.step() < steps) loader->set_epoch(loader->epoch() + 1);
   }
   double digest = 0;
-  for (const auto& p : model->parameters()) digest += p.detach().to(torch::kDouble).abs().sum().item<double>();
+  // The dense weights on every layout (under ZeRO-3 gathered; every rank takes part).
+  for (const auto& [name, t] : acc.get_state_dict(*model))
+    digest += t.to(torch::kDouble).abs().sum().item<double>();
   if (acc.is_main_process()) std::printf("final_digest %.17g\n", digest);
   std::fflush(stdout);
   return 0;
