@@ -16,6 +16,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "tandem/comm/flight_recorder.h"
 #include "tandem/config/run_config.h"
 #include "tandem/host_allocator.h"
 #include "tandem/parallel/activation_checkpoint.h"
@@ -150,6 +151,13 @@ Accelerator::Accelerator(AcceleratorOptions options)
   if (options_.auto_resume()) {
     auto_resume_pending_ = true;
     loader_state_->before_first_pass = [this] { auto_resume(); };
+  }
+  // Note [Flight recorder]: a failed collective, or SIGUSR2, writes project_dir/flight/rank<r>.json.
+  {
+    auto& flight = comm::FlightRecorder::instance();
+    flight.set_dump_path((std::filesystem::path(options_.project_dir()) / "flight").string(),
+                         state_.rank, state_.world_size);
+    if (state_.world_size > 1) flight.dump_on_signal(SIGUSR2);
   }
   if (config_.checkpoint_on_preemption)
     preemption_ = std::make_unique<preemption::Watch>(

@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "detail/process_group_impl.h"
+#include "tandem/comm/flight_recorder.h"
 
 namespace tandem {
 namespace {
@@ -82,6 +83,11 @@ void Work::wait() {
     for (auto& part : impl_->more) part->wait();
   } catch (const std::exception& e) {
     impl_->done = true;
+    // Note [Flight recorder]: the ring as it stands when a collective fails (a timeout, a peer
+    // gone), for tandem doctor.
+    auto& recorder = comm::FlightRecorder::instance();
+    recorder.end(impl_->flight, false);
+    const auto dumped = recorder.dump(impl_->what + " failed: " + first_line(e.what()));
     // Note [Secondary failures]: tell the launcher this rank failed because of a peer.
     if (!impl_->error_file.empty()) {
       if (FILE* f = std::fopen(impl_->error_file.c_str(), "w")) {
@@ -91,8 +97,13 @@ void Work::wait() {
     }
     throw std::runtime_error(impl_->prefix + " " + impl_->what + " failed: " + first_line(e.what()) +
                              ". Another rank probably exited or stopped responding; the launcher's "
-                             "output names the rank that failed first.");
+                             "output names the rank that failed first." +
+                             (dumped.empty() ? std::string()
+                                             : " Flight record: " + dumped +
+                                                   " (tandem doctor " +
+                                                   dumped.substr(0, dumped.rfind('/')) + ")."));
   }
+  comm::FlightRecorder::instance().end(impl_->flight, true);
   if (impl_->divide_by != 1.0)
     for (auto& t : impl_->tensors) t.div_(impl_->divide_by);
   impl_->done = true;
@@ -130,8 +141,13 @@ compat::Backend& ProcessGroup::Impl::backend_for(const at::Tensor& t) {
 }
 
 Work ProcessGroup::Impl::wrap(c10::intrusive_ptr<compat::Work> work, std::string what,
-                              std::vector<at::Tensor> out, double divide_by) {
+                              std::vector<at::Tensor> out, double divide_by,
+                              const at::Tensor& described) {
   auto w = std::make_shared<Work::Impl>();
+  const at::Tensor& d = described.defined() ? described : out.empty() ? described : out.front();
+  w->flight = comm::FlightRecorder::instance().begin(
+      flight_group(), what, d.defined() ? d.numel() : 0,
+      d.defined() ? std::string(c10::toString(d.scalar_type())) : std::string("-"));
   w->work = std::move(work);
   w->what = std::move(what);
   w->prefix = prefix();
@@ -151,6 +167,8 @@ static std::atomic<int> g_live_process_groups{0};
 
 ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
   if (impl_->size > 1) ++g_live_process_groups;
+  if (impl_->size > 1)
+    comm::FlightRecorder::instance().add_group(impl_->flight_group(), impl_->global_ranks);
 }
 ProcessGroup::~ProcessGroup() {
   if (impl_ && impl_->size > 1) --g_live_process_groups;
@@ -351,7 +369,7 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = impl_->options.timeout();
-  impl_->wrap(impl_->backend_for(tensor).broadcast(ts, o), "broadcast", {}, 1.0).wait();
+  impl_->wrap(impl_->backend_for(tensor).broadcast(ts, o), "broadcast", {}, 1.0, tensor).wait();
 }
 
 std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
@@ -362,7 +380,8 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
   for (int r = 0; r < impl_->size; ++r) out[0].push_back(at::empty_like(in[0]));
   c10d::AllgatherOptions o;
   o.timeout = impl_->options.timeout();
-  impl_->wrap(impl_->backend_for(tensor).allgather(out, in, o), "allgather", {}, 1.0).wait();
+  impl_->wrap(impl_->backend_for(tensor).allgather(out, in, o), "allgather", {}, 1.0, tensor)
+      .wait();
   if (in[0].scalar_type() != dtype)
     for (auto& t : out[0]) t = t.view(dtype);
   return out[0];

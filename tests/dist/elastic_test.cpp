@@ -270,3 +270,60 @@ TEST(Preemption, APreemptionSignalOfTheClusterIsForwardedAndSavedOn) {
   EXPECT_EQ(count_of(bad.output, "--preemption_signal=KILL: expected a signal a process can catch"), 1)
       << bad.output;
 }
+
+// ---- Note [Flight recorder] -------------------------------------------------------------------
+
+namespace {
+
+bool has_file(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
+
+}  // namespace
+
+// Rank 2 of 3 stops after step 4 (its recorder dumped on SIGUSR2); the others' next collective
+// fails and dumps theirs; tandem doctor names rank 2 as behind and where the others were.
+TEST(FlightRecorder, ARankThatStoppedIsNamedBehindTheOthers) {
+  const auto project = tandem::testing::temp_path("flight", "behind");
+  std::system(("rm -rf " + project).c_str());
+  auto r = launch(3, kWorker,
+                  {"--project", project, "--steps", "10", "--stop_rank", "2", "--stop_after", "4",
+                   "--timeout_s", "30"},
+                  LaunchOptions().timeout_s(180));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "rank 2 stops after step 4"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "tandem: flight recorder written to " + project + "/flight/rank2.json"), 1)
+      << r.output;
+  for (int k = 0; k < 3; ++k)
+    EXPECT_TRUE(has_file(project + "/flight/rank" + std::to_string(k) + ".json")) << r.output;
+  auto doctor = tandem::testing::run_command({TANDEM_CLI, "doctor", project + "/flight"});
+  EXPECT_EQ(doctor.exit_code, 0) << doctor.output;
+  EXPECT_EQ(count_of(doctor.output, "3 of 3 ranks' flight records in " + project + "/flight"), 1)
+      << doctor.output;
+  EXPECT_GE(count_of(doctor.output, ": rank 2 is behind: its last collective is #"), 1)
+      << doctor.output;
+  EXPECT_GE(count_of(doctor.output, "while ranks 0 and 1 reached #"), 1) << doctor.output;
+  EXPECT_EQ(count_of(doctor.output, "rank 0 is behind"), 0) << doctor.output;
+  std::system(("rm -rf " + project).c_str());
+}
+
+// Rank 1 reduces 9 elements where rank 0 reduces 8: both dump when the collective fails, and
+// tandem doctor names the sequence number and both calls.
+TEST(FlightRecorder, DifferentSizesAtOneCollectiveAreNamed) {
+  const auto project = tandem::testing::temp_path("flight", "mismatch");
+  std::system(("rm -rf " + project).c_str());
+  auto r = launch(2, kWorker,
+                  {"--project", project, "--steps", "10", "--mismatch_rank", "1",
+                   "--mismatch_after", "2", "--timeout_s", "5"},
+                  LaunchOptions().timeout_s(180));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  auto doctor = tandem::testing::run_command({TANDEM_CLI, "doctor", project + "/flight"});
+  EXPECT_EQ(doctor.exit_code, 0) << doctor.output;
+  EXPECT_EQ(count_of(doctor.output, "the ranks called different collectives: rank 0 allreduce "
+                                    "(8 x Float); rank 1 allreduce (9 x Float);"),
+            1)
+      << r.output << doctor.output;
+  auto none = tandem::testing::run_command({TANDEM_CLI, "doctor", project + "/no-such"});
+  EXPECT_NE(none.exit_code, 0) << none.output;
+  EXPECT_EQ(count_of(none.output, "is not a directory (expected the flight folder of a job"), 1)
+      << none.output;
+  std::system(("rm -rf " + project).c_str());
+}

@@ -6,6 +6,8 @@
 //                  [--kill_in_save K] [--kill_machine]
 //                  [--preempt_after S [--preempt_rank R] [--preempt_launcher] [--signal_in_save]
 //                   [--preempt_signal USR1]]
+//                  [--stop_rank R --stop_after S] [--mismatch_rank R --mismatch_after S]
+//                  [--timeout_s T]
 //
 // --exit_after S: stop (exit 0) after step S, as a job stopped by hand. On the first attempt only
 // (TANDEM_RESTART_COUNT 0): --kill_rank R --kill_after S: rank R kills itself with SIGKILL after
@@ -17,6 +19,11 @@
 // SIGTERM (--preempt_signal USR1: SIGUSR1), or with --preempt_launcher its launcher (which forwards it to every rank), as a
 // cluster preempting the job (Note [Preemption]); with --signal_in_save it sends its launcher a
 // second SIGTERM in the middle of the next save and waits for the SIGKILL that follows.
+// Note [Flight recorder]: --stop_rank R --stop_after S: after step S rank R sends itself SIGUSR2
+// (its flight recorder is dumped), and leaves without a word to the others, as a rank that
+// stopped; --mismatch_rank R --mismatch_after S: after step S every rank reduces a metric of 8
+// elements, rank R one of 9 (where that returns, every rank dumps on SIGUSR2 and exits 3).
+// --timeout_s: the collectives' timeout.
 #include <signal.h>
 #include <unistd.h>
 
@@ -50,6 +57,8 @@ int run(int argc, char** argv) {
   std::string project;
   int steps = 10, exit_after = -1, kill_rank = -1, kill_after = -1, kill_in_save = -1;
   int preempt_after = -1, preempt_rank = 0, preempt_signal = SIGTERM;
+  int stop_rank = -1, stop_after = -1, mismatch_rank = -1, mismatch_after = -1;
+  double timeout_s = 1800;
   bool kill_machine = false, preempt_launcher = false, signal_in_save = false, preempted = false;
   for (int i = 1; i < argc; i += 2) {
     const std::string k = argv[i];
@@ -69,6 +78,11 @@ int run(int argc, char** argv) {
     else if (k == "--kill_in_save") kill_in_save = std::stoi(v);
     else if (k == "--preempt_after") preempt_after = std::stoi(v);
     else if (k == "--preempt_rank") preempt_rank = std::stoi(v);
+    else if (k == "--stop_rank") stop_rank = std::stoi(v);
+    else if (k == "--stop_after") stop_after = std::stoi(v);
+    else if (k == "--mismatch_rank") mismatch_rank = std::stoi(v);
+    else if (k == "--mismatch_after") mismatch_after = std::stoi(v);
+    else if (k == "--timeout_s") timeout_s = std::stod(v);
     else if (k == "--preempt_signal") preempt_signal = v == "USR1" ? SIGUSR1 : SIGTERM;
     else throw std::invalid_argument("unknown argument " + k);
   }
@@ -78,7 +92,9 @@ int run(int argc, char** argv) {
                               .project_dir(project)
                               .checkpoint_every_steps(3)
                               .total_limit(2)
-                              .auto_resume(true));
+                              .auto_resume(true)
+                              .timeout(std::chrono::milliseconds(
+                                  static_cast<int64_t>(timeout_s * 1000))));
   torch::manual_seed(5);
   auto model = acc.prepare(torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(),
                                                  torch::nn::Linear(16, 1)));
@@ -136,6 +152,23 @@ int run(int argc, char** argv) {
         std::fflush(stdout);
         preempted = true;
         ::kill(preempt_launcher ? ::getppid() : ::getpid(), preempt_signal);
+      }
+      if (s == stop_after && acc.process_index() == stop_rank) {
+        std::printf("rank %d stops after step %d\n", stop_rank, s);
+        std::fflush(stdout);
+        ::raise(SIGUSR2);
+        ::sleep(1);  // the recorder's thread writes the dump
+        std::_Exit(0);
+      }
+      if (s == mismatch_after) {
+        const int64_t n = acc.process_index() == mismatch_rank ? 9 : 8;
+        acc.reduce(torch::ones({n}), tandem::ReduceOp::kSum);
+        // Where the transport let it pass (it failed nowhere): the recorder is dumped anyway.
+        std::printf("the mismatched reduce returned on rank %d\n", acc.process_index());
+        std::fflush(stdout);
+        ::raise(SIGUSR2);
+        ::sleep(1);
+        std::_Exit(3);
       }
       if (s == exit_after) {
         std::printf("stopped after step %d\n", s);

@@ -13,6 +13,7 @@
 #include "tandem/checkpoint/merge_weights.h"
 #include "tandem/config/config.h"
 #include "tandem/inference/quantize.h"
+#include "tandem/track/flight_doctor.h"
 #include "tandem/trials/sweep.h"
 #include "tandem/version.h"
 #include "estimate_memory_cmd.h"
@@ -55,6 +56,15 @@ int main(int argc, char** argv) {
   merge->add_option("output_path", merge_out, "Directory that gets model.safetensors")->required();
   merge->add_option("--model_index", merge_index,
                     "Which prepared model of a save_state() checkpoint (0: model.safetensors)");
+
+  // --- doctor ---------------------------------------------------------------------------------
+  auto* doctor = app.add_subcommand(
+      "doctor",
+      "Read a job's flight recorder dumps (project_dir/flight/rank<r>.json) and say which rank "
+      "is behind, and where ranks called different collectives");
+  std::string doctor_dir;
+  doctor->add_option("flight_directory", doctor_dir, "The folder of rank<r>.json dumps")
+      ->required();
 
   // --- quantize ------------------------------------------------------------------------------
   auto* quant = app.add_subcommand(
@@ -128,6 +138,10 @@ int main(int argc, char** argv) {
           quant_layout);
       std::cout << "quantized " << quant_in << " into " << quant_out << ": " << r.to_string()
                 << "\n";
+      return 0;
+    }
+    if (*doctor) {
+      std::cout << tandem::track::diagnose_flight_dumps(doctor_dir);
       return 0;
     }
     if (*sweep) {

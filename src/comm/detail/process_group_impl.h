@@ -24,9 +24,15 @@ struct ProcessGroup::Impl {
   /// The backend for tensors on `device`.
   compat::Backend& backend_for(const at::Tensor& t);
   /// Wraps c10d work so that its failure names the operation and the rank.
+  /// Records it in the flight recorder (Note [Flight recorder]), described by `described` (or
+  /// the first of `out`).
   Work wrap(c10::intrusive_ptr<compat::Work> work, std::string what, std::vector<at::Tensor> out,
-            double divide_by);
+            double divide_by, const at::Tensor& described = at::Tensor());
   std::string prefix() const;
+  /// The group's name in the flight recorder: "world", "sub0", "sub0/sub1", ...
+  std::string flight_group() const {
+    return store_prefix.empty() ? "world" : store_prefix.substr(0, store_prefix.size() - 1);
+  }
 };
 
 struct Work::Impl {
@@ -42,6 +48,8 @@ struct Work::Impl {
   /// Runs once after a successful wait (e.g. reduce_scatter's local sum); may be empty.
   std::function<void()> then;
   bool done = false;
+  /// Its flight recorder entry (0: none).
+  uint64_t flight = 0;
 };
 
 #if defined(TANDEM_WITH_NCCL)

@@ -1,0 +1,162 @@
+// The flight recorder and `tandem doctor` (Note [Flight recorder] in flight_recorder.h).
+#include "tandem/comm/flight_recorder.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+namespace tandem::comm {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+const Clock::time_point g_start = Clock::now();
+
+double now_s() { return std::chrono::duration<double>(Clock::now() - g_start).count(); }
+
+int g_dump_pipe[2] = {-1, -1};
+std::atomic<int> g_dump_signal{0};
+
+extern "C" void on_dump_signal(int sig) {
+  const unsigned char b = static_cast<unsigned char>(sig);
+  if (g_dump_pipe[1] >= 0) {
+    ssize_t rc = ::write(g_dump_pipe[1], &b, 1);
+    (void)rc;
+  }
+}
+
+json to_json(const FlightRecord& r) {
+  return json{{"seq", r.seq},         {"group", r.group}, {"op", r.op},
+              {"numel", r.numel},     {"dtype", r.dtype}, {"start_s", r.start_s},
+              {"end_s", r.end_s},     {"state", r.state}};
+}
+
+}  // namespace
+
+FlightRecorder::FlightRecorder() : ring_(kCapacity), ids_(kCapacity, 0) {}
+
+FlightRecorder& FlightRecorder::instance() {
+  static FlightRecorder* recorder = new FlightRecorder();  // never destroyed: dumps at exit work
+  return *recorder;
+}
+
+void FlightRecorder::add_group(const std::string& group, const std::vector<int>& ranks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  groups_[group] = ranks;
+}
+
+uint64_t FlightRecorder::begin(const std::string& group, const std::string& op, int64_t numel,
+                               const std::string& dtype) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t id = next_++;
+  const size_t slot = id % kCapacity;
+  auto& r = ring_[slot];
+  r.seq = ++seq_[group];
+  r.group = group;
+  r.op = op;
+  r.numel = numel;
+  r.dtype = dtype;
+  r.start_s = now_s();
+  r.end_s = -1;
+  r.state = "pending";
+  ids_[slot] = id;
+  return id;
+}
+
+void FlightRecorder::end(uint64_t handle, bool ok) {
+  if (handle == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  const size_t slot = handle % kCapacity;
+  if (ids_[slot] != handle) return;  // overwritten since
+  ring_[slot].end_s = now_s();
+  ring_[slot].state = ok ? "done" : "failed";
+}
+
+std::vector<FlightRecord> FlightRecorder::records() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<FlightRecord> out;
+  const uint64_t first = next_ > kCapacity ? next_ - kCapacity : 1;
+  for (uint64_t id = first; id < next_; ++id)
+    if (ids_[id % kCapacity] == id) out.push_back(ring_[id % kCapacity]);
+  return out;
+}
+
+void FlightRecorder::set_dump_path(const std::string& dir, int rank, int world) {
+  std::lock_guard<std::mutex> lock(mu_);
+  dir_ = dir;
+  rank_ = rank;
+  world_ = world;
+}
+
+std::string FlightRecorder::dump(const std::string& reason) {
+  std::string dir;
+  int rank = 0, world = 1;
+  std::map<std::string, std::vector<int>> groups;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    dir = dir_;
+    rank = rank_;
+    world = world_;
+    groups = groups_;
+  }
+  if (dir.empty()) return "";
+  json doc{{"rank", rank}, {"world", world}, {"reason", reason}, {"time_s", now_s()},
+           {"capacity", kCapacity}, {"groups", groups}, {"collectives", json::array()}};
+  for (const auto& r : records()) doc["collectives"].push_back(to_json(r));
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  const auto path = (fs::path(dir) / ("rank" + std::to_string(rank) + ".json")).string();
+  const auto tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << doc.dump(1) << "\n";
+    if (!out) return "";
+  }
+  fs::rename(tmp, path, ec);
+  return ec ? "" : path;
+}
+
+void FlightRecorder::dump_on_signal(int signal) {
+  int expected = 0;
+  if (!g_dump_signal.compare_exchange_strong(expected, signal)) return;  // once per process
+  if (::pipe2(g_dump_pipe, O_CLOEXEC) != 0) return;
+  struct sigaction sa {};
+  sa.sa_handler = on_dump_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  ::sigaction(signal, &sa, nullptr);
+  // The dump runs here, not in the handler: a rank stuck in a collective still answers.
+  std::thread([this] {
+    unsigned char sig = 0;
+    while (::read(g_dump_pipe[0], &sig, 1) == 1) {
+      const auto path = dump("signal " + std::to_string(sig));
+      if (!path.empty()) {
+        const std::string line = "tandem: flight recorder written to " + path + "\n";
+        ssize_t rc = ::write(2, line.data(), line.size());
+        (void)rc;
+      }
+    }
+  }).detach();
+}
+
+void FlightRecorder::clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ring_.assign(kCapacity, FlightRecord());
+  ids_.assign(kCapacity, 0);
+  next_ = 1;
+  seq_.clear();
+  groups_.clear();
+}
+
+}  // namespace tandem::comm
