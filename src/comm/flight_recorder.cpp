@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -139,7 +140,10 @@ void FlightRecorder::dump_on_signal(int signal) {
   // The dump runs here, not in the handler: a rank stuck in a collective still answers.
   std::thread([this] {
     unsigned char sig = 0;
-    while (::read(g_dump_pipe[0], &sig, 1) == 1) {
+    for (;;) {
+      const ssize_t n = ::read(g_dump_pipe[0], &sig, 1);
+      if (n < 0 && errno == EINTR) continue;
+      if (n != 1) return;
       const auto path = dump("signal " + std::to_string(sig));
       if (!path.empty()) {
         const std::string line = "tandem: flight recorder written to " + path + "\n";
