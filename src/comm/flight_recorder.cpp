@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <exception>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -28,6 +29,32 @@ double now_s() { return std::chrono::duration<double>(Clock::now() - g_start).co
 
 int g_dump_pipe[2] = {-1, -1};
 std::atomic<int> g_dump_signal{0};
+
+std::terminate_handler g_previous_terminate = nullptr;
+
+// A process ending on an uncaught exception (Gloo ends it so when a peer's message does not fit
+// the collective: "op.preamble.length <= op.nbytes") writes its ring first.
+[[noreturn]] void on_terminate() {
+  std::string what = "an uncaught exception";
+  if (auto e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      what = x.what();
+    } catch (...) {
+    }
+  }
+  const auto nl = what.find('\n');
+  const auto path =
+      FlightRecorder::instance().dump("terminate: " + what.substr(0, nl), /*blocking=*/false);
+  if (!path.empty()) {
+    const std::string line = "tandem: flight recorder written to " + path + "\n";
+    ssize_t rc = ::write(2, line.data(), line.size());
+    (void)rc;
+  }
+  if (g_previous_terminate) g_previous_terminate();
+  std::abort();
+}
 
 extern "C" void on_dump_signal(int sig) {
   const unsigned char b = static_cast<unsigned char>(sig);
@@ -86,6 +113,10 @@ void FlightRecorder::end(uint64_t handle, bool ok) {
 
 std::vector<FlightRecord> FlightRecorder::records() const {
   std::lock_guard<std::mutex> lock(mu_);
+  return records_locked();
+}
+
+std::vector<FlightRecord> FlightRecorder::records_locked() const {
   std::vector<FlightRecord> out;
   const uint64_t first = next_ > kCapacity ? next_ - kCapacity : 1;
   for (uint64_t id = first; id < next_; ++id)
@@ -100,21 +131,31 @@ void FlightRecorder::set_dump_path(const std::string& dir, int rank, int world) 
   world_ = world;
 }
 
-std::string FlightRecorder::dump(const std::string& reason) {
+std::string FlightRecorder::dump(const std::string& reason, bool blocking) {
   std::string dir;
   int rank = 0, world = 1;
   std::map<std::string, std::vector<int>> groups;
+  std::vector<FlightRecord> records;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+    if (blocking) {
+      lock.lock();
+    } else {
+      // From a crash: the thread that holds the lock may be the one that is gone.
+      for (int i = 0; i < 50 && !lock.try_lock(); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      if (!lock.owns_lock()) return "";
+    }
     dir = dir_;
     rank = rank_;
     world = world_;
     groups = groups_;
+    records = records_locked();
   }
   if (dir.empty()) return "";
   json doc{{"rank", rank}, {"world", world}, {"reason", reason}, {"time_s", now_s()},
            {"capacity", kCapacity}, {"groups", groups}, {"collectives", json::array()}};
-  for (const auto& r : records()) doc["collectives"].push_back(to_json(r));
+  for (const auto& r : records) doc["collectives"].push_back(to_json(r));
   std::error_code ec;
   fs::create_directories(dir, ec);
   const auto path = (fs::path(dir) / ("rank" + std::to_string(rank) + ".json")).string();
@@ -131,6 +172,7 @@ std::string FlightRecorder::dump(const std::string& reason) {
 void FlightRecorder::dump_on_signal(int signal) {
   int expected = 0;
   if (!g_dump_signal.compare_exchange_strong(expected, signal)) return;  // once per process
+  g_previous_terminate = std::set_terminate(on_terminate);
   if (::pipe2(g_dump_pipe, O_CLOEXEC) != 0) return;
   struct sigaction sa {};
   sa.sa_handler = on_dump_signal;

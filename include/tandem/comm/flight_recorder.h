@@ -3,8 +3,9 @@
 // when it started and ended, and whether it is pending, done or failed. Recording is a lock and
 // a few copies per collective, next to a collective's tens of microseconds at the least. The
 // ring is dumped as JSON to <dir>/rank<r>.json (the Accelerator sets project_dir/flight) when a
-// collective fails (a timeout, a peer gone), and on SIGUSR2 (from a helper thread, so a rank
-// stuck in a collective still answers). `tandem doctor DIR` reads every rank's dump and says
+// collective fails (a timeout, a peer gone), when the process ends on an uncaught exception (Gloo
+// ends it so when a peer's message does not fit), and on SIGUSR2 (from a helper thread, so a
+// rank stuck in a collective still answers). `tandem doctor DIR` reads every rank's dump and says
 // which rank is behind, in which group and at which collective, and which ranks called a
 // different collective or size at the same sequence number (diagnose_flight_dumps).
 #pragma once
@@ -46,14 +47,17 @@ class FlightRecorder {
   /// dump() writes <dir>/rank<rank>.json; an empty dir: dump() writes nothing.
   void set_dump_path(const std::string& dir, int rank, int world);
   /// Writes the ring with `reason`; returns the file written, or "" (no path, or it failed).
-  std::string dump(const std::string& reason);
-  /// Dumps (reason "signal <name>") whenever `signal` arrives; installed once per process.
+  /// `blocking` false: gives up after half a second when another thread holds the ring.
+  std::string dump(const std::string& reason, bool blocking = true);
+  /// Dumps (reason "signal <n>") whenever `signal` arrives, and (reason "terminate: ...") when
+  /// the process ends on an uncaught exception; installed once per process.
   void dump_on_signal(int signal);
   /// Forgets every record and group (tests).
   void clear();
 
  private:
   FlightRecorder();
+  std::vector<FlightRecord> records_locked() const;
   mutable std::mutex mu_;
   std::vector<FlightRecord> ring_;
   std::vector<uint64_t> ids_;  // the handle of each slot
