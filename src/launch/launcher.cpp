@@ -409,7 +409,8 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
                  " (run it again to continue from the checkpoint)\n");
     return preemption::kExitCode;
   }
-  if (preempted)  // a rank that did not stop within the grace period
+  if (preempted) {  // a rank that did not stop within the grace period
+    interrupted = true;  // the job was asked to stop: not restarted either
     for (const auto& c : children)
       if (!(WIFEXITED(c.status) &&
             (WEXITSTATUS(c.status) == 0 || WEXITSTATUS(c.status) == preemption::kExitCode))) {
@@ -417,6 +418,7 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
                          " instead of saving and stopping\n");
         return exit_code_of(c.status);
       }
+  }
   if (forwarded_signal) return 128 + forwarded_signal;
   return 0;
 }
