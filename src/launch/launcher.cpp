@@ -398,11 +398,12 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
     }
   }
   if (failed) return exit_code_of(failed->status);
-  const bool all_stopped_cleanly = std::all_of(children.begin(), children.end(), [](const Child& c) {
+  // Exited 0, or saved and stopped for a preemption.
+  auto stopped_cleanly = [](const Child& c) {
     return WIFEXITED(c.status) &&
            (WEXITSTATUS(c.status) == 0 || WEXITSTATUS(c.status) == preemption::kExitCode);
-  });
-  if (preempted && all_stopped_cleanly) {
+  };
+  if (preempted && std::all_of(children.begin(), children.end(), stopped_cleanly)) {
     interrupted = true;  // not restarted: the job was asked to stop
     write_all(2, "tandem launch: the job was preempted: its ranks saved a checkpoint and stopped; "
                  "exit code " + std::to_string(preemption::kExitCode) +
@@ -412,8 +413,7 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
   if (preempted) {  // a rank that did not stop within the grace period
     interrupted = true;  // the job was asked to stop: not restarted either
     for (const auto& c : children)
-      if (!(WIFEXITED(c.status) &&
-            (WEXITSTATUS(c.status) == 0 || WEXITSTATUS(c.status) == preemption::kExitCode))) {
+      if (!stopped_cleanly(c)) {
         write_all(2, "tandem launch: the job was preempted, and " + describe_exit(c) +
                          " instead of saving and stopping\n");
         return exit_code_of(c.status);
