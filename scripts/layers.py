@@ -27,6 +27,7 @@ LAYERS = [
                            r"accelerator_options$"]),
     ("accelerator", [r"accelerator$", r"accelerator_state$"]),
     ("inference", [r"inference/"]),
+    ("models", [r"models/"]),
     ("config files", [r"config/"]),
     ("launch, trials", [r"launch/", r"trials/"]),
     ("tools", [r"tandem$"]),

@@ -1,4 +1,4 @@
-// Conv1D and causal attention (tandem/nn/layers.h).
+// Conv1D, RMSNorm and causal attention (tandem/nn/layers.h).
 #include "tandem/nn/layers.h"
 #include "tandem/error.h"
 
@@ -26,6 +26,17 @@ at::Tensor Conv1DImpl::forward(const at::Tensor& x) {
   auto shape = x.sizes().vec();
   shape.back() = out_features;
   return at::addmm(bias, x.reshape({-1, in_features}), weight).view(shape);
+}
+
+RMSNormImpl::RMSNormImpl(int64_t d, double e) : dim(d), eps(e) { reset(); }
+
+void RMSNormImpl::reset() { weight = register_parameter("weight", at::ones({dim})); }
+
+at::Tensor RMSNormImpl::forward(const at::Tensor& x) {
+  const auto dtype = x.scalar_type();
+  auto h = x.to(at::kFloat);
+  h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * h.to(dtype);
 }
 
 bool fused_attention_available() { return TANDEM_HAS_SDPA; }

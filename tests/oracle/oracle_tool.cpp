@@ -12,6 +12,11 @@
 //   oracle_tool train-ddp DIR STEPS [bn]  (under tandem launch) DIR/init.safetensors +
 //                                       DIR/data.safetensors -> DIR/tandem/model.safetensors; bn:
 //                                       the net with a BatchNorm1d (buffers broadcast by DDP)
+//   oracle_tool llama DIR [ATTENTION [SAVE_DTYPE]]  the Llama-family folder DIR/model and the batch
+//                                       DIR/batch.safetensors (ids, labels) -> DIR/tandem.safetensors
+//                                       (logits, loss, "grad.<name>" per parameter; with the
+//                                       key/value cache, "cached_logits" of the last position fed
+//                                       one token at a time) and the folder saved back, DIR/saved
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
@@ -25,6 +30,7 @@
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/checkpoint/safetensors_header.h"
+#include "tandem/models/llama.h"
 #include "tandem/track/trackers.h"
 
 namespace fs = std::filesystem;
@@ -219,6 +225,42 @@ int train_ddp(const fs::path& dir, int steps, bool batchnorm) {
 
 }  // namespace
 
+// The Llama family against transformers (tests/oracle/llama_oracle.py): logits, transformers'
+// loss and every parameter's gradient for one batch, the logits of the key/value cache fed one
+// token at a time, and the folder written back.
+int llama(const fs::path& dir, const std::string& attention, const std::string& save_dtype) {
+  namespace models = tandem::models;
+  const auto cfg = models::LlamaConfig::from_file((dir / "model" / "config.json").string());
+  models::LlamaForCausalLM model(cfg);
+  model->set_attention(tandem::nn::parse_attention_kernel(attention));
+  model->eval();  // no dropout: the same function transformers evaluates
+  tandem::checkpoint::load_model(*model, (dir / "model").string(),
+                                 tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
+  tandem::checkpoint::SafetensorsFile batch((dir / "batch.safetensors").string());
+  const auto ids = batch.tensor("ids"), labels = batch.tensor("labels");
+  auto logits = model(ids);
+  auto loss = models::causal_lm_loss(logits, labels);
+  loss.backward();
+  tandem::checkpoint::NamedTensors out{{"logits", logits.detach()}, {"loss", loss.detach()}};
+  for (const auto& p : model->named_parameters())
+    if (p.value().grad().defined()) out.emplace_back("grad." + p.key(), p.value().grad());
+  {
+    torch::NoGradGuard no_grad;
+    model->use_cache(true);
+    at::Tensor last;
+    for (int64_t t = 0; t < ids.size(1); ++t) last = model(ids.narrow(1, t, 1));
+    out.emplace_back("cached_logits", last.select(1, 0));
+    model->use_cache(false);
+  }
+  tandem::checkpoint::save_safetensors((dir / "tandem.safetensors").string(), out);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& p : model->named_parameters()) tensors.emplace_back(p.key(), p.value());
+  models::save_pretrained(cfg, tensors, (dir / "saved").string(), save_dtype);
+  std::cout << cfg.model_type << ": " << cfg.parameter_count() << " parameters, loss "
+            << loss.item<double>() << std::endl;
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 3) fail("usage: oracle_tool COMMAND DIR [ARGS]");
   const std::string cmd = argv[1];
@@ -228,6 +270,8 @@ int main(int argc, char** argv) {
     if (cmd == "write-safetensors") return write_safetensors(dir);
     if (cmd == "read-safetensors") return read_safetensors(dir);
     if (cmd == "write-tensorboard") return write_tensorboard(dir);
+    if (cmd == "llama")
+      return llama(dir, argc > 3 ? argv[3] : "auto", argc > 4 ? argv[4] : "");
     if (cmd == "train-ddp")
       return train_ddp(dir, argc > 3 ? std::atoi(argv[3]) : 10,
                        argc > 4 && std::string(argv[4]) == "bn");

@@ -1,5 +1,6 @@
 // Layers that models ported from transformers need, hookable like tandem::nn::Linear:
-// Conv1D (GPT-2's linear layer, weight stored [in, out]) and causal attention through LibTorch's
+// Conv1D (GPT-2's linear layer, weight stored [in, out]), RMSNorm (the Llama family's) and causal
+// attention through LibTorch's
 // fused scaled-dot-product kernel where the build has it, the manual form otherwise.
 #pragma once
 
@@ -24,6 +25,22 @@ class Conv1DImpl : public torch::nn::Cloneable<Conv1DImpl> {
   at::Tensor weight, bias;
 };
 TANDEM_MODULE_IMPL(Conv1D, Conv1DImpl);
+
+/// RMSNorm as transformers' Llama family computes it: y = weight * (x / sqrt(mean(x^2) + eps))
+/// with the normalisation in float32 and cast back to x's dtype before the weight multiplies it.
+/// weight [dim], initialised to ones. A standard layer (as LayerNorm): not a ZeRO-3 unit or an
+/// activation-checkpointing region of its own.
+class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl> {
+ public:
+  static constexpr bool kStandardLayer = true;
+  explicit RMSNormImpl(int64_t dim, double eps = 1e-6);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& x);
+  int64_t dim;
+  double eps;
+  at::Tensor weight;
+};
+TANDEM_MODULE_IMPL(RMSNorm, RMSNormImpl);
 
 /// How attention is computed: kFused is LibTorch's scaled_dot_product_attention (LibTorch 2.0
 /// and later; FlashAttention-2 or memory-efficient kernels on CUDA, a fused CPU kernel

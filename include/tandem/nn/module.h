@@ -331,10 +331,19 @@ std::string declared_name() {
   return trim_type_name(c10::demangle(typeid(Impl).name()));
 }
 
+/// A layer type of tandem's own that counts as a standard layer declares
+/// `static constexpr bool kStandardLayer = true;` (tandem::nn::RMSNorm).
+template <class Impl, class = void>
+struct declares_standard_layer : std::false_type {};
+template <class Impl>
+struct declares_standard_layer<Impl, std::void_t<decltype(Impl::kStandardLayer)>>
+    : std::bool_constant<Impl::kStandardLayer> {};
+
 template <class Impl>
 constexpr bool standard_layer_v =
     std::is_same_v<Impl, torch::nn::LinearImpl> || std::is_same_v<Impl, torch::nn::EmbeddingImpl> ||
-    std::is_same_v<Impl, torch::nn::LayerNormImpl> || std::is_same_v<Impl, torch::nn::DropoutImpl>;
+    std::is_same_v<Impl, torch::nn::LayerNormImpl> || std::is_same_v<Impl, torch::nn::DropoutImpl> ||
+    declares_standard_layer<Impl>::value;
 
 }  // namespace detail
 
