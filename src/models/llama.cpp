@@ -236,7 +236,7 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
       l, shifted, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
 }
 
-parallel::TensorParallelPlan llama_tensor_parallel_plan() {
+parallel::TensorParallelPlan llama_tensor_parallel_plan(const LlamaConfig& c) {
   parallel::TensorParallelPlan plan;
   plan.colwise("model.layers.*.self_attn.q_proj")
       .colwise("model.layers.*.self_attn.k_proj")
@@ -245,6 +245,9 @@ parallel::TensorParallelPlan llama_tensor_parallel_plan() {
       .colwise("model.layers.*.mlp.gate_proj")
       .colwise("model.layers.*.mlp.up_proj")
       .rowwise("model.layers.*.mlp.down_proj");
+  if (c.qk_norm)
+    plan.sum_gradients("model.layers.*.self_attn.q_norm")
+        .sum_gradients("model.layers.*.self_attn.k_norm");
   return plan;
 }
 

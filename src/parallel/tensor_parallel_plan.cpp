@@ -264,6 +264,10 @@ TensorParallelPlan& TensorParallelPlan::sequence_parallel(const std::string& pat
   return add(e);
 }
 
+TensorParallelPlan& TensorParallelPlan::sum_gradients(const std::string& pattern) {
+  return sequence_parallel(pattern);  // the same treatment: replicated, gradients summed over tp
+}
+
 bool plan_pattern_matches(const std::string& pattern, const std::string& path) {
   return glob(pattern.c_str(), path.c_str());
 }

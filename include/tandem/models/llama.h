@@ -187,9 +187,11 @@ TORCH_MODULE(LlamaForCausalLM);
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 
 /// transformers' base_model_tp_plan for the family: q/k/v and gate/up column-parallel, o and down
-/// row-parallel (Megatron's split; the embedding, norms and head stay whole). Needs heads, KV heads
-/// and intermediate_size divisible by the tensor-parallel size (check_llama_tensor_parallel).
-tandem::parallel::TensorParallelPlan llama_tensor_parallel_plan();
+/// row-parallel (Megatron's split; the embedding, norms and head stay whole); Qwen3's q/k norms,
+/// replicated but applied to this rank's heads only, get their gradients summed over tp. Needs
+/// heads, KV heads and intermediate_size divisible by the tensor-parallel size
+/// (check_llama_tensor_parallel).
+tandem::parallel::TensorParallelPlan llama_tensor_parallel_plan(const LlamaConfig& c);
 /// Throws tandem::Refused naming what a tensor-parallel size of `tp` does not divide.
 void check_llama_tensor_parallel(const LlamaConfig& c, int64_t tp);
 

@@ -274,6 +274,10 @@ struct TensorParallelPlan {
   /// kSequenceParallel: a per-token module (a norm) on sequence shards, its replicated
   /// parameters' gradients summed over the tp group.
   TensorParallelPlan& sequence_parallel(const std::string& pattern);
+  /// A module with replicated parameters that runs on activations split across tp ranks (Qwen3's
+  /// per-head q/k norms under split heads: each rank's gradient covers its own heads only): each
+  /// parameter's gradient summed over the tp group. The same treatment as sequence_parallel.
+  TensorParallelPlan& sum_gradients(const std::string& pattern);
   /// kRankRandom: the modules matching `pattern` draw from this tp rank's stream, seeded
   /// `seed` (the same on every rank).
   TensorParallelPlan& rank_random(const std::string& pattern, uint64_t seed);

@@ -1,0 +1,394 @@
+// Pretraining or fine-tuning a Llama-family model (llama, mistral, qwen2, qwen3: tandem/models/llama.h)
+// under every layout tandem launch gives it: data parallel, ZeRO 1-3 (FSDP), tensor parallel
+// (--tp_size), their combinations, activation checkpointing, mixed precision, accumulation.
+//
+//   train_llm                                   a small byte-level Llama on this project's text
+//   train_llm --config config.json              pretrain that model from scratch
+//   train_llm --model Qwen3-0.6B --data train.jsonl --save out/   fine-tune a save_pretrained folder
+//   tandem launch --num_processes 4 --cpu --use_fsdp --tp_size 2 build/examples/train_llm ...
+//
+// Data: token ids in a flat binary file (uint16 or uint32, as llm.c and nanoGPT write them; cut
+// into windows of --seq_len), or JSONL lines {"input_ids": [...], "labels": [...]} (labels
+// optional, -100 leaves a position out; shorter lines padded with labels -100). The loss is
+// transformers' causal-LM loss; AdamW with linear warm-up and cosine decay to --min_lr_ratio,
+// gradient clipping. Each report gives tokens/s and the model FLOPs utilisation: 6 N + 12 L H Q T
+// FLOPs per token (N the parameters outside the embedding, L layers, H heads, Q head size, T the
+// sequence length) over the step time and the peak (--peak_tflops, a table of NVIDIA GPUs, or a
+// matrix product measured on the CPU). --save writes a folder transformers loads.
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <set>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/gpt.h"
+#include "tandem/models/llama.h"
+#include "tandem/tandem.h"
+
+namespace {
+
+namespace models = tandem::models;
+
+/// Windows of `seq_len` ids from one long sequence; labels are the ids (the loss shifts them).
+class TokenWindows : public torch::data::datasets::Dataset<TokenWindows> {
+ public:
+  TokenWindows(torch::Tensor ids, int64_t seq_len) : ids_(std::move(ids)), seq_len_(seq_len) {}
+  torch::data::Example<> get(size_t i) override {
+    auto w = ids_.slice(0, static_cast<int64_t>(i) * seq_len_, (static_cast<int64_t>(i) + 1) * seq_len_);
+    return {w, w};
+  }
+  torch::optional<size_t> size() const override {
+    return static_cast<size_t>(ids_.size(0) / seq_len_);
+  }
+
+ private:
+  torch::Tensor ids_;
+  int64_t seq_len_;
+};
+
+/// Examples given whole: ids [n, seq_len] and labels [n, seq_len].
+class TokenRows : public torch::data::datasets::Dataset<TokenRows> {
+ public:
+  TokenRows(torch::Tensor ids, torch::Tensor labels) : ids_(std::move(ids)), labels_(std::move(labels)) {}
+  torch::data::Example<> get(size_t i) override {
+    return {ids_[static_cast<int64_t>(i)], labels_[static_cast<int64_t>(i)]};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>(ids_.size(0)); }
+
+ private:
+  torch::Tensor ids_, labels_;
+};
+
+torch::Tensor read_bin(const std::string& path, const std::string& dtype) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("--data " + path + ": cannot read it");
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  const int64_t width = dtype == "uint32" ? 4 : 2;
+  if (bytes.size() % width != 0)
+    throw std::runtime_error("--data " + path + ": " + std::to_string(bytes.size()) +
+                             " bytes is not a whole number of " + dtype + " ids (--data_dtype)");
+  const int64_t n = static_cast<int64_t>(bytes.size()) / width;
+  auto out = torch::empty({n}, torch::kLong);
+  auto* o = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (width == 2) {
+      uint16_t v;
+      std::memcpy(&v, bytes.data() + 2 * i, 2);
+      o[i] = v;
+    } else {
+      uint32_t v;
+      std::memcpy(&v, bytes.data() + 4 * i, 4);
+      o[i] = v;
+    }
+  }
+  return out;
+}
+
+std::pair<torch::Tensor, torch::Tensor> read_jsonl(const std::string& path, int64_t seq_len,
+                                                   int64_t pad_id) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("--data " + path + ": cannot read it");
+  std::vector<torch::Tensor> ids, labels;
+  std::string line;
+  for (int64_t n = 1; std::getline(in, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto where = path + ":" + std::to_string(n);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(where + ": not JSON (" + e.what() + ")");
+    }
+    if (!j.contains("input_ids") || !j["input_ids"].is_array())
+      throw std::runtime_error(where + ": expected {\"input_ids\": [...], \"labels\": [...]}");
+    auto in_ids = j["input_ids"].get<std::vector<int64_t>>();
+    auto in_labels = j.contains("labels") ? j["labels"].get<std::vector<int64_t>>() : in_ids;
+    if (in_labels.size() != in_ids.size())
+      throw std::runtime_error(where + ": labels and input_ids differ in length");
+    if (static_cast<int64_t>(in_ids.size()) > seq_len)
+      throw std::runtime_error(where + ": " + std::to_string(in_ids.size()) +
+                               " ids, more than --seq_len " + std::to_string(seq_len) +
+                               "; raise --seq_len or cut the line");
+    auto row = torch::full({seq_len}, pad_id, torch::kLong);
+    auto lab = torch::full({seq_len}, -100, torch::kLong);
+    for (size_t i = 0; i < in_ids.size(); ++i) {
+      row[static_cast<int64_t>(i)] = in_ids[i];
+      lab[static_cast<int64_t>(i)] = in_labels[i];
+    }
+    ids.push_back(row);
+    labels.push_back(lab);
+  }
+  if (ids.empty()) throw std::runtime_error("--data " + path + ": no examples");
+  return {torch::stack(ids), torch::stack(labels)};
+}
+
+/// Linear warm-up from 0, then cosine decay to min_ratio of the base rate (transformers'
+/// get_cosine_with_min_lr_schedule_with_warmup): the rate of optimizer step s.
+class WarmupCosine : public torch::optim::LRScheduler {
+ public:
+  WarmupCosine(torch::optim::Optimizer& opt, int64_t warmup, int64_t total, double min_ratio)
+      : LRScheduler(opt), warmup_(warmup), total_(total), min_ratio_(min_ratio) {
+    for (auto& g : opt.param_groups()) base_.push_back(g.options().get_lr());
+    for (size_t i = 0; i < base_.size(); ++i) opt.param_groups()[i].options().set_lr(base_[i] * factor(0));
+  }
+  double factor(int64_t s) const {
+    if (s < warmup_) return static_cast<double>(s) / std::max<int64_t>(1, warmup_);
+    const double progress =
+        static_cast<double>(s - warmup_) / std::max<int64_t>(1, total_ - warmup_);
+    const double cosine = 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));
+    return cosine * (1.0 - min_ratio_) + min_ratio_;
+  }
+
+ protected:
+  std::vector<double> get_lrs() override {
+    std::vector<double> out;
+    for (double b : base_) out.push_back(b * factor(static_cast<int64_t>(step_count_) + 1));
+    return out;
+  }
+
+ private:
+  int64_t warmup_, total_;
+  double min_ratio_;
+  std::vector<double> base_;
+};
+
+/// Dense bf16 peak of NVIDIA GPUs by name (TFLOP/s, without sparsity), 0 when unknown.
+double gpu_peak_tflops(const std::string& name) {
+  const std::vector<std::pair<std::string, double>> table{
+      {"H200", 989}, {"H100", 989}, {"H800", 989}, {"GH200", 989}, {"B200", 2250}, {"A100", 312},
+      {"A800", 312}, {"L40S", 362}, {"L40", 181}, {"L4", 121}, {"A10", 125}, {"A6000", 155},
+      {"V100", 125}, {"4090", 165}, {"3090", 71}, {"T4", 65}};
+  for (const auto& [key, peak] : table)
+    if (name.find(key) != std::string::npos) return peak;
+  return 0;
+}
+
+/// The NVIDIA driver's name of the first GPU ("NVIDIA H200"), or "" when the driver does not say.
+std::string nvidia_gpu_name() {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/driver/nvidia/gpus", ec)) {
+    std::ifstream in(e.path() / "information");
+    std::string line;
+    while (std::getline(in, line))
+      if (line.rfind("Model:", 0) == 0) return line.substr(line.find_first_not_of(" \t", 6));
+  }
+  return "";
+}
+
+/// This process's float32 matrix-product rate (TFLOP/s) on the CPU, measured.
+double cpu_peak_tflops() {
+  torch::NoGradGuard no_grad;
+  auto a = torch::randn({512, 512}), b = torch::randn({512, 512});
+  auto c = torch::mm(a, b);  // warm-up
+  const int reps = 8;
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) c = torch::mm(a, b);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return 2.0 * 512 * 512 * 512 * reps / secs / 1e12;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"train_llm: pretrain or fine-tune a Llama-family model (llama, mistral, qwen2, qwen3)"};
+  std::string model_dir, config_file, data, data_dtype = "uint16", save_dir, save_dtype, mixed_precision;
+  std::string source_tree = TANDEM_SOURCE_DIR;
+  int64_t steps = 20, batch = 4, seq_len = 64, warmup = 0, log_every = 5, pad_id = 0;
+  double lr = 3e-3, min_lr_ratio = 0.1, weight_decay = 0.0, clip = 1.0, peak_tflops = 0;
+  bool shuffle = false;
+  app.add_option("--model", model_dir, "A save_pretrained folder to fine-tune (config.json and weights)");
+  app.add_option("--config", config_file, "A config.json to pretrain from scratch");
+  app.add_option("--data", data, "Token ids: a .bin of uint16/uint32 ids, or .jsonl lines "
+                 "{\"input_ids\": [...], \"labels\": [...]} (default: this project's text as bytes)");
+  app.add_option("--data_dtype", data_dtype, "Ids in a .bin: uint16 or uint32")
+      ->check(CLI::IsMember({"uint16", "uint32"}));
+  app.add_option("--pad_id", pad_id, "The id .jsonl lines shorter than --seq_len are padded with");
+  app.add_option("--seq_len", seq_len, "Tokens per sequence")->check(CLI::PositiveNumber);
+  app.add_option("--batch_size", batch, "Sequences per data-parallel rank per micro-step")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "Optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--lr", lr, "Peak learning rate (AdamW)");
+  app.add_option("--warmup_steps", warmup, "Linear warm-up steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--min_lr_ratio", min_lr_ratio, "Where the cosine decay ends, as a fraction of --lr "
+                 "(1: a constant rate after warm-up)")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--weight_decay", weight_decay, "AdamW's decoupled weight decay");
+  app.add_option("--clip", clip, "Gradient-norm clipping (0: none)")->check(CLI::NonNegativeNumber);
+  app.add_flag("--shuffle", shuffle, "Shuffle the examples each epoch");
+  app.add_option("--mixed_precision", mixed_precision, "no, bf16, fp16, bf16-true, fp16-true (default: the launcher's)");
+  app.add_option("--log_every", log_every, "Report every N steps (and at the end)")->check(CLI::PositiveNumber);
+  app.add_option("--peak_tflops", peak_tflops, "The device's peak for the FLOPs utilisation "
+                 "(default: a table of NVIDIA GPUs; on CPUs a measured matrix product)");
+  app.add_option("--save", save_dir, "Write the trained model here as transformers' folder");
+  app.add_option("--save_dtype", save_dtype, "Weights' dtype in --save: float32, bfloat16, float16 "
+                 "(default: the model's)")->check(CLI::IsMember({"", "float32", "bfloat16", "float16"}));
+  app.add_option("--source-tree", source_tree, "Directory whose text is the default data");
+  CLI11_PARSE(app, argc, argv);
+  if (!model_dir.empty() && !config_file.empty()) {
+    std::cerr << "--model and --config both given: --model fine-tunes a folder (its config.json "
+                 "included), --config pretrains from scratch; give one\n";
+    return 2;
+  }
+  try {
+    auto options = tandem::AcceleratorOptions().seed(1234);
+    if (!mixed_precision.empty()) options.mixed_precision(mixed_precision);
+    tandem::Accelerator acc(options);
+    const int tp = acc.topology().tp(), dp = acc.data_parallel_group().size();
+    if (acc.topology().pp() > 1)
+      throw tandem::Refused("train_llm: --pp_size " + std::to_string(acc.topology().pp()) +
+                            ": this example does not run pipeline stages yet; launch without "
+                            "--pp_size (train_gpt runs pipelines)");
+
+    models::LlamaConfig cfg;
+    if (!model_dir.empty()) {
+      cfg = models::LlamaConfig::from_file(model_dir + "/config.json");
+    } else if (!config_file.empty()) {
+      cfg = models::LlamaConfig::from_file(config_file);
+    } else {
+      cfg = models::LlamaConfig::from_json_text(
+          R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 176,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 1024, "tie_word_embeddings": true})",
+          "the default model");
+    }
+    models::check_llama_tensor_parallel(cfg, tp);
+
+    // The data, the same on every rank (the loader gives each its share).
+    std::shared_ptr<TokenWindows> windows;
+    std::shared_ptr<TokenRows> rows;
+    if (data.empty()) {
+      if (cfg.vocab_size < 256)
+        throw tandem::Refused("train_llm: the default data is bytes (ids 0-255), and the model's "
+                              "vocab_size is " + std::to_string(cfg.vocab_size) + "; give --data");
+      auto text = examples::project_text(source_tree);
+      auto ids = torch::from_blob(text.data(), {static_cast<int64_t>(text.size())}, torch::kUInt8)
+                     .to(torch::kLong);
+      windows = std::make_shared<TokenWindows>(ids, seq_len);
+    } else if (data.size() > 6 && data.substr(data.size() - 6) == ".jsonl") {
+      auto [ids, labels] = read_jsonl(data, seq_len, pad_id);
+      rows = std::make_shared<TokenRows>(ids, labels);
+    } else {
+      windows = std::make_shared<TokenWindows>(read_bin(data, data_dtype), seq_len);
+    }
+    const int64_t examples_count =
+        static_cast<int64_t>(windows ? *windows->size() : *rows->size());
+    if (examples_count < batch * dp)
+      throw tandem::Refused("train_llm: " + std::to_string(examples_count) + " examples of " +
+                            std::to_string(seq_len) + " tokens, fewer than one global batch (" +
+                            std::to_string(batch * dp) + "); give more data or a smaller batch");
+
+    // The model as the layout needs it: under ZeRO-3 each layer is sharded as it is built (no
+    // rank holds the dense model); tensor parallel splits dense layers, so it builds them whole
+    // (and loads a folder before splitting).
+    models::LlamaForCausalLM model{nullptr};
+    if (tp > 1) {
+      model = models::LlamaForCausalLM(cfg);
+      if (!model_dir.empty())
+        tandem::checkpoint::load_model(*model, model_dir,
+                                       tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
+      acc.parallelize(*model, models::llama_tensor_parallel_plan(cfg));
+    } else {
+      model = acc.build([&] { return models::LlamaForCausalLM(cfg); });
+    }
+    model = acc.prepare(model);
+    if (!model_dir.empty() && tp == 1)
+      acc.load_model(*model, model_dir, tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
+    // A tied head is one tensor under two names: the optimizer lists it once.
+    std::vector<torch::Tensor> params;
+    std::set<const void*> seen;
+    for (auto& p : model->parameters())
+      if (seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
+    auto opt = acc.prepare(std::make_shared<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(lr).weight_decay(weight_decay)));
+    auto sched = acc.prepare_scheduler(
+        std::make_shared<WarmupCosine>(opt.optimizer(), warmup, steps, min_lr_ratio));
+    auto loader_options = tandem::data::DataLoaderOptions().batch_size(batch).shuffle(shuffle).seed(7);
+
+    // Model FLOPs per token and the peak they are measured against.
+    const int64_t embedding = cfg.vocab_size * cfg.hidden_size;
+    const double flops_per_token =
+        6.0 * static_cast<double>(cfg.parameter_count() - embedding) +
+        12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len;
+    std::string peak_source = "--peak_tflops";
+    if (peak_tflops <= 0) {
+      if (acc.device().is_cuda()) {
+        const auto gpu = nvidia_gpu_name();
+        peak_tflops = gpu_peak_tflops(gpu);
+        peak_source = "the GPU table (" + gpu + ", bf16 dense)";
+      } else {
+        peak_tflops = cpu_peak_tflops();
+        peak_source = "a measured float32 matrix product";
+      }
+    }
+    acc.print(cfg.model_type, "with", cfg.parameter_count(), "parameters,", examples_count,
+              "examples of", seq_len, "tokens;", acc.num_processes(), "processes (dp", dp, "x tp",
+              std::to_string(tp) + ");", flops_per_token / 1e6, "MFLOPs per token; peak",
+              peak_tflops > 0 ? std::to_string(peak_tflops) + " TFLOP/s from " + peak_source
+                              : std::string("unknown for this GPU (give --peak_tflops)"));
+
+    int64_t step = 0, tokens = 0;
+    double first_loss = -1, last_loss = 0;
+    auto window_start = std::chrono::steady_clock::now();
+    int64_t window_tokens = 0;
+    auto run_epoch = [&](auto& loader) {
+      for (auto& b : *loader) {
+        auto scope = acc.accumulate();
+        auto loss = model->loss(b.data, b.target);
+        acc.backward(loss);
+        if (clip > 0) acc.clip_grad_norm_(params, clip);
+        opt.step();
+        opt.zero_grad();
+        window_tokens += b.data.numel() * dp;
+        if (!acc.sync_gradients()) continue;
+        sched->step();
+        last_loss = acc.reduce(loss.detach()).template item<double>();
+        if (first_loss < 0) first_loss = last_loss;
+        ++step;
+        if (step % log_every == 0 || step == steps) {
+          const double secs =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - window_start).count();
+          const double tps = window_tokens / secs;
+          const double mfu = peak_tflops > 0
+                                 ? tps * flops_per_token / (peak_tflops * 1e12 * acc.num_processes())
+                                 : 0;
+          acc.print("step", step, "loss", last_loss, "lr", opt->param_groups()[0].options().get_lr(),
+                    static_cast<int64_t>(tps), "tokens/s", "MFU",
+                    peak_tflops > 0 ? std::to_string(100 * mfu) + "%" : std::string("n/a"));
+          acc.log({{"loss", last_loss}, {"tokens_per_s", tps}, {"mfu", mfu}}, step);
+          tokens += window_tokens;
+          window_tokens = 0;
+          window_start = std::chrono::steady_clock::now();
+        }
+        if (step >= steps) return;
+      }
+    };
+    if (windows) {
+      auto loader = acc.prepare_data_loader(*windows, loader_options);
+      for (int64_t epoch = 0; step < steps; ++epoch) {
+        loader->set_epoch(epoch);
+        run_epoch(loader);
+      }
+    } else {
+      auto loader = acc.prepare_data_loader(*rows, loader_options);
+      for (int64_t epoch = 0; step < steps; ++epoch) {
+        loader->set_epoch(epoch);
+        run_epoch(loader);
+      }
+    }
+    acc.print("loss", last_loss < first_loss ? "fell" : "rose", "from", first_loss, "to", last_loss);
+    if (!save_dir.empty()) {
+      auto state = acc.get_state_dict(*model);
+      if (acc.is_main_process()) models::save_pretrained(cfg, state, save_dir, save_dtype);
+      acc.wait_for_everyone();
+      acc.print("saved", save_dir, "(config.json and safetensors, as transformers reads them)");
+    }
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}

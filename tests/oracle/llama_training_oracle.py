@@ -1,0 +1,99 @@
+"""Fine-tuning a transformers Qwen3 (tied head, grouped-query attention, q/k norms) with
+examples/train_llm under every layout equals PyTorch's own training of the same model: four
+AdamW steps (weight decay, one warm-up step then cosine decay to 10% with transformers'
+get_cosine_with_min_lr_schedule_with_warmup, gradient clipping that binds) on the same JSONL
+batches, from the same save_pretrained folder. The folder train_llm saves is compared with
+PyTorch's weights within 1e-4 (relative to each tensor's largest value), for one process, data
+parallel on 2, ZeRO-1 on 2, FSDP (ZeRO-3) on 2 with activation checkpointing, tensor parallel on 2,
+and ZeRO-3 x tensor parallel on 4.
+
+Usage: llama_training_oracle.py TRAIN_LLM TANDEM_CLI WORK_DIR
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup  # noqa: E402
+
+from common import fail, fresh_dir, run  # noqa: E402
+
+STEPS, GLOBAL_BATCH, SEQ, LR, WD, CLIP = 4, 4, 16, 1e-2, 0.01, 0.5
+
+
+def main():
+    train_llm, cli, work = sys.argv[1], sys.argv[2], fresh_dir(sys.argv[3])
+    torch.manual_seed(5)
+    config = Qwen3Config(vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         tie_word_embeddings=True, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.02))
+    model_dir = os.path.join(work, "model")
+    model.save_pretrained(model_dir, safe_serialization=True)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, config.vocab_size, (8, SEQ), generator=g)
+    data = os.path.join(work, "data.jsonl")
+    with open(data, "w") as f:
+        for row in ids.tolist():
+            f.write(json.dumps({"input_ids": row}) + "\n")
+
+    # PyTorch: the same steps, batches in order (epoch after epoch).
+    model.train()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=1,
+                                                        num_training_steps=STEPS, min_lr_rate=0.1)
+    clipped = 0
+    for step in range(STEPS):
+        b = ids[(step * GLOBAL_BATCH) % 8:(step * GLOBAL_BATCH) % 8 + GLOBAL_BATCH]
+        loss = model(input_ids=b, labels=b).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params, CLIP)
+        clipped += int(norm > CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    if clipped == 0:
+        fail("the clipping never bound: the check would not see a wrong global norm")
+    want = dict(model.named_parameters())
+
+    layouts = [
+        ("one process", 1, [], GLOBAL_BATCH),
+        ("data parallel 2", 2, [], GLOBAL_BATCH // 2),
+        ("ZeRO-1 on 2", 2, ["--use_deepspeed", "--zero_stage", "1"], GLOBAL_BATCH // 2),
+        ("FSDP on 2, activation checkpointing", 2, ["--use_fsdp", "--activation_checkpointing"],
+         GLOBAL_BATCH // 2),
+        ("tensor parallel 2", 2, ["--tp_size", "2"], GLOBAL_BATCH),
+        ("ZeRO-3 x tensor parallel 2 on 4", 4, ["--use_fsdp", "--tp_size", "2"], GLOBAL_BATCH // 2),
+    ]
+    for name, n, flags, batch in layouts:
+        out_dir = os.path.join(work, "out-" + name.replace(" ", "_").replace(",", ""))
+        run([cli, "launch", "--num_processes", str(n), "--cpu"] + flags +
+            [train_llm, "--model", model_dir, "--data", data, "--seq_len", str(SEQ),
+             "--batch_size", str(batch), "--steps", str(STEPS), "--lr", str(LR),
+             "--warmup_steps", "1", "--min_lr_ratio", "0.1", "--weight_decay", str(WD),
+             "--clip", str(CLIP), "--log_every", "1", "--save", out_dir])
+        got = load_file(os.path.join(out_dir, "model.safetensors"))
+        worst = 0.0
+        for pname, p in want.items():
+            if pname not in got:
+                fail(f"{name}: the saved folder has no {pname}")
+            d = (got[pname] - p.detach()).abs().max().item() / p.detach().abs().max().item()
+            if d > 1e-4:
+                fail(f"{name}: {pname} differs from PyTorch's by {d:.3g} after {STEPS} steps")
+            worst = max(worst, d)
+        back = AutoModelForCausalLM.from_pretrained(out_dir)
+        if type(back).__name__ != "Qwen3ForCausalLM":
+            fail(f"{name}: the saved folder loads as {type(back).__name__}")
+        print(f"{name}: {len(want)} tensors within {worst:.2e} of PyTorch's after {STEPS} steps")
+
+
+if __name__ == "__main__":
+    main()
