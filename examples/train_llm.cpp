@@ -3,6 +3,7 @@
 // (--tp_size), their combinations, activation checkpointing, mixed precision, accumulation.
 //
 //   train_llm                                   a small byte-level Llama on this project's text
+//   train_llm --text book.txt                   ... on a file's bytes
 //   train_llm --config config.json              pretrain that model from scratch
 //   train_llm --model Qwen3-0.6B --data train.jsonl --save out/   fine-tune a save_pretrained folder
 //   tandem launch --num_processes 4 --cpu --use_fsdp --tp_size 2 build/examples/train_llm ...
@@ -197,7 +198,7 @@ double cpu_peak_tflops() {
 int main(int argc, char** argv) {
   CLI::App app{"train_llm: pretrain or fine-tune a Llama-family model (llama, mistral, qwen2, qwen3)"};
   std::string model_dir, config_file, data, data_dtype = "uint16", save_dir, save_dtype, mixed_precision;
-  std::string source_tree = TANDEM_SOURCE_DIR;
+  std::string source_tree = TANDEM_SOURCE_DIR, text_file;
   int64_t steps = 20, batch = 4, seq_len = 64, warmup = 0, log_every = 5, pad_id = 0;
   double lr = 3e-3, min_lr_ratio = 0.1, weight_decay = 0.0, clip = 1.0, peak_tflops = 0;
   bool shuffle = false;
@@ -227,7 +228,13 @@ int main(int argc, char** argv) {
   app.add_option("--save_dtype", save_dtype, "Weights' dtype in --save: float32, bfloat16, float16 "
                  "(default: the model's)")->check(CLI::IsMember({"", "float32", "bfloat16", "float16"}));
   app.add_option("--source-tree", source_tree, "Directory whose text is the default data");
+  app.add_option("--text", text_file, "A text file whose bytes are the data instead");
   CLI11_PARSE(app, argc, argv);
+  if (!text_file.empty() && !data.empty()) {
+    std::cerr << "--text and --data both given: --text trains on a file's bytes, --data on token "
+                 "ids; give one\n";
+    return 2;
+  }
   if (!model_dir.empty() && !config_file.empty()) {
     std::cerr << "--model and --config both given: --model fine-tunes a folder (its config.json "
                  "included), --config pretrains from scratch; give one\n";
@@ -264,7 +271,14 @@ int main(int argc, char** argv) {
       if (cfg.vocab_size < 256)
         throw tandem::Refused("train_llm: the default data is bytes (ids 0-255), and the model's "
                               "vocab_size is " + std::to_string(cfg.vocab_size) + "; give --data");
-      auto text = examples::project_text(source_tree);
+      std::string text;
+      if (!text_file.empty()) {
+        std::ifstream in(text_file, std::ios::binary);
+        if (!in) throw std::runtime_error("cannot read --text " + text_file);
+        text.assign(std::istreambuf_iterator<char>(in), {});
+      } else {
+        text = examples::project_text(source_tree);
+      }
       auto ids = torch::from_blob(text.data(), {static_cast<int64_t>(text.size())}, torch::kUInt8)
                      .to(torch::kLong);
       windows = std::make_shared<TokenWindows>(ids, seq_len);
@@ -333,19 +347,25 @@ int main(int argc, char** argv) {
     int64_t step = 0, tokens = 0;
     double first_loss = -1, last_loss = 0;
     auto window_start = std::chrono::steady_clock::now();
-    int64_t window_tokens = 0;
+    int64_t window_tokens = 0, window_micro = 0;
+    torch::Tensor window_loss;  // the sum of this step's micro-step losses
     auto run_epoch = [&](auto& loader) {
       for (auto& b : *loader) {
         auto scope = acc.accumulate();
         auto loss = model->loss(b.data, b.target);
         acc.backward(loss);
+        window_loss = window_loss.defined() ? window_loss + loss.detach() : loss.detach();
+        ++window_micro;
         if (clip > 0) acc.clip_grad_norm_(params, clip);
         opt.step();
         opt.zero_grad();
         window_tokens += b.data.numel() * dp;
         if (!acc.sync_gradients()) continue;
         sched->step();
-        last_loss = acc.reduce(loss.detach()).template item<double>();
+        // The step's loss: the mean over its micro-steps and the data-parallel ranks.
+        last_loss = acc.reduce(window_loss / window_micro).template item<double>();
+        window_loss = torch::Tensor();
+        window_micro = 0;
         if (first_loss < 0) first_loss = last_loss;
         ++step;
         if (step % log_every == 0 || step == steps) {

@@ -26,6 +26,7 @@ namespace {
 
 const std::string kTrainGpt = TRAIN_GPT;
 const std::string kTrainMlp = TRAIN_MLP;
+const std::string kTrainLlm = TRAIN_LLM;
 
 // A small GPT, a few steps: seconds per run.
 const std::vector<std::string> kSmallGpt{"--steps", "4", "--layers", "2", "--width", "64",
@@ -266,4 +267,55 @@ TEST(Examples, GenerateGpt2UnderTheLauncher) {
   refused(1, {}, {"--quantize", "int8", "--max_memory", "1KB"}, "tandem quantize");
   refused(1, {}, {"--attention", "flash"}, "expected auto, sdpa or manual");
   if (!torch::cuda::is_available()) refused(1, {}, {"--device", "cuda:0"}, "no CUDA device");
+}
+
+// train_llm (the Llama family; tests/oracle/llama_training_oracle.py holds its layouts to
+// PyTorch's own steps): the launcher's accumulation and precision take effect and equal data
+// parallel's arithmetic where they should, and what the example cannot do is refused by name:
+// a pipeline, a tp size that splits heads, a model whose vocabulary the byte data overflows, and
+// data shorter than a global batch.
+TEST(Examples, TrainLlmTakesTheLaunchersSettingsAndRefusesWhatItCannotDo) {
+  const std::vector<std::string> args{"--steps", "4", "--seq_len", "32", "--batch_size", "2",
+                                      "--text", fixed_text()};
+  auto dp = launch(2, kTrainLlm, args, with_flags());
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  EXPECT_EQ(count_of(dp.output, "llama with"), 1) << dp.output;
+  EXPECT_EQ(count_of(dp.output, "MFU"), 1) << dp.output;  // the report at step 4
+  // Accumulating 2 micro-steps of 1 sequence equals 1 step of 2 sequences.
+  auto accum_args = args;
+  accum_args[5] = "1";
+  auto accum = launch(2, kTrainLlm, accum_args, with_flags({"--gradient_accumulation_steps", "2"}));
+  ASSERT_EQ(accum.exit_code, 0) << accum.output;
+  EXPECT_EQ(count_of(accum.output, "gradient accumulation 2"), 1) << accum.output;
+  EXPECT_NEAR(final_loss(accum.output), final_loss(dp.output), 1e-5) << accum.output;
+  auto bf16 = launch(2, kTrainLlm, args, with_flags({"--mixed_precision", "bf16"}));
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  EXPECT_EQ(count_of(bf16.output, "precision bf16"), 1) << bf16.output;
+  EXPECT_NEAR(final_loss(bf16.output), final_loss(dp.output), 0.05) << bf16.output;
+  EXPECT_NE(final_loss(bf16.output), final_loss(dp.output)) << "bf16 changed nothing";
+
+  auto pp = launch(2, kTrainLlm, args, with_flags({"--pp_size", "2"}));
+  EXPECT_NE(pp.exit_code, 0) << pp.output;
+  EXPECT_NE(pp.output.find("--pp_size 2: this example does not run pipeline stages"),
+            std::string::npos) << pp.output;
+  auto tp3 = launch(3, kTrainLlm, args, with_flags({"--tp_size", "3"}));
+  EXPECT_NE(tp3.exit_code, 0) << tp3.output;
+  EXPECT_NE(tp3.output.find("tensor parallel size 3 does not divide the llama model's "
+                            "num_attention_heads (4)"),
+            std::string::npos) << tp3.output;
+  const auto config = tandem::testing::temp_path("examples", "small_vocab.json");
+  std::ofstream(config) << R"({"model_type": "qwen3", "vocab_size": 100, "hidden_size": 32,
+      "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+      "num_key_value_heads": 1, "head_dim": 16})";
+  auto vocab = launch(1, kTrainLlm, {"--config", config, "--steps", "1"}, with_flags());
+  EXPECT_NE(vocab.exit_code, 0) << vocab.output;
+  EXPECT_NE(vocab.output.find("vocab_size is 100; give --data"), std::string::npos)
+      << vocab.output;
+  const auto data = tandem::testing::temp_path("examples", "short.jsonl");
+  std::ofstream(data) << "{\"input_ids\": [1, 2, 3]}\n";
+  auto short_data = launch(2, kTrainLlm, {"--config", config, "--data", data, "--steps", "1"},
+                           with_flags());
+  EXPECT_NE(short_data.exit_code, 0) << short_data.output;
+  EXPECT_NE(short_data.output.find("fewer than one global batch"), std::string::npos)
+      << short_data.output;
 }
