@@ -241,15 +241,6 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    auto options = tandem::AcceleratorOptions().seed(1234);
-    if (!mixed_precision.empty()) options.mixed_precision(mixed_precision);
-    tandem::Accelerator acc(options);
-    const int tp = acc.topology().tp(), dp = acc.data_parallel_group().size();
-    if (acc.topology().pp() > 1)
-      throw tandem::Refused("train_llm: --pp_size " + std::to_string(acc.topology().pp()) +
-                            ": this example does not run pipeline stages yet; launch without "
-                            "--pp_size (train_gpt runs pipelines)");
-
     models::LlamaConfig cfg;
     if (!model_dir.empty()) {
       cfg = models::LlamaConfig::from_file(model_dir + "/config.json");
@@ -262,6 +253,16 @@ int main(int argc, char** argv) {
               "max_position_embeddings": 1024, "tie_word_embeddings": true})",
           "the default model");
     }
+    auto options = tandem::AcceleratorOptions().seed(1234);
+    if (!mixed_precision.empty()) options.mixed_precision(mixed_precision);
+    // A mixture of experts leaves the experts no token chose without a gradient in a step.
+    if (cfg.num_experts > 0) options.find_unused_parameters(true);
+    tandem::Accelerator acc(options);
+    const int tp = acc.topology().tp(), dp = acc.data_parallel_group().size();
+    if (acc.topology().pp() > 1)
+      throw tandem::Refused("train_llm: --pp_size " + std::to_string(acc.topology().pp()) +
+                            ": this example does not run pipeline stages yet; launch without "
+                            "--pp_size (train_gpt runs pipelines)");
     models::check_llama_tensor_parallel(cfg, tp);
 
     // The data, the same on every rank (the loader gives each its share).

@@ -85,7 +85,9 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer)
     : head_dim(c.head_dim),
       dropout(c.attention_dropout),
       inv_freq(rope_inverse_frequencies(c)) {
-  if (c.sliding_layers.at(static_cast<size_t>(layer))) window = c.sliding_window;
+  if (static_cast<size_t>(layer) < c.sliding_layers.size() &&
+      c.sliding_layers[static_cast<size_t>(layer)])
+    window = c.sliding_window;
   const double std = c.initializer_range;
   q_proj = register_module("q_proj", linear(c.hidden_size, c.num_attention_heads * c.head_dim,
                                             c.qkv_bias, std));
@@ -145,15 +147,54 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
   return o_proj(y.transpose(1, 2).reshape({B, T, H * head_dim}));
 }
 
-LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c) : act(c.hidden_act) {
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, int64_t width, bool mixtral_names)
+    : act(c.hidden_act) {
   const double std = c.initializer_range;
-  gate_proj = register_module("gate_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias, std));
-  up_proj = register_module("up_proj", linear(c.hidden_size, c.intermediate_size, c.mlp_bias, std));
-  down_proj = register_module("down_proj", linear(c.intermediate_size, c.hidden_size, c.mlp_bias, std));
+  const int64_t f = width > 0 ? width : c.intermediate_size;
+  const bool bias = c.mlp_bias && width == 0;
+  gate_proj = register_module(mixtral_names ? "w1" : "gate_proj", linear(c.hidden_size, f, bias, std));
+  up_proj = register_module(mixtral_names ? "w3" : "up_proj", linear(c.hidden_size, f, bias, std));
+  down_proj = register_module(mixtral_names ? "w2" : "down_proj", linear(f, c.hidden_size, bias, std));
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
   return down_proj(activation(act, gate_proj(x)) * up_proj(x));
+}
+
+LlamaSparseMoeImpl::LlamaSparseMoeImpl(const LlamaConfig& c)
+    : top_k(c.num_experts_per_tok), norm_topk_prob(c.norm_topk_prob), jitter(c.router_jitter_noise) {
+  gate = register_module("gate", linear(c.hidden_size, c.num_experts, false, c.initializer_range));
+  experts_list = register_module("experts", torch::nn::ModuleList());
+  const bool mixtral = c.model_type == "mixtral";
+  for (int64_t e = 0; e < c.num_experts; ++e) {
+    experts.push_back(LlamaMLP(c, c.moe_intermediate_size, mixtral));
+    experts_list->push_back(experts.back());
+  }
+}
+
+at::Tensor LlamaSparseMoeImpl::forward(const at::Tensor& x) {
+  const auto B = x.size(0), T = x.size(1), H = x.size(2);
+  auto h = x;
+  if (is_training() && jitter > 0) h = h * torch::empty_like(h).uniform_(1.0 - jitter, 1.0 + jitter);
+  h = h.reshape({-1, H});
+  router_logits = gate(h);  // [tokens, experts]
+  auto probs = torch::softmax(router_logits, -1, torch::kFloat);
+  auto [weights, chosen] = torch::topk(probs, top_k, -1);  // [tokens, k]
+  if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  weights = weights.to(router_logits.scalar_type());
+  const int64_t E = static_cast<int64_t>(experts.size());
+  tokens_per_expert = torch::bincount(chosen.reshape({-1}).to(torch::kCPU), {}, E);
+  auto out = torch::zeros_like(h);
+  // Expert by expert in ascending order (transformers' order of the sums), each on its tokens.
+  for (int64_t e = 0; e < E; ++e) {
+    auto hit = (chosen == e).nonzero();  // [n, 2]: token, slot
+    if (hit.size(0) == 0) continue;
+    auto token = hit.select(1, 0), slot = hit.select(1, 1);
+    auto y = experts[static_cast<size_t>(e)](h.index_select(0, token));
+    y = y * weights.index({token, slot}).unsqueeze(1);
+    out.index_add_(0, token, y.to(out.scalar_type()));
+  }
+  return out.view({B, T, H});
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer) {
@@ -161,12 +202,16 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer
   self_attn = register_module("self_attn", LlamaAttention(c, layer));
   post_attention_layernorm =
       register_module("post_attention_layernorm", tandem::nn::RMSNorm(c.hidden_size, c.rms_norm_eps));
-  mlp = register_module("mlp", LlamaMLP(c));
+  if (static_cast<size_t>(layer) < c.moe_layers.size() && c.moe_layers[static_cast<size_t>(layer)])
+    moe = register_module(c.model_type == "mixtral" ? "block_sparse_moe" : "mlp", LlamaSparseMoe(c));
+  else
+    mlp = register_module("mlp", LlamaMLP(c));
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& x) {
   auto h = x + self_attn(input_layernorm(x));
-  return h + mlp(post_attention_layernorm(h));
+  auto n = post_attention_layernorm(h);
+  return h + (moe.is_empty() ? mlp(n) : moe(n));
 }
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c) {
@@ -208,7 +253,50 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config(c) {
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& ids) { return lm_head(model(ids)); }
 
 at::Tensor LlamaForCausalLMImpl::loss(const at::Tensor& ids, const at::Tensor& labels) {
-  return causal_lm_loss(forward(ids), labels);
+  auto l = causal_lm_loss(forward(ids), labels);
+  if (config.num_experts > 0 && config.output_router_logits) {
+    if (l.requires_grad())
+      for (auto& layer : model->layers)
+        if (!layer->moe.is_empty() && !layer->moe->router_logits.requires_grad())
+          throw Refused(
+              "LlamaForCausalLM::loss: the config's output_router_logits adds the "
+              "load-balancing loss, but the router logits of a layer carry no gradient: its "
+              "forward ran without autograd (activation checkpointing recomputes it in "
+              "backward), so the router would not learn from that loss. Turn activation "
+              "checkpointing off for this model, or set output_router_logits to false in "
+              "config.json");
+    l = l + config.router_aux_loss_coef * router_aux_loss().to(l.device());
+  }
+  return l;
+}
+
+at::Tensor LlamaForCausalLMImpl::router_aux_loss() {
+  at::Tensor counts, probs;
+  int64_t rows = 0;
+  const auto E = config.num_experts, k = config.num_experts_per_tok;
+  for (auto& layer : model->layers) {
+    if (layer->moe.is_empty()) continue;
+    const auto& logits = layer->moe->router_logits;
+    TANDEM_CHECK(logits.defined(), "router_aux_loss: no forward has run");
+    auto p = torch::softmax(logits, -1);
+    auto chosen = std::get<1>(torch::topk(p, k, -1));
+    auto c = torch::zeros({E}, p.options().dtype(torch::kFloat))
+                 .scatter_add_(0, chosen.reshape({-1}),
+                               torch::ones({chosen.numel()}, p.options().dtype(torch::kFloat)));
+    auto s = p.to(torch::kFloat).sum(0);
+    counts = counts.defined() ? counts + c : c;
+    probs = probs.defined() ? probs + s : s;
+    rows += p.size(0);
+  }
+  if (!counts.defined()) return {};
+  return (counts / rows * (probs / rows)).sum() * static_cast<double>(E);
+}
+
+std::vector<at::Tensor> LlamaForCausalLMImpl::tokens_per_expert() {
+  std::vector<at::Tensor> out;
+  for (auto& layer : model->layers)
+    if (!layer->moe.is_empty()) out.push_back(layer->moe->tokens_per_expert);
+  return out;
 }
 
 void LlamaForCausalLMImpl::use_cache(bool on) {
@@ -241,10 +329,14 @@ parallel::TensorParallelPlan llama_tensor_parallel_plan(const LlamaConfig& c) {
   plan.colwise("model.layers.*.self_attn.q_proj")
       .colwise("model.layers.*.self_attn.k_proj")
       .colwise("model.layers.*.self_attn.v_proj")
-      .rowwise("model.layers.*.self_attn.o_proj")
-      .colwise("model.layers.*.mlp.gate_proj")
-      .colwise("model.layers.*.mlp.up_proj")
-      .rowwise("model.layers.*.mlp.down_proj");
+      .rowwise("model.layers.*.self_attn.o_proj");
+  bool dense = c.moe_layers.empty();
+  for (bool sparse : c.moe_layers) dense = dense || !sparse;
+  // Experts stay whole on every tp rank (their input is whole after o_proj's all-reduce).
+  if (dense)
+    plan.colwise("model.layers.*.mlp.gate_proj")
+        .colwise("model.layers.*.mlp.up_proj")
+        .rowwise("model.layers.*.mlp.down_proj");
   if (c.qk_norm)
     plan.sum_gradients("model.layers.*.self_attn.q_norm")
         .sum_gradients("model.layers.*.self_attn.k_norm");
@@ -253,9 +345,11 @@ parallel::TensorParallelPlan llama_tensor_parallel_plan(const LlamaConfig& c) {
 
 void check_llama_tensor_parallel(const LlamaConfig& c, int64_t tp) {
   if (tp <= 1) return;
+  bool dense = c.moe_layers.empty();
+  for (bool sparse : c.moe_layers) dense = dense || !sparse;
   for (auto [what, n] : {std::pair<const char*, int64_t>{"num_attention_heads", c.num_attention_heads},
                          {"num_key_value_heads", c.num_key_value_heads},
-                         {"intermediate_size", c.intermediate_size}})
+                         {"intermediate_size", dense ? c.intermediate_size : tp}})
     if (n % tp != 0)
       throw Refused("tensor parallel size " + std::to_string(tp) + " does not divide the " +
                     c.model_type + " model's " + what + " (" + std::to_string(n) +

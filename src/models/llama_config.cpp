@@ -54,7 +54,13 @@ const std::set<std::string>& shape_keys(const std::string& type) {
       {"qwen2", {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
                  "use_mrope"}},
       {"qwen3", {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
-                 "layer_types"}}};
+                 "layer_types"}},
+      {"mixtral", {"sliding_window", "num_local_experts", "num_experts_per_tok",
+                   "router_aux_loss_coef", "router_jitter_noise", "output_router_logits"}},
+      {"qwen3_moe", {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+                     "layer_types", "num_experts", "num_local_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+                     "norm_topk_prob", "router_aux_loss_coef", "output_router_logits"}}};
   static std::map<std::string, std::set<std::string>> all;
   auto& s = all[type];
   if (s.empty()) {
@@ -80,10 +86,10 @@ LlamaConfig LlamaConfig::from_json_text(const std::string& text, const std::stri
   LlamaConfig c;
   c.model_type = j.value("model_type", std::string());
   if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2" &&
-      c.model_type != "qwen3")
+      c.model_type != "qwen3" && c.model_type != "mixtral" && c.model_type != "qwen3_moe")
     refuse("model_type", "is '" + c.model_type +
-                             "'; this model computes llama, mistral, qwen2 and qwen3 (the "
-                             "mixture-of-experts families and others are not this class)");
+                             "'; this model computes llama, mistral, qwen2, qwen3, mixtral and "
+                             "qwen3_moe");
   const auto& own = shape_keys(c.model_type);
   json kept = json::object();
   for (const auto& [key, value] : j.items()) {
@@ -117,15 +123,21 @@ LlamaConfig LlamaConfig::from_json_text(const std::string& text, const std::stri
     if (!j[key].is_boolean()) refuse(key, "is " + j[key].dump() + ", not true or false");
     return j[key].get<bool>();
   };
-  const bool qwen = c.model_type == "qwen2" || c.model_type == "qwen3";
+  const bool qwen = c.model_type == "qwen2" || c.model_type == "qwen3" || c.model_type == "qwen3_moe";
+  const bool moe = c.model_type == "mixtral" || c.model_type == "qwen3_moe";
+  const bool qwen_moe = c.model_type == "qwen3_moe";
   c.vocab_size = get_int("vocab_size", qwen ? 151936 : 32000);
-  c.hidden_size = get_int("hidden_size", 4096);
-  c.intermediate_size = get_int("intermediate_size", c.model_type == "llama" ? 11008 : 14336);
-  c.num_hidden_layers = get_int("num_hidden_layers", 32);
+  c.hidden_size = get_int("hidden_size", qwen_moe ? 2048 : 4096);
+  c.intermediate_size = get_int("intermediate_size", c.model_type == "llama" ? 11008
+                                                     : qwen_moe             ? 6144
+                                                                            : 14336);
+  c.num_hidden_layers = get_int("num_hidden_layers", qwen_moe ? 24 : 32);
   c.num_attention_heads = get_int("num_attention_heads", 32);
   c.num_key_value_heads = get_int("num_key_value_heads", c.num_attention_heads);
   if (c.model_type == "qwen2") c.num_key_value_heads = get_int("num_key_value_heads", 32);
-  if (c.model_type == "mistral") c.num_key_value_heads = get_int("num_key_value_heads", 8);
+  if (c.model_type == "mistral" || c.model_type == "mixtral")
+    c.num_key_value_heads = get_int("num_key_value_heads", 8);
+  if (qwen_moe) c.num_key_value_heads = get_int("num_key_value_heads", 4);
   for (auto [key, v] : {std::pair<const char*, int64_t>{"vocab_size", c.vocab_size},
                         {"hidden_size", c.hidden_size},
                         {"intermediate_size", c.intermediate_size},
@@ -148,9 +160,10 @@ LlamaConfig LlamaConfig::from_json_text(const std::string& text, const std::stri
                                       std::to_string(c.num_attention_heads) + ")");
   c.max_position_embeddings =
       get_int("max_position_embeddings", c.model_type == "llama" ? 2048
-                                         : c.model_type == "mistral" ? 131072
-                                                                     : 32768);
-  c.rms_norm_eps = get_double(j, "rms_norm_eps", 1e-6);
+                                         : c.model_type == "mistral" || c.model_type == "mixtral"
+                                             ? 131072
+                                             : 32768);
+  c.rms_norm_eps = get_double(j, "rms_norm_eps", c.model_type == "mixtral" ? 1e-5 : 1e-6);
   c.initializer_range = get_double(j, "initializer_range", 0.02);
   c.attention_dropout = get_double(j, "attention_dropout", 0.0);
   if (c.attention_dropout < 0 || c.attention_dropout >= 1)
@@ -164,12 +177,47 @@ LlamaConfig LlamaConfig::from_json_text(const std::string& text, const std::stri
   if (get_bool("add_cross_attention", false)) refuse("add_cross_attention", "is true");
   if (j.contains("pruned_heads") && !j["pruned_heads"].is_null() && !j["pruned_heads"].empty())
     refuse("pruned_heads", "is set; a pruned model has other shapes per layer");
-  if (c.model_type == "llama" || c.model_type == "qwen3") {
+  if (c.model_type == "llama" || c.model_type == "qwen3" || qwen_moe) {
     c.qkv_bias = c.o_bias = get_bool("attention_bias", false);
   }
   if (c.model_type == "qwen2") c.qkv_bias = true;
   if (c.model_type == "llama") c.mlp_bias = get_bool("mlp_bias", false);
-  c.qk_norm = c.model_type == "qwen3";
+  c.qk_norm = c.model_type == "qwen3" || qwen_moe;
+  c.moe_layers.assign(static_cast<size_t>(c.num_hidden_layers), false);
+  if (moe) {
+    if (j.contains("num_experts") && j.contains("num_local_experts") &&
+        j["num_experts"] != j["num_local_experts"])
+      refuse("num_experts", "and num_local_experts differ (" + j["num_experts"].dump() + ", " +
+                                j["num_local_experts"].dump() + "); they name one setting");
+    c.num_experts = get_int(j.contains("num_experts") ? "num_experts" : "num_local_experts",
+                            qwen_moe ? 128 : 8);
+    c.num_experts_per_tok = get_int("num_experts_per_tok", qwen_moe ? 8 : 2);
+    c.moe_intermediate_size =
+        qwen_moe ? get_int("moe_intermediate_size", 768) : c.intermediate_size;
+    c.norm_topk_prob = qwen_moe ? get_bool("norm_topk_prob", false) : true;
+    c.router_aux_loss_coef = get_double(j, "router_aux_loss_coef", 0.001);
+    c.router_jitter_noise = qwen_moe ? 0.0 : get_double(j, "router_jitter_noise", 0.0);
+    c.output_router_logits = get_bool("output_router_logits", false);
+    if (c.num_experts <= 0) refuse("num_experts", "must be positive");
+    if (c.num_experts_per_tok <= 0 || c.num_experts_per_tok > c.num_experts)
+      refuse("num_experts_per_tok", "is " + std::to_string(c.num_experts_per_tok) +
+                                        "; expected 1.." + std::to_string(c.num_experts));
+    if (c.moe_intermediate_size <= 0) refuse("moe_intermediate_size", "must be positive");
+    if (c.router_jitter_noise < 0 || c.router_jitter_noise >= 1)
+      refuse("router_jitter_noise", "expected [0, 1)");
+    std::set<int64_t> dense;
+    if (qwen_moe && j.contains("mlp_only_layers") && !j["mlp_only_layers"].is_null()) {
+      if (!j["mlp_only_layers"].is_array()) refuse("mlp_only_layers", "must be a list of layers");
+      for (const auto& v : j["mlp_only_layers"]) {
+        if (!v.is_number_integer()) refuse("mlp_only_layers", "must list layer indices");
+        dense.insert(v.get<int64_t>());
+      }
+    }
+    const int64_t step = qwen_moe ? get_int("decoder_sparse_step", 1) : 1;
+    if (step <= 0) refuse("decoder_sparse_step", "must be positive");
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+      c.moe_layers[i] = !dense.count(i) && (i + 1) % step == 0;
+  }
   if (c.model_type == "qwen2" && get_bool("use_mrope", false))
     refuse("use_mrope", "is true (multimodal rotary positions)");
 
@@ -181,7 +229,7 @@ LlamaConfig LlamaConfig::from_json_text(const std::string& text, const std::stri
     rope = j["rope_scaling"];
   if (!rope.is_object()) refuse("rope_parameters", "is " + rope.dump() + ", not an object");
   const json theta_holder = rope.contains("rope_theta") ? rope : j;
-  c.rope_theta = get_double(theta_holder, "rope_theta", 10000.0);  // every family's default
+  c.rope_theta = get_double(theta_holder, "rope_theta", c.model_type == "mixtral" ? 1e6 : 1e4);
   c.rope_type = rope.value("rope_type", rope.value("type", std::string("default")));
   for (const auto& [key, value] : rope.items()) {
     static const std::set<std::string> known{"rope_type", "type", "rope_theta", "factor",
@@ -223,7 +271,7 @@ LlamaConfig LlamaConfig::from_json_text(const std::string& text, const std::stri
   if (qwen && !get_bool("use_sliding_window", false)) window.reset();
   if (window && *window <= 0) refuse("sliding_window", "must be positive");
   c.sliding_layers.assign(static_cast<size_t>(c.num_hidden_layers), false);
-  if (c.model_type == "mistral") {
+  if (c.model_type == "mistral" || c.model_type == "mixtral") {
     c.sliding_window = window;
     if (window) c.sliding_layers.assign(c.sliding_layers.size(), true);
   } else if (qwen) {
@@ -265,6 +313,8 @@ LlamaConfig LlamaConfig::from_file(const std::string& path) {
 
 std::string LlamaConfig::architecture() const {
   if (model_type == "llama") return "LlamaForCausalLM";
+  if (model_type == "mixtral") return "MixtralForCausalLM";
+  if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
   if (model_type == "mistral") return "MistralForCausalLM";
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
   return "Qwen3ForCausalLM";
@@ -300,9 +350,26 @@ std::string LlamaConfig::to_json_text() const {
     j["attention_bias"] = qkv_bias;
     j["mlp_bias"] = mlp_bias;
   }
-  if (model_type == "qwen3") j["attention_bias"] = qkv_bias;
-  if (model_type == "mistral") j["sliding_window"] = sliding_window ? json(*sliding_window) : json();
-  if (model_type == "qwen2" || model_type == "qwen3") {
+  if (model_type == "qwen3" || model_type == "qwen3_moe") j["attention_bias"] = qkv_bias;
+  if (model_type == "mistral" || model_type == "mixtral")
+    j["sliding_window"] = sliding_window ? json(*sliding_window) : json();
+  if (num_experts > 0) {
+    j["num_local_experts"] = num_experts;
+    j["num_experts_per_tok"] = num_experts_per_tok;
+    j["router_aux_loss_coef"] = router_aux_loss_coef;
+    j["output_router_logits"] = output_router_logits;
+  }
+  if (model_type == "mixtral") j["router_jitter_noise"] = router_jitter_noise;
+  if (model_type == "qwen3_moe") {
+    j["moe_intermediate_size"] = moe_intermediate_size;
+    j["norm_topk_prob"] = norm_topk_prob;
+    j["decoder_sparse_step"] = 1;  // the dense layers listed instead
+    json dense = json::array();
+    for (size_t i = 0; i < moe_layers.size(); ++i)
+      if (!moe_layers[i]) dense.push_back(i);
+    j["mlp_only_layers"] = dense;
+  }
+  if (model_type == "qwen2" || model_type == "qwen3" || model_type == "qwen3_moe") {
     j["use_sliding_window"] = sliding_window.has_value();
     j["sliding_window"] = sliding_window ? json(*sliding_window) : json();
     json types = json::array();
@@ -315,12 +382,17 @@ std::string LlamaConfig::to_json_text() const {
 int64_t LlamaConfig::parameter_count() const {
   const int64_t h = hidden_size, q = num_attention_heads * head_dim,
                 kv = num_key_value_heads * head_dim, f = intermediate_size;
-  int64_t layer = h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h;
-  if (qkv_bias) layer += q + 2 * kv;
-  if (o_bias) layer += h;
-  if (mlp_bias) layer += 2 * f + h;
-  if (qk_norm) layer += 2 * head_dim;
-  return vocab_size * h * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * layer + h;
+  int64_t attention = h * q + 2 * h * kv + q * h + 2 * h;  // with the two norms
+  if (qkv_bias) attention += q + 2 * kv;
+  if (o_bias) attention += h;
+  if (qk_norm) attention += 2 * head_dim;
+  int64_t dense = 3 * h * f;
+  if (mlp_bias) dense += 2 * f + h;
+  const int64_t sparse = num_experts * 3 * h * moe_intermediate_size + num_experts * h;
+  int64_t layers = 0;
+  for (int64_t i = 0; i < num_hidden_layers; ++i)
+    layers += attention + (moe_layers.empty() || !moe_layers[i] ? dense : sparse);
+  return vocab_size * h * (tie_word_embeddings ? 1 : 2) + layers + h;
 }
 
 }  // namespace tandem::models

@@ -311,6 +311,25 @@ TEST(Examples, TrainLlmTakesTheLaunchersSettingsAndRefusesWhatItCannotDo) {
   EXPECT_NE(vocab.exit_code, 0) << vocab.output;
   EXPECT_NE(vocab.output.find("vocab_size is 100; give --data"), std::string::npos)
       << vocab.output;
+  // A mixture of experts whose loss adds the load-balancing term trains (experts a rank's batch
+  // did not choose have no gradient there), and under activation checkpointing, where the
+  // router's logits would carry no gradient, is refused naming the fix.
+  const auto moe = tandem::testing::temp_path("examples", "moe.json");
+  std::ofstream(moe) << R"({"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32,
+      "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 24, "output_router_logits": true, "router_aux_loss_coef": 0.5})";
+  auto moe_args = args;
+  moe_args.insert(moe_args.end(), {"--config", moe});
+  auto sparse = launch(2, kTrainLlm, moe_args, with_flags());
+  ASSERT_EQ(sparse.exit_code, 0) << sparse.output;
+  EXPECT_EQ(count_of(sparse.output, "qwen3_moe with"), 1) << sparse.output;
+  auto sparse_ckpt = launch(2, kTrainLlm, moe_args, with_flags({"--activation_checkpointing"}));
+  EXPECT_NE(sparse_ckpt.exit_code, 0) << sparse_ckpt.output;
+  EXPECT_NE(sparse_ckpt.output.find("Turn activation checkpointing off for this model, or set "
+                                    "output_router_logits to false"),
+            std::string::npos) << sparse_ckpt.output;
+
   const auto data = tandem::testing::temp_path("examples", "short.jsonl");
   std::ofstream(data) << "{\"input_ids\": [1, 2, 3]}\n";
   auto short_data = launch(2, kTrainLlm, {"--config", config, "--data", data, "--steps", "1"},

@@ -7,7 +7,9 @@ count) and saved by save_pretrained, no hub access:
   - what each family adds: grouped-query attention, llama3 and linear rotary scaling, tied and
     untied heads, attention and MLP biases, Qwen2's q/k/v biases, Qwen3's q/k norms and own
     head_dim, Mistral's sliding window and Qwen2's on some layers (both shorter than the batch);
-    a sharded checkpoint, and one stored in bfloat16;
+    a sharded checkpoint, and one stored in bfloat16; Mixtral's and Qwen3-MoE's experts (top-2
+    of 4, renormalised or not, a dense layer among sparse ones) with the load-balancing loss in
+    the loss and equal to transformers' aux_loss;
   - the folder tandem writes back loads in transformers with equal logits (float32), or equal
     bfloat16 weights (saved as bfloat16), with the right architectures;
   - LlamaConfig::parameter_count() equals transformers' count;
@@ -17,6 +19,7 @@ Usage: llama_oracle.py ORACLE_TOOL WORK_DIR LIBTORCH_VERSION
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -24,8 +27,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,  # noqa: E402
-                          Qwen3Config)
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig,  # noqa: E402
+                          Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from common import fail, fresh_dir, run  # noqa: E402
 
@@ -54,6 +57,15 @@ CASES = {
     # q/k norms, head_dim 16 (not hidden / heads), tied head.
     "qwen3": lambda: Qwen3Config(**SHAPE, num_key_value_heads=2, head_dim=16,
                                  tie_word_embeddings=True),
+    # 4 experts, top 2 (renormalised), the load-balancing loss in the loss (coefficient 0.1).
+    "mixtral": lambda: MixtralConfig(**SHAPE, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, output_router_logits=True,
+                                     router_aux_loss_coef=0.1),
+    # Layer 0 dense, layer 1 sparse: 4 experts of width 24, top 2 not renormalised; q/k norms.
+    "qwen3_moe": lambda: Qwen3MoeConfig(**SHAPE, num_key_value_heads=2, num_experts=4,
+                                        num_experts_per_tok=2, moe_intermediate_size=24,
+                                        mlp_only_layers=[0], norm_topk_prob=False,
+                                        output_router_logits=True, router_aux_loss_coef=0.1),
 }
 
 
@@ -73,6 +85,33 @@ def make(name, path, seed):
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                attn_implementation="eager").eval()
     return ref
+
+
+def file_gradients(name, ref):
+    """The gradients of `ref` under the names its files use: transformers holds a mixture's
+    experts fused (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) and Mixtral's
+    block as `mlp`, but save_pretrained writes one tensor per expert (Mixtral: block_sparse_moe,
+    w1 gate, w3 up, w2 down; Qwen3-MoE: gate_proj, up_proj, down_proj)."""
+    mixtral = name == "mixtral"
+    out = {}
+    for pname, p in ref.named_parameters():
+        g = p.grad
+        m = re.match(r"(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", pname)
+        if m:
+            prefix = m.group(1) + (".block_sparse_moe" if mixtral else ".mlp")
+            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            for e in range(g.shape[0]):
+                if m.group(2) == "gate_up_proj":
+                    half = g.shape[1] // 2
+                    out[f"{prefix}.experts.{e}.{gate}.weight"] = g[e, :half]
+                    out[f"{prefix}.experts.{e}.{up}.weight"] = g[e, half:]
+                else:
+                    out[f"{prefix}.experts.{e}.{down}.weight"] = g[e]
+            continue
+        if mixtral:
+            pname = pname.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+        out[pname] = g
+    return out
 
 
 def rel(a, b):
@@ -108,15 +147,21 @@ def check_case(tool, work, name, seed, attention):
     if loss_diff > 1e-5:
         fail(f"{name}: loss {got['loss'].item()} vs transformers' {res.loss.item()}")
     grads = 0
-    for pname, p in ref.named_parameters():
+    for pname, grad in file_gradients(name, ref).items():
         key = "grad." + pname
         if key not in got:
             fail(f"{name}: tandem has no gradient for {pname}")
-        r = rel(got[key], p.grad)
+        r = rel(got[key], grad)
         if r > 1e-4:
             fail(f"{name} ({attention}): gradient of {pname} differs by {r:.3g}")
         worst["grad"] = max(worst.get("grad", 0.0), r)
         grads += 1
+    if "aux_loss" in got:
+        if res.aux_loss is None:
+            fail(f"{name}: transformers computed no load-balancing loss")
+        aux = abs(got["aux_loss"].item() - res.aux_loss.item()) / abs(res.aux_loss.item())
+        if aux > 1e-5:
+            fail(f"{name}: load-balancing loss {got['aux_loss'].item()} vs {res.aux_loss.item()}")
     r = rel(got["cached_logits"], res.logits[:, -1].detach())
     if r > 1e-4:
         fail(f"{name} ({attention}): the key/value cache's last logits differ by {r:.3g}")
@@ -150,7 +195,7 @@ def check_refusals(tool, work):
     variants = {
         "quantization_config": dict(base, quantization_config={"quant_method": "gptq"}),
         "yarn": dict(base, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
-        "model_type": dict(base, model_type="mixtral"),
+        "model_type": dict(base, model_type="gemma"),
         "foo_bar": dict(base, foo_bar=3),
         "num_key_value_heads": dict(base, num_key_value_heads=3),
     }

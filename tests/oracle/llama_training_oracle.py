@@ -1,4 +1,5 @@
-"""Fine-tuning a transformers Qwen3 (tied head, grouped-query attention, q/k norms) with
+"""Fine-tuning a transformers Qwen3 (tied head, grouped-query attention, q/k norms), and a
+Qwen3-MoE (a dense layer and a layer of four experts, top 2), with
 examples/train_llm under every layout equals PyTorch's own training of the same model: four
 AdamW steps (weight decay, one warm-up step then cosine decay to 10% with transformers'
 get_cosine_with_min_lr_schedule_with_warmup, gradient clipping that binds) on the same JSONL
@@ -17,7 +18,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup  # noqa: E402
 
 from common import fail, fresh_dir, run  # noqa: E402
@@ -26,11 +27,23 @@ STEPS, GLOBAL_BATCH, SEQ, LR, WD, CLIP = 4, 4, 16, 1e-2, 0.01, 0.5
 
 
 def main():
-    train_llm, cli, work = sys.argv[1], sys.argv[2], fresh_dir(sys.argv[3])
+    train_llm, cli, root = sys.argv[1], sys.argv[2], fresh_dir(sys.argv[3])
+    dense = Qwen3Config(vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        tie_word_embeddings=True, max_position_embeddings=64)
+    # Layer 0 dense, layer 1 four experts (top 2): experts no token of a rank's batch chose get
+    # no gradient there. The load-balancing loss is left out: each data-parallel rank computes it
+    # over its own tokens (as Megatron and torchtitan do), which one process does not.
+    moe = Qwen3MoeConfig(vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[0],
+                         norm_topk_prob=True, max_position_embeddings=64)
+    for name, config in (("qwen3", dense), ("qwen3_moe", moe)):
+        check(train_llm, cli, fresh_dir(os.path.join(root, name)), name, config)
+
+
+def check(train_llm, cli, work, family, config):
     torch.manual_seed(5)
-    config = Qwen3Config(vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         tie_word_embeddings=True, max_position_embeddings=64)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for p in model.parameters():
@@ -62,7 +75,9 @@ def main():
         opt.zero_grad()
     if clipped == 0:
         fail("the clipping never bound: the check would not see a wrong global norm")
-    want = dict(model.named_parameters())
+    # By the files' names (transformers holds a mixture's experts fused).
+    model.save_pretrained(os.path.join(work, "pytorch"), safe_serialization=True)
+    want = load_file(os.path.join(work, "pytorch", "model.safetensors"))
 
     layouts = [
         ("one process", 1, [], GLOBAL_BATCH),
@@ -84,15 +99,17 @@ def main():
         worst = 0.0
         for pname, p in want.items():
             if pname not in got:
-                fail(f"{name}: the saved folder has no {pname}")
-            d = (got[pname] - p.detach()).abs().max().item() / p.detach().abs().max().item()
+                fail(f"{family}, {name}: the saved folder has no {pname}")
+            d = (got[pname] - p).abs().max().item() / p.abs().max().item()
             if d > 1e-4:
-                fail(f"{name}: {pname} differs from PyTorch's by {d:.3g} after {STEPS} steps")
+                fail(f"{family}, {name}: {pname} differs from PyTorch's by {d:.3g} after "
+                     f"{STEPS} steps")
             worst = max(worst, d)
         back = AutoModelForCausalLM.from_pretrained(out_dir)
-        if type(back).__name__ != "Qwen3ForCausalLM":
-            fail(f"{name}: the saved folder loads as {type(back).__name__}")
-        print(f"{name}: {len(want)} tensors within {worst:.2e} of PyTorch's after {STEPS} steps")
+        if type(back).__name__ != type(model).__name__:
+            fail(f"{family}, {name}: the saved folder loads as {type(back).__name__}")
+        print(f"{family}, {name}: {len(want)} tensors within {worst:.2e} of PyTorch's after "
+              f"{STEPS} steps")
 
 
 if __name__ == "__main__":

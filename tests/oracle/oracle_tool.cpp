@@ -240,10 +240,17 @@ int llama(const fs::path& dir, const std::string& attention, const std::string& 
   const auto ids = batch.tensor("ids"), labels = batch.tensor("labels");
   auto logits = model(ids);
   auto loss = models::causal_lm_loss(logits, labels);
-  loss.backward();
   tandem::checkpoint::NamedTensors out{{"logits", logits.detach()}, {"loss", loss.detach()}};
-  for (const auto& p : model->named_parameters())
-    if (p.value().grad().defined()) out.emplace_back("grad." + p.key(), p.value().grad());
+  if (cfg.num_experts > 0) {
+    out.emplace_back("aux_loss", model->router_aux_loss().detach());
+    loss = loss + cfg.router_aux_loss_coef * model->router_aux_loss();  // as transformers' loss
+    out[1].second = loss.detach();
+  }
+  loss.backward();
+  for (const auto& p : model->named_parameters())  // an expert no token chose: no gradient
+    out.emplace_back("grad." + p.key(), p.value().grad().defined()
+                                            ? p.value().grad()
+                                            : torch::zeros_like(p.value()));
   {
     torch::NoGradGuard no_grad;
     model->use_cache(true);

@@ -1,5 +1,6 @@
 // The Llama family of decoders as transformers defines them (LlamaForCausalLM, and the members
-// that differ from it only in flags: Mistral, Qwen2, Qwen3), with transformers' parameter names
+// that differ from it only in flags: Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral
+// and Qwen3-MoE), with transformers' parameter names
 // and shapes, so that a `save_pretrained` folder loads as it is and a folder written here loads in
 // transformers: token embedding, decoder layers of RMSNorm, grouped-query attention with rotary
 // embeddings (default, linear and llama3 frequencies), a SwiGLU MLP, the final RMSNorm and the
@@ -43,7 +44,7 @@ namespace tandem::models {
 /// quantization_config, a rope type other than default/linear/llama3, a partial rotary factor,
 /// remote code) instead of running another model than the checkpoint's.
 struct LlamaConfig {
-  std::string model_type = "llama";  ///< llama, mistral, qwen2 or qwen3
+  std::string model_type = "llama";  ///< llama, mistral, qwen2, qwen3, mixtral or qwen3_moe
   int64_t vocab_size = 32000;
   int64_t hidden_size = 4096;
   int64_t intermediate_size = 11008;
@@ -73,6 +74,17 @@ struct LlamaConfig {
   std::optional<int64_t> sliding_window;
   /// Per layer: whether sliding_window applies to it.
   std::vector<bool> sliding_layers;
+  // Mixture of experts (mixtral, qwen3_moe; Note [One Llama]): num_experts 0 is a dense model.
+  int64_t num_experts = 0;          ///< num_local_experts (Qwen3-MoE's files: num_experts)
+  int64_t num_experts_per_tok = 2;  ///< top-k
+  int64_t moe_intermediate_size = 0;  ///< each expert's SwiGLU width (Mixtral: intermediate_size)
+  bool norm_topk_prob = true;  ///< renormalise the top-k probabilities (Mixtral always)
+  double router_aux_loss_coef = 0.001;
+  double router_jitter_noise = 0.0;  ///< Mixtral: inputs scaled by U(1 - j, 1 + j) in training
+  /// transformers adds the load-balancing loss to loss() only when the config says so.
+  bool output_router_logits = false;
+  /// Per layer: a sparse block of experts (else the dense MLP of intermediate_size).
+  std::vector<bool> moe_layers;
   /// The keys of the file that do not change the computation (token ids, dtype, generation
   /// defaults, architectures, ...), as JSON text, written back by to_json_text.
   std::string kept_json = "{}";
@@ -121,14 +133,35 @@ struct LlamaAttentionImpl : torch::nn::Module {
 };
 TANDEM_MODULE(LlamaAttention);
 
-/// SwiGLU: down(act(gate(x)) * up(x)).
+/// SwiGLU: down(act(gate(x)) * up(x)). `width` 0 is the config's intermediate_size; Mixtral's
+/// experts name their layers w1 (gate), w3 (up) and w2 (down).
 struct LlamaMLPImpl : torch::nn::Module {
-  explicit LlamaMLPImpl(const LlamaConfig& c);
+  explicit LlamaMLPImpl(const LlamaConfig& c, int64_t width = 0, bool mixtral_names = false);
   at::Tensor forward(const at::Tensor& x);
   std::string act;
   tandem::nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TANDEM_MODULE(LlamaMLP);
+
+/// A sparse block of experts (Mixtral's block_sparse_moe, Qwen3-MoE's mlp): a router (`gate`,
+/// [experts, hidden], no bias) picks the top-k experts of each token from the softmax of its
+/// logits (renormalised over the k when norm_topk_prob), each expert a SwiGLU of its own under
+/// `experts.<e>` (one module per expert, so that an expert-parallel split keeps the names), their
+/// outputs summed with those weights. Dropless: every token reaches its k experts.
+struct LlamaSparseMoeImpl : torch::nn::Module {
+  explicit LlamaSparseMoeImpl(const LlamaConfig& c);
+  /// x [B, T, hidden] -> [B, T, hidden]; keeps this forward's router logits [B * T, experts].
+  at::Tensor forward(const at::Tensor& x);
+  int64_t top_k;
+  bool norm_topk_prob;
+  double jitter;
+  tandem::nn::Linear gate{nullptr};
+  torch::nn::ModuleList experts_list{nullptr};  ///< registered as "experts"
+  std::vector<LlamaMLP> experts;
+  at::Tensor router_logits;  ///< of the last forward (the load-balancing loss reads them)
+  at::Tensor tokens_per_expert;  ///< of the last forward: [experts] counts (int64)
+};
+TANDEM_MODULE(LlamaSparseMoe);
 
 struct LlamaDecoderLayerImpl : torch::nn::Module {
   LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer);
@@ -136,7 +169,8 @@ struct LlamaDecoderLayerImpl : torch::nn::Module {
   tandem::nn::RMSNorm input_layernorm{nullptr};
   LlamaAttention self_attn{nullptr};
   tandem::nn::RMSNorm post_attention_layernorm{nullptr};
-  LlamaMLP mlp{nullptr};
+  LlamaMLP mlp{nullptr};        ///< a dense layer's
+  LlamaSparseMoe moe{nullptr};  ///< a sparse layer's ("mlp", Mixtral's "block_sparse_moe")
 };
 TANDEM_MODULE(LlamaDecoderLayer);
 
@@ -170,8 +204,16 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& ids);
   /// transformers' causal-LM loss: the mean cross entropy of the logits at positions 0..T-2
   /// against labels 1..T-1, float32, positions whose label is -100 left out. `labels` [B, T]
-  /// (usually the ids themselves).
+  /// (usually the ids themselves). A mixture of experts whose config sets output_router_logits
+  /// adds router_aux_loss_coef times router_aux_loss(), as transformers does.
   at::Tensor loss(const at::Tensor& ids, const at::Tensor& labels);
+  /// The load-balancing loss of the last forward (Switch Transformer's, as transformers computes
+  /// it): experts x sum over experts of (the fraction of top-k choices that went to it) x (its
+  /// mean router probability), over the tokens of every sparse layer together. Undefined for a
+  /// dense model.
+  at::Tensor router_aux_loss();
+  /// Per sparse layer, how many of the last forward's top-k choices each expert got.
+  std::vector<at::Tensor> tokens_per_expert();
   /// Turns the key/value cache on or off and empties it.
   void use_cache(bool on);
   void set_attention(tandem::nn::AttentionKernel kernel);
