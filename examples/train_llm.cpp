@@ -15,7 +15,8 @@
 // gradient clipping. Each report gives tokens/s and the model FLOPs utilisation: 6 N + 12 L H Q T
 // FLOPs per token (N the parameters outside the embedding, L layers, H heads, Q head size, T the
 // sequence length) over the step time and the peak (--peak_tflops, a table of NVIDIA GPUs, or a
-// matrix product measured on the CPU). --save writes a folder transformers loads.
+// matrix product measured on the CPU). --save writes a folder transformers loads. With --lora_r
+// only LoRA adapters train, and --save writes PEFT's adapter files.
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
@@ -29,6 +30,7 @@
 
 #include "common/gpt.h"
 #include "tandem/models/llama.h"
+#include "tandem/peft/lora.h"
 #include "tandem/tandem.h"
 
 namespace {
@@ -227,6 +229,20 @@ int main(int argc, char** argv) {
   app.add_option("--save", save_dir, "Write the trained model here as transformers' folder");
   app.add_option("--save_dtype", save_dtype, "Weights' dtype in --save: float32, bfloat16, float16 "
                  "(default: the model's)")->check(CLI::IsMember({"", "float32", "bfloat16", "float16"}));
+  tandem::peft::LoraOptions lora;
+  lora.r(0);
+  std::string lora_adapter;
+  std::vector<std::string> lora_targets{"q_proj", "v_proj"};
+  double lora_alpha = 16, lora_dropout = 0;
+  int64_t lora_r = 0;
+  app.add_option("--lora_r", lora_r, "LoRA: the adapters' rank (0: train every weight)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--lora_alpha", lora_alpha, "LoRA: the adapters' scale is alpha / r");
+  app.add_option("--lora_dropout", lora_dropout, "LoRA: dropout on the adapters' input");
+  app.add_option("--lora_targets", lora_targets, "LoRA: the layers that get adapters")
+      ->delimiter(',');
+  app.add_option("--lora_adapter", lora_adapter, "LoRA: start from this adapter (PEFT's files; "
+                 "its adapter_config.json sets r, alpha, dropout and targets)");
   app.add_option("--source-tree", source_tree, "Directory whose text is the default data");
   app.add_option("--text", text_file, "A text file whose bytes are the data instead");
   CLI11_PARSE(app, argc, argv);
@@ -241,6 +257,16 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    if (!lora_adapter.empty()) {
+      lora = tandem::peft::read_adapter_config(lora_adapter);
+      if (lora_r > 0 && lora_r != lora.r()) {
+        std::cerr << "--lora_r " << lora_r << " and --lora_adapter " << lora_adapter
+                  << " (r " << lora.r() << ") disagree; the adapter's settings hold: drop --lora_r\n";
+        return 2;
+      }
+    } else if (lora_r > 0) {
+      lora.r(lora_r).alpha(lora_alpha).dropout(lora_dropout).target_modules(lora_targets);
+    }
     models::LlamaConfig cfg;
     if (!model_dir.empty()) {
       cfg = models::LlamaConfig::from_file(model_dir + "/config.json");
@@ -300,7 +326,22 @@ int main(int argc, char** argv) {
     // rank holds the dense model); tensor parallel splits dense layers, so it builds them whole
     // (and loads a folder before splitting).
     models::LlamaForCausalLM model{nullptr};
-    if (tp > 1) {
+    std::vector<torch::Tensor> adapters;
+    if (lora.r() > 0) {
+      // LoRA: the dense base (loaded) gets its adapters before prepare, so that every strategy
+      // sees the frozen and the trainable parameters as they are.
+      if (tp > 1)
+        throw tandem::Refused("train_llm: LoRA under --tp_size " + std::to_string(tp) +
+                              ": adapters do not follow tensor-parallel splits yet; train LoRA "
+                              "under data parallel or ZeRO (--use_fsdp)");
+      model = models::LlamaForCausalLM(cfg);
+      if (!model_dir.empty())
+        tandem::checkpoint::load_model(*model, model_dir,
+                                       tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
+      if (lora.base_model_name_or_path().empty()) lora.base_model_name_or_path(model_dir);
+      adapters = tandem::peft::apply_lora(*model, lora);
+      if (!lora_adapter.empty()) tandem::peft::load_adapter(*model, lora_adapter);
+    } else if (tp > 1) {
       model = models::LlamaForCausalLM(cfg);
       if (!model_dir.empty())
         tandem::checkpoint::load_model(*model, model_dir,
@@ -310,13 +351,20 @@ int main(int argc, char** argv) {
       model = acc.build([&] { return models::LlamaForCausalLM(cfg); });
     }
     model = acc.prepare(model);
-    if (!model_dir.empty() && tp == 1)
+    if (!model_dir.empty() && tp == 1 && lora.r() == 0)
       acc.load_model(*model, model_dir, tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
-    // A tied head is one tensor under two names: the optimizer lists it once.
+    // A tied head is one tensor under two names: the optimizer lists it once. Under LoRA only
+    // the adapters train.
     std::vector<torch::Tensor> params;
     std::set<const void*> seen;
     for (auto& p : model->parameters())
-      if (seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
+      if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
+    if (lora.r() > 0) {
+      int64_t trainable = 0;
+      for (const auto& a : adapters) trainable += a.numel();
+      acc.print("LoRA: r", lora.r(), "alpha", lora.alpha(), "on", adapters.size() / 2,
+                "layers;", trainable, "trainable parameters");
+    }
     auto opt = acc.prepare(std::make_shared<torch::optim::AdamW>(
         params, torch::optim::AdamWOptions(lr).weight_decay(weight_decay)));
     auto sched = acc.prepare_scheduler(
@@ -403,9 +451,16 @@ int main(int argc, char** argv) {
     acc.print("loss", last_loss < first_loss ? "fell" : "rose", "from", first_loss, "to", last_loss);
     if (!save_dir.empty()) {
       auto state = acc.get_state_dict(*model);
-      if (acc.is_main_process()) models::save_pretrained(cfg, state, save_dir, save_dtype);
+      if (acc.is_main_process()) {
+        if (lora.r() > 0)
+          tandem::peft::save_adapter(state, lora, save_dir);
+        else
+          models::save_pretrained(cfg, state, save_dir, save_dtype);
+      }
       acc.wait_for_everyone();
-      acc.print("saved", save_dir, "(config.json and safetensors, as transformers reads them)");
+      acc.print("saved", save_dir,
+                lora.r() > 0 ? "(PEFT's adapter files; `tandem merge-lora` merges them)"
+                             : "(config.json and safetensors, as transformers reads them)");
     }
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;

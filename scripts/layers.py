@@ -27,7 +27,7 @@ LAYERS = [
                            r"accelerator_options$"]),
     ("accelerator", [r"accelerator$", r"accelerator_state$"]),
     ("inference", [r"inference/"]),
-    ("models", [r"models/"]),
+    ("models, peft", [r"models/", r"peft/"]),
     ("config files", [r"config/"]),
     ("launch, trials", [r"launch/", r"trials/"]),
     ("tools", [r"tandem$"]),

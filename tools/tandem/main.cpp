@@ -1,5 +1,5 @@
 // The full `tandem` command line (libexec/tandem/tandem): launch, config, env, estimate-memory,
-// merge-weights, quantize, sweep, plan. Thin: the logic lives in src/. Users type bin/tandem
+// merge-weights, merge-lora, quantize, sweep, plan. Thin: the logic lives in src/. Users type bin/tandem
 // (front.cpp), which runs launch and config itself and the rest here (Note [A launcher without
 // LibTorch]).
 #include <CLI/CLI.hpp>
@@ -11,6 +11,7 @@
 #include <iostream>
 
 #include "tandem/checkpoint/merge_weights.h"
+#include "tandem/peft/lora.h"
 #include "tandem/config/config.h"
 #include "tandem/inference/quantize.h"
 #include "tandem/track/flight_doctor.h"
@@ -56,6 +57,18 @@ int main(int argc, char** argv) {
   merge->add_option("output_path", merge_out, "Directory that gets model.safetensors")->required();
   merge->add_option("--model_index", merge_index,
                     "Which prepared model of a save_state() checkpoint (0: model.safetensors)");
+
+  // --- merge-lora -----------------------------------------------------------------------------
+  auto* merge_lora = app.add_subcommand(
+      "merge-lora",
+      "Merge PEFT LoRA adapters (adapter_model.safetensors + adapter_config.json) into the "
+      "weights of a save_pretrained folder: the folder transformers loads as the merged model "
+      "(PEFT's merge_and_unload)");
+  std::string lora_base, lora_adapter, lora_out;
+  merge_lora->add_option("base_model", lora_base, "The base model's folder (config.json, weights)")
+      ->required();
+  merge_lora->add_option("adapter", lora_adapter, "The adapter's folder (PEFT's files)")->required();
+  merge_lora->add_option("output_path", lora_out, "Where the merged folder is written")->required();
 
   // --- doctor ---------------------------------------------------------------------------------
   auto* doctor = app.add_subcommand(
@@ -118,6 +131,12 @@ int main(int argc, char** argv) {
       auto r = tandem::checkpoint::merge_weights(merge_in, merge_out, merge_index);
       std::cout << "merged " << r.tensors << " tensors (" << r.bytes << " bytes) from " << r.sources
                 << " file" << (r.sources == 1 ? "" : "s") << " into " << r.output << "\n";
+      return 0;
+    }
+    if (*merge_lora) {
+      tandem::peft::merge_adapter_files(lora_base, lora_adapter, lora_out);
+      std::cout << "merged the adapters of " << lora_adapter << " into " << lora_base << ": "
+                << lora_out << "\n";
       return 0;
     }
     if (*quant) {

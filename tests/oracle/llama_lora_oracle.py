@@ -1,0 +1,154 @@
+"""LoRA against Python's peft: a Llama (grouped-query attention, untied head) with adapters on
+q_proj, v_proj and down_proj made by peft (B not zero, so that every adapter computes from the
+first step) and saved in PEFT's files; examples/train_llm starts from that adapter and trains four
+AdamW steps (warm-up, cosine, weight decay, clipping that binds) with the base frozen, on one
+process, data parallel on 2, ZeRO-2 on 2 and FSDP (ZeRO-3) on 2. Checked:
+  - the adapter tandem saves equals peft's own four steps within 1e-4 (relative), and only the
+    adapters changed;
+  - peft loads tandem's adapter onto the transformers model, and `tandem merge-lora` gives a
+    folder transformers loads with the logits of that model and the weights of peft's
+    merge_and_unload (1e-5);
+  - refusals: an adapter_config.json with use_dora, a target that matches no module, LoRA under
+    tensor parallel.
+
+Usage: llama_lora_oracle.py TRAIN_LLM TANDEM_CLI WORK_DIR
+"""
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+import torch  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup  # noqa: E402
+
+from common import fail, fresh_dir, run  # noqa: E402
+
+STEPS, GLOBAL_BATCH, SEQ, LR, WD, CLIP = 4, 4, 16, 2e-2, 0.01, 0.05
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def base_model(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager")
+
+
+def rel(a, b):
+    return (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-12)
+
+
+def main():
+    train_llm, cli, work = sys.argv[1], sys.argv[2], fresh_dir(sys.argv[3])
+    torch.manual_seed(11)
+    config = LlamaConfig(vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.02))
+    base_dir = os.path.join(work, "base")
+    model.save_pretrained(base_dir, safe_serialization=True)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS,
+                      init_lora_weights=False, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(base_model(base_dir), lora)
+    adapter0 = os.path.join(work, "adapter0")
+    peft_model.save_pretrained(adapter0)
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, config.vocab_size, (8, SEQ), generator=g)
+    data = os.path.join(work, "data.jsonl")
+    with open(data, "w") as f:
+        for row in ids.tolist():
+            f.write(json.dumps({"input_ids": row}) + "\n")
+
+    # peft's own training.
+    peft_model.train()
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
+    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=1,
+                                                        num_training_steps=STEPS, min_lr_rate=0.1)
+    clipped = 0
+    for step in range(STEPS):
+        b = ids[(step * GLOBAL_BATCH) % 8:(step * GLOBAL_BATCH) % 8 + GLOBAL_BATCH]
+        peft_model(input_ids=b, labels=b).loss.backward()
+        clipped += int(torch.nn.utils.clip_grad_norm_(params, CLIP) > CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    if clipped == 0:
+        fail("the clipping never bound")
+    want = {k: v.detach() for k, v in get_peft_model_state_dict(peft_model).items()}
+    want = {("base_model.model." + k if not k.startswith("base_model.model.") else k): v
+            for k, v in want.items()}
+    start = load_file(os.path.join(adapter0, "adapter_model.safetensors"))
+
+    common = ["--model", base_dir, "--data", data, "--seq_len", str(SEQ), "--steps", str(STEPS),
+              "--lr", str(LR), "--warmup_steps", "1", "--min_lr_ratio", "0.1", "--weight_decay",
+              str(WD), "--clip", str(CLIP), "--log_every", "1"]
+    layouts = [("one process", 1, [], GLOBAL_BATCH),
+               ("data parallel 2", 2, [], GLOBAL_BATCH // 2),
+               ("ZeRO-2 on 2", 2, ["--use_deepspeed", "--zero_stage", "2"], GLOBAL_BATCH // 2),
+               ("FSDP on 2", 2, ["--use_fsdp"], GLOBAL_BATCH // 2)]
+    for name, n, flags, batch in layouts:
+        out = os.path.join(work, "out-" + name.replace(" ", "_"))
+        log = run([cli, "launch", "--num_processes", str(n), "--cpu"] + flags +
+                  [train_llm, "--lora_adapter", adapter0, "--batch_size", str(batch), "--save", out]
+                  + common)
+        if "LoRA: r 4 alpha 8 on 6 layers" not in log:
+            fail(f"{name}: train_llm did not say what it adapted:\n{log}")
+        got = load_file(os.path.join(out, "adapter_model.safetensors"))
+        if set(got) != set(want):
+            fail(f"{name}: adapter names {sorted(got)} differ from peft's {sorted(want)}")
+        worst = 0.0
+        for k, v in want.items():
+            d = rel(got[k], v)
+            if d > 1e-4:
+                fail(f"{name}: {k} differs from peft's training by {d:.3g}")
+            if torch.equal(got[k], start[k]):
+                fail(f"{name}: {k} did not change")
+            worst = max(worst, d)
+        print(f"{name}: {len(want)} adapter tensors within {worst:.2e} of peft's {STEPS} steps")
+
+    # tandem's adapter in peft, and merged by tandem.
+    out = os.path.join(work, "out-one_process")
+    tuned = PeftModel.from_pretrained(base_model(base_dir), out).eval()
+    merged_dir = os.path.join(work, "merged")
+    run([cli, "merge-lora", base_dir, out, merged_dir])
+    merged = base_model(merged_dir).eval()
+    with torch.no_grad():
+        d = rel(merged(input_ids=ids).logits, tuned(input_ids=ids).logits)
+        if d > 1e-5:
+            fail(f"merge-lora: the merged folder's logits differ from peft's by {d:.3g}")
+        reference = tuned.merge_and_unload()
+        theirs = dict(reference.named_parameters())
+        for k, v in merged.named_parameters():
+            if rel(v, theirs[k]) > 1e-5:
+                fail(f"merge-lora: {k} differs from peft's merge_and_unload")
+    print(f"peft loads tandem's adapter; merge-lora's folder has its logits (within {d:.2e}) "
+          f"and merge_and_unload's weights")
+
+    # Refusals.
+    dora = os.path.join(work, "dora")
+    fresh_dir(dora)
+    cfg = json.load(open(os.path.join(adapter0, "adapter_config.json")))
+    cfg["use_dora"] = True
+    json.dump(cfg, open(os.path.join(dora, "adapter_config.json"), "w"))
+    cases = [("use_dora", [train_llm, "--lora_adapter", dora] + common + ["--batch_size", "4"]),
+             ("'nope', which matches no module",
+              [train_llm, "--lora_r", "4", "--lora_targets", "q_proj,nope"] + common +
+              ["--batch_size", "4"]),
+             ("LoRA under --tp_size 2",
+              [cli, "launch", "--num_processes", "2", "--cpu", "--tp_size", "2", train_llm,
+               "--lora_r", "4"] + common + ["--batch_size", "4"])]
+    for needle, cmd in cases:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if r.returncode == 0 or needle not in r.stdout:
+            fail(f"expected a refusal naming {needle!r}:\n{r.stdout}")
+    print("refused: use_dora, a target matching nothing, LoRA under tensor parallel")
+
+
+if __name__ == "__main__":
+    main()
