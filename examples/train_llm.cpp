@@ -229,6 +229,12 @@ int main(int argc, char** argv) {
   app.add_option("--save", save_dir, "Write the trained model here as transformers' folder");
   app.add_option("--save_dtype", save_dtype, "Weights' dtype in --save: float32, bfloat16, float16 "
                  "(default: the model's)")->check(CLI::IsMember({"", "float32", "bfloat16", "float16"}));
+  std::vector<std::string> log_with;
+  std::string project_dir;
+  app.add_option("--log_with", log_with, "Trackers that record loss, tokens/s and MFU: jsonl, csv, "
+                 "tensorboard or all (default: none)")->delimiter(',');
+  app.add_option("--project_dir", project_dir, "Where the trackers write "
+                 "(<dir>/logs/train_llm/); needs --log_with");
   tandem::peft::LoraOptions lora;
   lora.r(0);
   std::string lora_adapter;
@@ -246,6 +252,11 @@ int main(int argc, char** argv) {
   app.add_option("--source-tree", source_tree, "Directory whose text is the default data");
   app.add_option("--text", text_file, "A text file whose bytes are the data instead");
   CLI11_PARSE(app, argc, argv);
+  if (!project_dir.empty() && log_with.empty()) {
+    std::cerr << "--project_dir " << project_dir << " is where --log_with's trackers write: give "
+              << "--log_with jsonl (or csv, tensorboard, all)\n";
+    return 2;
+  }
   if (!text_file.empty() && !data.empty()) {
     std::cerr << "--text and --data both given: --text trains on a file's bytes, --data on token "
                  "ids; give one\n";
@@ -281,6 +292,8 @@ int main(int argc, char** argv) {
     }
     auto options = tandem::AcceleratorOptions().seed(1234);
     if (!mixed_precision.empty()) options.mixed_precision(mixed_precision);
+    if (!log_with.empty()) options.log_with(log_with);
+    if (!project_dir.empty()) options.project_dir(project_dir);
     // A mixture of experts leaves the experts no token chose without a gradient in a step.
     if (cfg.num_experts > 0) options.find_unused_parameters(true);
     tandem::Accelerator acc(options);
@@ -393,6 +406,14 @@ int main(int argc, char** argv) {
               peak_tflops > 0 ? std::to_string(peak_tflops) + " TFLOP/s from " + peak_source
                               : std::string("unknown for this GPU (give --peak_tflops)"));
 
+    if (!log_with.empty())
+      acc.init_trackers("train_llm", {{"model_type", cfg.model_type},
+                                      {"parameters", cfg.parameter_count()},
+                                      {"lr", lr},
+                                      {"seq_len", seq_len},
+                                      {"batch_size", batch},
+                                      {"steps", steps},
+                                      {"lora_r", lora.r()}});
     int64_t step = 0, tokens = 0;
     double first_loss = -1, last_loss = 0;
     auto window_start = std::chrono::steady_clock::now();
@@ -427,7 +448,8 @@ int main(int argc, char** argv) {
           acc.print("step", step, "loss", last_loss, "lr", opt->param_groups()[0].options().get_lr(),
                     static_cast<int64_t>(tps), "tokens/s", "MFU",
                     peak_tflops > 0 ? std::to_string(100 * mfu) + "%" : std::string("n/a"));
-          acc.log({{"loss", last_loss}, {"tokens_per_s", tps}, {"mfu", mfu}}, step);
+          if (!log_with.empty())
+            acc.log({{"loss", last_loss}, {"tokens_per_s", tps}, {"mfu", mfu}}, step);
           tokens += window_tokens;
           window_tokens = 0;
           window_start = std::chrono::steady_clock::now();
@@ -448,6 +470,7 @@ int main(int argc, char** argv) {
         run_epoch(loader);
       }
     }
+    if (!log_with.empty()) acc.end_training();
     acc.print("loss", last_loss < first_loss ? "fell" : "rose", "from", first_loss, "to", last_loss);
     if (!save_dir.empty()) {
       auto state = acc.get_state_dict(*model);

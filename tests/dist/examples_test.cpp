@@ -277,10 +277,17 @@ TEST(Examples, GenerateGpt2UnderTheLauncher) {
 TEST(Examples, TrainLlmTakesTheLaunchersSettingsAndRefusesWhatItCannotDo) {
   const std::vector<std::string> args{"--steps", "4", "--seq_len", "32", "--batch_size", "2",
                                       "--text", fixed_text()};
-  auto dp = launch(2, kTrainLlm, args, with_flags());
+  const auto logs = tandem::testing::temp_path("examples", "llm_logs");
+  auto dp_args = args;
+  dp_args.insert(dp_args.end(), {"--log_with", "jsonl", "--project_dir", logs});
+  auto dp = launch(2, kTrainLlm, dp_args, with_flags());
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
   EXPECT_EQ(count_of(dp.output, "llama with"), 1) << dp.output;
   EXPECT_EQ(count_of(dp.output, "MFU"), 1) << dp.output;  // the report at step 4
+  std::ifstream metrics(logs + "/logs/train_llm/metrics.jsonl");
+  const std::string logged((std::istreambuf_iterator<char>(metrics)), {});
+  EXPECT_NE(logged.find("\"mfu\""), std::string::npos) << logged;
+  EXPECT_NE(logged.find("\"tokens_per_s\""), std::string::npos) << logged;
   // Accumulating 2 micro-steps of 1 sequence equals 1 step of 2 sequences.
   auto accum_args = args;
   accum_args[5] = "1";
