@@ -75,14 +75,8 @@ int main(int argc, char** argv) {
     tandem::Accelerator acc(options);
     const int tp = acc.topology().tp(), pp = acc.topology().pp();
     const int dp = acc.data_parallel_group().size();
-    std::string text;
-    if (!text_file.empty()) {
-      std::ifstream in(text_file, std::ios::binary);
-      if (!in) throw std::runtime_error("cannot read --text " + text_file);
-      text.assign(std::istreambuf_iterator<char>(in), {});
-    } else {
-      text = examples::project_text(data);
-    }
+    const std::string text = text_file.empty() ? examples::project_text(data)
+                                                 : examples::read_text_file(text_file);
     if (text.size() < static_cast<size_t>(20 * (cfg.context + 1)))
       throw std::runtime_error("too little text (" + std::to_string(text.size()) + " bytes) for " +
                                "context " + std::to_string(cfg.context));

@@ -311,14 +311,8 @@ int main(int argc, char** argv) {
       if (cfg.vocab_size < 256)
         throw tandem::Refused("train_llm: the default data is bytes (ids 0-255), and the model's "
                               "vocab_size is " + std::to_string(cfg.vocab_size) + "; give --data");
-      std::string text;
-      if (!text_file.empty()) {
-        std::ifstream in(text_file, std::ios::binary);
-        if (!in) throw std::runtime_error("cannot read --text " + text_file);
-        text.assign(std::istreambuf_iterator<char>(in), {});
-      } else {
-        text = examples::project_text(source_tree);
-      }
+      std::string text = text_file.empty() ? examples::project_text(source_tree)
+                                             : examples::read_text_file(text_file);
       auto ids = torch::from_blob(text.data(), {static_cast<int64_t>(text.size())}, torch::kUInt8)
                      .to(torch::kLong);
       windows = std::make_shared<TokenWindows>(ids, seq_len);

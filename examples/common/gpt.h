@@ -320,6 +320,13 @@ inline torch::Tensor gpt_sequential_loss(const torch::Tensor& logits, const torc
                                               targets.reshape({-1}));
 }
 
+/// The bytes of `path` (a --text file); throws naming `flag` when it cannot be read.
+inline std::string read_text_file(const std::string& path, const std::string& flag = "--text") {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + flag + " " + path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 /// Bytes of this project's own text (README, docs, headers and sources), in a fixed order.
 inline std::string project_text(const std::string& root) {
   namespace fs = std::filesystem;

@@ -24,9 +24,9 @@ import torch  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
-from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup  # noqa: E402
 
 from common import fail, fresh_dir, run  # noqa: E402
+from llama_common import perturb, train_like_train_llm, write_rows  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ, LR, WD, CLIP = 4, 4, 16, 2e-2, 0.01, 0.05
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -47,9 +47,7 @@ def main():
     config = LlamaConfig(vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.02))
+    perturb(model)
     base_dir = os.path.join(work, "base")
     model.save_pretrained(base_dir, safe_serialization=True)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS,
@@ -57,29 +55,12 @@ def main():
     peft_model = get_peft_model(base_model(base_dir), lora)
     adapter0 = os.path.join(work, "adapter0")
     peft_model.save_pretrained(adapter0)
-    g = torch.Generator().manual_seed(12)
-    ids = torch.randint(0, config.vocab_size, (8, SEQ), generator=g)
     data = os.path.join(work, "data.jsonl")
-    with open(data, "w") as f:
-        for row in ids.tolist():
-            f.write(json.dumps({"input_ids": row}) + "\n")
+    ids = write_rows(data, config.vocab_size, 8, SEQ, seed=12)
 
     # peft's own training.
-    peft_model.train()
     params = [p for p in peft_model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
-    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=1,
-                                                        num_training_steps=STEPS, min_lr_rate=0.1)
-    clipped = 0
-    for step in range(STEPS):
-        b = ids[(step * GLOBAL_BATCH) % 8:(step * GLOBAL_BATCH) % 8 + GLOBAL_BATCH]
-        peft_model(input_ids=b, labels=b).loss.backward()
-        clipped += int(torch.nn.utils.clip_grad_norm_(params, CLIP) > CLIP)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    if clipped == 0:
-        fail("the clipping never bound")
+    train_like_train_llm(peft_model, params, ids, STEPS, GLOBAL_BATCH, LR, WD, CLIP)
     want = {k: v.detach() for k, v in get_peft_model_state_dict(peft_model).items()}
     want = {("base_model.model." + k if not k.startswith("base_model.model.") else k): v
             for k, v in want.items()}

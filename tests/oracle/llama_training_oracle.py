@@ -10,7 +10,6 @@ and ZeRO-3 x tensor parallel on 4.
 
 Usage: llama_training_oracle.py TRAIN_LLM TANDEM_CLI WORK_DIR
 """
-import json
 import os
 import sys
 
@@ -19,9 +18,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig  # noqa: E402
-from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup  # noqa: E402
 
 from common import fail, fresh_dir, run  # noqa: E402
+from llama_common import perturb, train_like_train_llm, write_rows  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ, LR, WD, CLIP = 4, 4, 16, 1e-2, 0.01, 0.5
 
@@ -45,36 +44,12 @@ def main():
 def check(train_llm, cli, work, family, config):
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * (0.2 if p.dim() == 1 else 0.02))
+    perturb(model)
     model_dir = os.path.join(work, "model")
     model.save_pretrained(model_dir, safe_serialization=True)
-    g = torch.Generator().manual_seed(6)
-    ids = torch.randint(0, config.vocab_size, (8, SEQ), generator=g)
     data = os.path.join(work, "data.jsonl")
-    with open(data, "w") as f:
-        for row in ids.tolist():
-            f.write(json.dumps({"input_ids": row}) + "\n")
-
-    # PyTorch: the same steps, batches in order (epoch after epoch).
-    model.train()
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
-    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=1,
-                                                        num_training_steps=STEPS, min_lr_rate=0.1)
-    clipped = 0
-    for step in range(STEPS):
-        b = ids[(step * GLOBAL_BATCH) % 8:(step * GLOBAL_BATCH) % 8 + GLOBAL_BATCH]
-        loss = model(input_ids=b, labels=b).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(params, CLIP)
-        clipped += int(norm > CLIP)
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-    if clipped == 0:
-        fail("the clipping never bound: the check would not see a wrong global norm")
+    ids = write_rows(data, config.vocab_size, 8, SEQ, seed=6)
+    train_like_train_llm(model, list(model.parameters()), ids, STEPS, GLOBAL_BATCH, LR, WD, CLIP)
     # By the files' names (transformers holds a mixture's experts fused).
     model.save_pretrained(os.path.join(work, "pytorch"), safe_serialization=True)
     want = load_file(os.path.join(work, "pytorch", "model.safetensors"))
