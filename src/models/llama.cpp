@@ -37,6 +37,13 @@ at::Tensor activation(const std::string& act, const at::Tensor& x) {
   return torch::gelu(x, "tanh");  // gelu_pytorch_tanh, gelu_new
 }
 
+// Whether some layer has the dense MLP (every layer of a dense model; a mixture's listed ones).
+bool has_dense_layer(const LlamaConfig& c) {
+  for (bool sparse : c.moe_layers)
+    if (!sparse) return true;
+  return c.moe_layers.empty();
+}
+
 }  // namespace
 
 at::Tensor rope_inverse_frequencies(const LlamaConfig& c) {
@@ -330,8 +337,7 @@ parallel::TensorParallelPlan llama_tensor_parallel_plan(const LlamaConfig& c) {
       .colwise("model.layers.*.self_attn.k_proj")
       .colwise("model.layers.*.self_attn.v_proj")
       .rowwise("model.layers.*.self_attn.o_proj");
-  bool dense = c.moe_layers.empty();
-  for (bool sparse : c.moe_layers) dense = dense || !sparse;
+  const bool dense = has_dense_layer(c);
   // Experts stay whole on every tp rank (their input is whole after o_proj's all-reduce).
   if (dense)
     plan.colwise("model.layers.*.mlp.gate_proj")
@@ -345,8 +351,7 @@ parallel::TensorParallelPlan llama_tensor_parallel_plan(const LlamaConfig& c) {
 
 void check_llama_tensor_parallel(const LlamaConfig& c, int64_t tp) {
   if (tp <= 1) return;
-  bool dense = c.moe_layers.empty();
-  for (bool sparse : c.moe_layers) dense = dense || !sparse;
+  const bool dense = has_dense_layer(c);
   for (auto [what, n] : {std::pair<const char*, int64_t>{"num_attention_heads", c.num_attention_heads},
                          {"num_key_value_heads", c.num_key_value_heads},
                          {"intermediate_size", dense ? c.intermediate_size : tp}})
