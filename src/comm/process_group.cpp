@@ -140,15 +140,27 @@ compat::Backend& ProcessGroup::Impl::backend_for(const at::Tensor& t) {
   return *gloo;
 }
 
-Work ProcessGroup::Impl::wrap(c10::intrusive_ptr<compat::Work> work, std::string what,
-                              std::vector<at::Tensor> out, double divide_by,
-                              const at::Tensor& described) {
+Work ProcessGroup::Impl::issue(std::string what, std::vector<at::Tensor> out, double divide_by,
+                               const at::Tensor& described, const Start& start) {
   auto w = std::make_shared<Work::Impl>();
   const at::Tensor& d = described.defined() ? described : out.empty() ? described : out.front();
-  w->flight = comm::FlightRecorder::instance().begin(
-      flight_group(), what, d.defined() ? d.numel() : 0,
-      d.defined() ? std::string(c10::toString(d.scalar_type())) : std::string("-"));
-  w->work = std::move(work);
+  // Note [Flight recorder]: recorded before it is issued. Gloo runs the operation on its own
+  // threads, and a peer's mismatched message aborts the process from there (an enforce in
+  // pair.cc) before start() has returned: the record must already hold it then.
+  auto& recorder = comm::FlightRecorder::instance();
+  w->flight = recorder.begin(flight_group(), what, d.defined() ? d.numel() : 0,
+                             d.defined() ? std::string(c10::toString(d.scalar_type()))
+                                         : std::string("-"));
+  std::vector<c10::intrusive_ptr<compat::Work>> works;
+  try {
+    works = start();
+  } catch (...) {
+    recorder.end(w->flight, false);
+    throw;
+  }
+  TANDEM_CHECK(!works.empty(), prefix(), " ", what, ": nothing was issued");
+  w->work = works.front();
+  w->more.assign(works.begin() + 1, works.end());
   w->what = std::move(what);
   w->prefix = prefix();
   w->error_file = state.error_file;
@@ -342,9 +354,10 @@ Work ProcessGroup::allreduce_async(std::vector<at::Tensor> tensors, ReduceOp op,
   o.reduceOp = to_c10d(op);
   o.timeout = impl_->options.timeout();
   auto& backend = impl_->backend_for(tensors.front());
-  auto work = backend.allreduce(tensors, o);
   double div = op == ReduceOp::kMean ? static_cast<double>(impl_->size) : 1.0;
-  return impl_->wrap(std::move(work), std::move(what), std::move(tensors), div);
+  auto issued = tensors;  // c10d takes the list by reference
+  return impl_->issue(std::move(what), std::move(tensors), div, at::Tensor(),
+                      [&] { return Impl::Works{backend.allreduce(issued, o)}; });
 }
 
 void ProcessGroup::allreduce(at::Tensor& tensor, ReduceOp op) {
@@ -369,7 +382,9 @@ void ProcessGroup::broadcast(at::Tensor& tensor, int root) {
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = impl_->options.timeout();
-  impl_->wrap(impl_->backend_for(tensor).broadcast(ts, o), "broadcast", {}, 1.0, tensor).wait();
+  auto& backend = impl_->backend_for(tensor);
+  impl_->issue("broadcast", {}, 1.0, tensor, [&] { return Impl::Works{backend.broadcast(ts, o)}; })
+      .wait();
 }
 
 std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
@@ -380,7 +395,9 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
   for (int r = 0; r < impl_->size; ++r) out[0].push_back(at::empty_like(in[0]));
   c10d::AllgatherOptions o;
   o.timeout = impl_->options.timeout();
-  impl_->wrap(impl_->backend_for(tensor).allgather(out, in, o), "allgather", {}, 1.0, tensor)
+  auto& backend = impl_->backend_for(tensor);
+  impl_->issue("allgather", {}, 1.0, tensor,
+               [&] { return Impl::Works{backend.allgather(out, in, o)}; })
       .wait();
   if (in[0].scalar_type() != dtype)
     for (auto& t : out[0]) t = t.view(dtype);
@@ -450,9 +467,11 @@ Work ProcessGroup::reduce_scatter_async(const at::Tensor& input, at::Tensor outp
     o.timeout = impl_->options.timeout();
     std::vector<int64_t> splits;  // equal splits
     auto moved_in = as_movable(padded), moved_out = as_movable(received);
-    work = impl_->wrap(
-        impl_->backend_for(padded).alltoall_base(moved_out, moved_in, splits, splits, o),
-        "reduce_scatter (alltoall)", {padded}, 1.0);  // keeps the input alive while in flight
+    auto& backend = impl_->backend_for(padded);
+    work = impl_->issue(  // {padded} keeps the input alive while in flight
+        "reduce_scatter (alltoall)", {padded}, 1.0, at::Tensor(), [&] {
+          return Impl::Works{backend.alltoall_base(moved_out, moved_in, splits, splits, o)};
+        });
     work.impl_->then = [received, n, chunk, finish]() mutable {
       // Sum the n chunks in rank order: the same order on every rank, whatever the arrival.
       auto parts = received.view({n, chunk});
@@ -486,8 +505,9 @@ Work ProcessGroup::all_gather_into_async(const at::Tensor& shard, at::Tensor out
   c10d::AllgatherOptions o;
   o.timeout = impl_->options.timeout();
   auto parts = out[0];  // the same storages, filled by the collective
-  Work work = impl_->wrap(impl_->backend_for(in[0]).allgather(out, in, o), "all-gather",
-                          {in[0]}, 1.0);  // keeps the input alive while in flight
+  auto& backend = impl_->backend_for(in[0]);
+  Work work = impl_->issue("all-gather", {in[0]}, 1.0,  // {in[0]} keeps the input alive
+                           at::Tensor(), [&] { return Impl::Works{backend.allgather(out, in, o)}; });
   const int64_t numel = shard.numel();
   work.impl_->then = [parts, output, dtype, n, numel]() mutable {
     auto flat = output.view({n, numel});
@@ -516,39 +536,41 @@ void ProcessGroup::barrier() {
 Work ProcessGroup::send_async(std::vector<at::Tensor> tensors, int dst, int tag, std::string what) {
   check_peer(dst, tag, "send to");
   std::vector<at::Tensor> sent;  // keeps the bytes alive until the work is waited on
-  std::vector<c10::intrusive_ptr<compat::Work>> works;
-  for (const auto& t : tensors) {
-    if (t.numel() == 0) continue;  // Gloo aborts on empty messages; the receiver skips it too
-    std::vector<at::Tensor> one{t.contiguous()};
-    works.push_back(impl_->backend_for(t).send(one, dst, tag));
-    sent.push_back(one[0]);
-  }
-  if (works.empty()) return Work();
-  auto work = impl_->wrap(works.front(), what + " to rank " + std::to_string(global_rank(dst)) +
-                                             " (tag " + std::to_string(tag) + ")",
-                          std::move(sent), 1.0);
-  work.impl_->more.assign(works.begin() + 1, works.end());
-  return work;
+  for (const auto& t : tensors)  // Gloo aborts on empty messages; the receiver skips them too
+    if (t.numel() > 0) sent.push_back(t.contiguous());
+  if (sent.empty()) return Work();
+  auto issued = sent;
+  return impl_->issue(what + " to rank " + std::to_string(global_rank(dst)) + " (tag " +
+                          std::to_string(tag) + ")",
+                      std::move(sent), 1.0, at::Tensor(), [&] {
+                        Impl::Works works;
+                        for (auto& t : issued) {
+                          std::vector<at::Tensor> one{t};
+                          works.push_back(impl_->backend_for(t).send(one, dst, tag));
+                        }
+                        return works;
+                      });
 }
 
 Work ProcessGroup::recv_async(std::vector<at::Tensor> tensors, int src, int tag, std::string what) {
   check_peer(src, tag, "recv from");
   std::vector<at::Tensor> buffers;
-  std::vector<c10::intrusive_ptr<compat::Work>> works;
   tensors.erase(std::remove_if(tensors.begin(), tensors.end(),
                                [](const at::Tensor& t) { return t.numel() == 0; }),
                 tensors.end());
-  for (const auto& t : tensors) {
-    std::vector<at::Tensor> one{t.is_contiguous() ? t
-                                                  : at::empty_like(t, at::MemoryFormat::Contiguous)};
-    works.push_back(impl_->backend_for(t).recv(one, src, tag));
-    buffers.push_back(one[0]);
-  }
-  if (works.empty()) return Work();
-  auto work = impl_->wrap(works.front(), what + " from rank " + std::to_string(global_rank(src)) +
-                                             " (tag " + std::to_string(tag) + ")",
-                          buffers, 1.0);
-  work.impl_->more.assign(works.begin() + 1, works.end());
+  for (const auto& t : tensors)
+    buffers.push_back(t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous));
+  if (buffers.empty()) return Work();
+  auto work = impl_->issue(what + " from rank " + std::to_string(global_rank(src)) + " (tag " +
+                               std::to_string(tag) + ")",
+                           buffers, 1.0, at::Tensor(), [&] {
+                             Impl::Works works;
+                             for (auto& t : buffers) {
+                               std::vector<at::Tensor> one{t};
+                               works.push_back(impl_->backend_for(t).recv(one, src, tag));
+                             }
+                             return works;
+                           });
   bool copy = false;
   for (size_t i = 0; i < tensors.size(); ++i) copy |= !tensors[i].is_same(buffers[i]);
   if (copy)

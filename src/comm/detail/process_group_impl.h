@@ -23,11 +23,13 @@ struct ProcessGroup::Impl {
 
   /// The backend for tensors on `device`.
   compat::Backend& backend_for(const at::Tensor& t);
-  /// Wraps c10d work so that its failure names the operation and the rank.
-  /// Records it in the flight recorder (Note [Flight recorder]), described by `described` (or
-  /// the first of `out`).
-  Work wrap(c10::intrusive_ptr<compat::Work> work, std::string what, std::vector<at::Tensor> out,
-            double divide_by, const at::Tensor& described = at::Tensor());
+  using Works = std::vector<c10::intrusive_ptr<compat::Work>>;
+  using Start = std::function<Works()>;
+  /// Records the operation in the flight recorder (Note [Flight recorder]), described by
+  /// `described` (or the first of `out`), then issues it with `start` (one c10d work, or several
+  /// waited on in order), and wraps them so that a failure names the operation and the rank.
+  Work issue(std::string what, std::vector<at::Tensor> out, double divide_by,
+             const at::Tensor& described, const Start& start);
   std::string prefix() const;
   /// The group's name in the flight recorder: "world", "sub0", "sub0/sub1", ...
   std::string flight_group() const {
