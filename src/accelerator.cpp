@@ -158,6 +158,9 @@ Accelerator::Accelerator(AcceleratorOptions options)
     flight.set_dump_path((std::filesystem::path(options_.project_dir()) / "flight").string(),
                          state_.rank, state_.world_size);
     if (state_.world_size > 1) flight.dump_on_signal(SIGUSR2);
+    // Note [Heartbeat]: from here until the Accelerator ends, the launcher watches this rank.
+    if (!state_.heartbeat_file.empty())
+      flight.beat_to(state_.heartbeat_file, state_.heartbeat_interval_s);
   }
   if (config_.checkpoint_on_preemption)
     preemption_ = std::make_unique<preemption::Watch>(
@@ -219,6 +222,7 @@ Accelerator::~Accelerator() {
   // callback holds the timeline by shared_ptr, never the Accelerator), so that a late use is a
   // clear error or a no-op, never a use of freed memory.
   *self_ = nullptr;
+  if (!state_.heartbeat_file.empty()) comm::FlightRecorder::instance().stop_beating();
   if (profile_) {
     try {
       profile_->write();

@@ -129,6 +129,22 @@ ProcessState ProcessState::from_env(const EnvMap& env) {
   ProcessState s = from_launcher_env(env);
   // Note [The environment is read in one place]: the process's own facts, whatever launched it.
   if (auto v = get(env, config::var::kErrorFile)) s.error_file = *v;
+  if (auto v = get(env, config::var::kHeartbeatFile)) s.heartbeat_file = *v;
+  if (auto v = get(env, config::var::kHeartbeatIntervalS)) {
+    const std::string name = config::var::kHeartbeatIntervalS;
+    double seconds = 0;
+    try {
+      size_t pos = 0;
+      seconds = std::stod(*v, &pos);
+      if (pos != v->size()) seconds = 0;
+    } catch (const std::exception&) {
+      seconds = 0;
+    }
+    if (!(seconds > 0))
+      throw ::tandem::Refused(name + "='" + *v + "' is not a number of seconds above 0 (the "
+                              "launcher sets it from --heartbeat_timeout_s; leave it unset)");
+    s.heartbeat_interval_s = seconds;
+  }
   if (auto v = get(env, config::var::kLocalAddr)) s.local_addr = *v;
   if (auto v = get(env, "GLOO_SOCKET_IFNAME")) s.socket_ifname = *v;
   if (s.launcher == LauncherKind::kTorchrun) {

@@ -41,6 +41,10 @@ struct ProcessState {
   /// Note [Secondary failures]), the address Gloo listens on in a job of several machines
   /// (TANDEM_LOCAL_ADDR), and the network interface Gloo uses (GLOO_SOCKET_IFNAME, which wins).
   std::string error_file;
+  /// Note [Heartbeat]: the file the Accelerator's heartbeat rewrites every heartbeat_interval_s
+  /// seconds (TANDEM_HEARTBEAT_FILE, TANDEM_HEARTBEAT_INTERVAL_S; empty: no heartbeat).
+  std::string heartbeat_file;
+  double heartbeat_interval_s = 1.0;
   std::string local_addr;
   std::string socket_ifname;
   /// Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the agent already hosts the store at

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <exception>
+#include <stdexcept>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -99,16 +100,22 @@ uint64_t FlightRecorder::begin(const std::string& group, const std::string& op, 
   r.end_s = -1;
   r.state = "pending";
   ids_[slot] = id;
+  last_activity_s_ = r.start_s;
   return id;
 }
 
-void FlightRecorder::end(uint64_t handle, bool ok) {
+void FlightRecorder::end(uint64_t handle, bool ok) { finish(handle, ok ? "done" : "failed"); }
+
+void FlightRecorder::drop(uint64_t handle) { finish(handle, "dropped"); }
+
+void FlightRecorder::finish(uint64_t handle, const char* state) {
   if (handle == 0) return;
   std::lock_guard<std::mutex> lock(mu_);
   const size_t slot = handle % kCapacity;
   if (ids_[slot] != handle) return;  // overwritten since
   ring_[slot].end_s = now_s();
-  ring_[slot].state = ok ? "done" : "failed";
+  ring_[slot].state = state;
+  last_activity_s_ = ring_[slot].end_s;
 }
 
 std::vector<FlightRecord> FlightRecorder::records() const {
@@ -203,6 +210,85 @@ void FlightRecorder::clear() {
   next_ = 1;
   seq_.clear();
   groups_.clear();
+  last_activity_s_ = -1;
+}
+
+// Note [Heartbeat]
+HeartbeatReport FlightRecorder::heartbeat() const {
+  auto describe = [](const FlightRecord& r) {
+    return "#" + std::to_string(r.seq) + " " + r.op + " (" + std::to_string(r.numel) + " x " +
+           r.dtype + ") in group " + r.group;
+  };
+  HeartbeatReport out;
+  out.wall_s = std::chrono::duration<double>(
+                   std::chrono::system_clock::now().time_since_epoch())
+                   .count();
+  out.pid = static_cast<int>(::getpid());
+  std::lock_guard<std::mutex> lock(mu_);
+  const double now = now_s();
+  out.flight_dir = dir_;
+  if (last_activity_s_ >= 0) out.activity_age_s = now - last_activity_s_;
+  const uint64_t first = next_ > kCapacity ? next_ - kCapacity : 1;
+  for (uint64_t id = first; id < next_; ++id) {
+    const auto& r = ring_[id % kCapacity];
+    if (ids_[id % kCapacity] != id) continue;
+    out.last = describe(r) + ", " + r.state;
+    if (r.state == "pending" && out.pending.empty()) {
+      out.pending = describe(r);
+      out.pending_age_s = now - r.start_s;
+    }
+  }
+  return out;
+}
+
+void FlightRecorder::beat_to(const std::string& path, double interval_s) {
+  std::lock_guard<std::mutex> lock(beat_mu_);
+  if (beat_thread_.joinable()) {
+    if (path == beat_path_) {
+      ++beat_users_;
+      return;
+    }
+    throw std::runtime_error("tandem: this process already writes its heartbeat to " +
+                             beat_path_ + "; it cannot write another to " + path);
+  }
+  beat_path_ = path;
+  beat_stop_ = false;
+  beat_users_ = 1;
+  const auto every = std::chrono::milliseconds(
+      std::max<int64_t>(10, static_cast<int64_t>(interval_s * 1000.0)));
+  beat_thread_ = std::thread([this, path, every] {
+    const std::string tmp = path + ".tmp";
+    std::unique_lock<std::mutex> lock(beat_mu_);
+    while (!beat_stop_) {
+      lock.unlock();
+      {
+        std::ofstream out(tmp, std::ios::trunc);
+        out << format_heartbeat(heartbeat());
+      }
+      std::error_code ec;
+      fs::rename(tmp, path, ec);  // a launcher that is gone took its folder: nothing to say
+      lock.lock();
+      beat_cv_.wait_for(lock, every, [this] { return beat_stop_; });
+    }
+  });
+}
+
+void FlightRecorder::stop_beating() {
+  std::thread t;
+  std::string path;
+  {
+    std::lock_guard<std::mutex> lock(beat_mu_);
+    if (!beat_thread_.joinable() || --beat_users_ > 0) return;
+    beat_stop_ = true;
+    t = std::move(beat_thread_);
+    path = beat_path_;
+    beat_path_.clear();
+  }
+  beat_cv_.notify_all();
+  t.join();
+  std::error_code ec;
+  fs::remove(path, ec);
+  fs::remove(path + ".tmp", ec);
 }
 
 }  // namespace tandem::comm

@@ -114,6 +114,10 @@ void Work::wait() {
   }
 }
 
+Work::Impl::~Impl() {
+  if (!done) comm::FlightRecorder::instance().drop(flight);
+}
+
 bool Work::completed() const {
   if (!impl_ || impl_->done) return true;
   if (!impl_->work->isCompleted()) return false;

@@ -16,16 +16,19 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
 
 #include <c10/core/thread_pool.h>
 
+#include "tandem/comm/heartbeat.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/config/run_env.h"
 
@@ -249,6 +252,134 @@ std::string describe_exit(const Child& c) {
   return who + " exited with code " + std::to_string(exit_code_of(c.status));
 }
 
+// Note [Heartbeat]: seconds between two heartbeats of a rank, for a timeout of `timeout_s`.
+double heartbeat_interval_s(double timeout_s) { return std::clamp(timeout_s / 5.0, 0.05, 2.0); }
+
+std::string rank_list(const std::vector<const Child*>& ranks) {
+  std::string s = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == ranks.size() ? " and " : ", ") +
+         std::to_string(ranks[i]->plan.rank);
+  return s;
+}
+
+std::string seconds_text(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", v);
+  return buf;
+}
+
+struct Hang {
+  const Child* culprit = nullptr;  // the rank named first
+  std::string message;
+};
+
+// Note [Heartbeat]: reads every live rank's heartbeat; a rank whose beat is older than the
+// timeout no longer runs, and ranks that wait in a collective for longer than it, beginning or
+// ending no other, hang. Says who, and where each rank is.
+std::optional<Hang> find_hang(const std::vector<Child>& children, double timeout_s) {
+  struct Seen {
+    const Child* child;
+    comm::HeartbeatReport beat;
+    double age_s;  // of the beat
+  };
+  const double now = std::chrono::duration<double>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
+  std::vector<Seen> seen;
+  std::vector<const Child*> silent;  // alive, no heartbeat yet (or no longer)
+  for (const auto& c : children) {
+    if (!c.alive) continue;
+    auto it = c.plan.env.find(config::var::kHeartbeatFile);
+    if (it == c.plan.env.end()) continue;
+    std::ifstream f(it->second);
+    std::optional<comm::HeartbeatReport> beat;
+    if (f) {
+      std::stringstream text;
+      text << f.rdbuf();
+      beat = comm::parse_heartbeat(text.str());
+    }
+    if (beat)
+      seen.push_back({&c, *beat, std::max(0.0, now - beat->wall_s)});
+    else
+      silent.push_back(&c);
+  }
+  std::vector<const Child*> stale, waiting, others;
+  const Seen* first_waiting = nullptr;
+  for (const auto& s : seen) {
+    if (s.age_s > timeout_s) {
+      stale.push_back(s.child);
+    } else if (!s.beat.pending.empty() && s.beat.pending_age_s + s.age_s > timeout_s &&
+               s.beat.activity_age_s + s.age_s > timeout_s) {
+      waiting.push_back(s.child);
+      if (!first_waiting) first_waiting = &s;
+    } else {
+      others.push_back(s.child);
+    }
+  }
+  if (stale.empty() && waiting.empty()) return std::nullopt;
+  auto seen_of = [&](const Child* c) -> const Seen& {
+    return *std::find_if(seen.begin(), seen.end(), [c](const Seen& s) { return s.child == c; });
+  };
+  // Where a rank is; for a rank that stopped, where it was when it last beat (up to one
+  // interval before it stopped).
+  auto where = [&](const Child* c) {
+    const auto& s = seen_of(c);
+    const bool then = s.age_s > timeout_s;
+    const auto& b = s.beat;
+    if (!b.pending.empty())
+      return (then ? "waited in " + b.pending + " (for " + seconds_text(b.pending_age_s)
+                   : "waits in " + b.pending + " (for " + seconds_text(b.pending_age_s + s.age_s)) +
+             " s)";
+    if (!b.last.empty())
+      return std::string(then ? "was" : "is") + " in no collective; its last: " + b.last;
+    return std::string(then ? "had" : "has") + " issued no collective yet";
+  };
+  auto pid_of = [](const Child* c) { return " (pid " + std::to_string(c->pid) + ")"; };
+  std::string flight_dir;
+  for (const auto& s : seen)
+    if (flight_dir.empty()) flight_dir = s.beat.flight_dir;
+  Hang h;
+  std::ostringstream out;
+  if (!stale.empty()) {
+    h.culprit = stale.front();
+    for (const Child* c : stale)
+      out << "rank " << c->plan.rank << pid_of(c) << " stopped running: its heartbeat is "
+          << seconds_text(seen_of(c).age_s) << " s old (--heartbeat_timeout_s "
+          << number_text(timeout_s) << "); when it last beat, it " << where(c) << ". ";
+  } else {
+    // Who is not in the collective the others wait in: named first.
+    std::vector<const Child*> absent;
+    for (const Child* c : others) absent.push_back(c);
+    for (const auto& s : seen)
+      if (std::find(waiting.begin(), waiting.end(), s.child) != waiting.end() &&
+          s.beat.pending != first_waiting->beat.pending)
+        absent.push_back(s.child);
+    for (const Child* c : silent) absent.push_back(c);
+    h.culprit = !absent.empty() ? absent.front() : waiting.front();
+    out << rank_list(waiting) << " waited in a collective for longer than "
+        << "--heartbeat_timeout_s " << number_text(timeout_s) << " s, beginning or ending no "
+        << "other: a hang. ";
+    for (const Child* c : absent)
+      out << "rank " << c->plan.rank << pid_of(c) << " is not in "
+          << first_waiting->beat.pending << ": "
+          << (std::find(silent.begin(), silent.end(), c) != silent.end()
+                  ? std::string("it has written no heartbeat (no Accelerator yet, or no longer)")
+                  : "it " + where(c))
+          << " (look at its stack: gdb -p " << c->pid << "). ";
+  }
+  for (const Child* c : waiting)
+    if (std::find(stale.begin(), stale.end(), c) == stale.end())
+      out << "Rank " << c->plan.rank << " " << where(c) << ". ";
+  if (!stale.empty())
+    for (const Child* c : others) out << "Rank " << c->plan.rank << " " << where(c) << ". ";
+  out << "Every rank's flight recorder is asked for its dump (SIGUSR2)";
+  if (!flight_dir.empty()) out << ": tandem doctor " << flight_dir;
+  out << "; stopping the job";
+  h.message = out.str();
+  return h;
+}
+
 // Runs one attempt. Returns the exit code; sets `interrupted` when a signal stopped the job and
 // lists in `lost` the ranks killed by SIGKILL before the launcher stopped any (Note [Elastic
 // restarts]).
@@ -278,6 +409,8 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
   std::vector<Child*> candidates;  // failed ranks, in the order they were found
   Clock::time_point settle_until = Clock::time_point::max();
   int drain_loops = 0;  // loops spent reading pipes that outlive their rank
+  const double heartbeat_s = opts.heartbeat_timeout_s();
+  Clock::time_point next_heartbeat_check = Clock::now();
 
   auto signal_all = [&](int sig) {
     for (auto& c : children)
@@ -377,6 +510,16 @@ int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& inte
         begin_stop(SIGTERM, opts.grace_period_s());
       }
     }
+    // Note [Heartbeat]: a hang ends the job as a failure of the rank named first (restarted
+    // under --max_restarts); the ranks get a moment to write their flight records.
+    if (heartbeat_s > 0 && !stopping && !failed && Clock::now() >= next_heartbeat_check) {
+      next_heartbeat_check = after(heartbeat_interval_s(heartbeat_s) / 2);
+      if (auto hang = find_hang(children, heartbeat_s)) {
+        write_all(2, "tandem launch: " + hang->message + "\n");
+        failed = hang->culprit;
+        begin_stop(SIGUSR2, 2.0);  // then SIGKILL
+      }
+    }
     bool any_alive = std::any_of(children.begin(), children.end(), [](auto& c) { return c.alive; });
     if (stopping && any_alive && !killed && Clock::now() >= kill_at) {
       signal_all(SIGKILL);
@@ -474,6 +617,10 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
     throw ::tandem::Refused("--preemption_grace_s=" + number_text(o.preemption_grace_s()) +
                             " must be at least 0: seconds the ranks get to save a checkpoint "
                             "and stop after SIGTERM or --preemption_signal, before SIGKILL");
+  if (!(o.heartbeat_timeout_s() >= 0))
+    throw ::tandem::Refused("--heartbeat_timeout_s=" + number_text(o.heartbeat_timeout_s()) +
+                            " must be at least 0: seconds a rank may stop running, or wait in "
+                            "one collective, before the job is ended (0: no heartbeat)");
   if (!(o.grace_period_s() >= 0))
     throw ::tandem::Refused("--grace_period=" + number_text(o.grace_period_s()) +
                                 " must be at least 0: seconds between SIGTERM and SIGKILL when "
@@ -634,7 +781,8 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
     ~Restore() {
       if (!error_dir.empty()) {
         for (const auto& p : plan)
-          ::unlink((error_dir + "/rank" + std::to_string(p.rank) + ".error").c_str());
+          for (const char* ext : {".error", ".beat", ".beat.tmp"})
+            ::unlink((error_dir + "/rank" + std::to_string(p.rank) + ext).c_str());
         ::rmdir(error_dir.c_str());
       }
       ::sigaction(SIGINT, &old_int, nullptr);
@@ -687,6 +835,13 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
         std::string file = error_dir + "/rank" + std::to_string(plan[i].rank) + ".error";
         ::unlink(file.c_str());
         children[i].plan.env[config::var::kErrorFile] = file;
+        if (opts.heartbeat_timeout_s() > 0) {
+          const std::string beat = error_dir + "/rank" + std::to_string(plan[i].rank) + ".beat";
+          ::unlink(beat.c_str());
+          children[i].plan.env[config::var::kHeartbeatFile] = beat;
+          children[i].plan.env[config::var::kHeartbeatIntervalS] =
+              number_text(heartbeat_interval_s(opts.heartbeat_timeout_s()));
+        }
       }
     }
     bool interrupted = false;

@@ -306,6 +306,8 @@ const std::vector<std::pair<std::string, std::string>>& launcher_variables() {
       {config::var::kLauncher, "it marks a rank that tandem launch started"},
       {config::var::kRestartCount, "it counts restarts (0, 1, ...; --max_restarts)"},
       {config::var::kErrorFile, "it is the launcher's own file for each rank's failure"},
+      {config::var::kHeartbeatFile, "choose it with --heartbeat_timeout_s"},
+      {config::var::kHeartbeatIntervalS, "choose it with --heartbeat_timeout_s"},
   };
   return v;
 }

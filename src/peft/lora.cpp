@@ -26,11 +26,6 @@ using nlohmann::json;
 const char* kAdapterFile = "adapter_model.safetensors";
 const char* kAdapterConfig = "adapter_config.json";
 const std::string kPrefix = "base_model.model.";
-// Where the adapter's forward hook sits among tandem's (tandem/nn/module.h, namespace order):
-// inside a ZeRO-3 unit's gather, outside offload's device placement, so that the layer's own
-// call, with its parameters where they must be, is what the adapter adds to.
-constexpr int kAdapterOrder = tandem::nn::order::kShard + 50;
-
 bool targeted(const std::string& path, const std::vector<std::string>& targets) {
   for (const auto& t : targets)
     if (path == t || (path.size() > t.size() && path.compare(path.size() - t.size(), t.size(), t) == 0 &&
@@ -102,7 +97,7 @@ std::vector<at::Tensor> apply_lora(torch::nn::Module& model, const LoraOptions& 
     }
     auto* module = &m;
     h->hooks().add(
-        "lora", kAdapterOrder,
+        "lora", tandem::nn::order::kAdapter,  // inside a ZeRO-3 gather, outside offload
         [a = a.ptr(), b = b.ptr(), p, scale, module, path](
             const std::vector<at::Tensor>& inputs, const tandem::nn::TensorFunction& next) {
           auto outs = next(inputs);

@@ -5,6 +5,7 @@
 // save leaves the previous checkpoint, which the restart loads.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <sstream>
 #include <string>
@@ -302,6 +303,81 @@ TEST(FlightRecorder, ARankThatStoppedIsNamedBehindTheOthers) {
       << doctor.output;
   EXPECT_GE(count_of(doctor.output, "while ranks 0 and 1 reached #"), 1) << doctor.output;
   EXPECT_EQ(count_of(doctor.output, "rank 0 is behind"), 0) << doctor.output;
+  std::system(("rm -rf " + project).c_str());
+}
+
+// Note [Heartbeat]: rank 2 of 3 stops itself with SIGSTOP after step 4, and ranks 0 and 1 wait
+// in their next collective, whose timeout is 120 s. The launcher sees rank 2's heartbeat go stale
+// and ends the job within the heartbeat timeout + 10 s of the stop, naming rank 2 and the
+// collective the others wait in; the ranks that run dump their flight recorders first.
+void a_stopped_rank_is_named(const std::vector<std::string>& flags, const std::string& op) {
+  const auto project = tandem::testing::temp_path("heartbeat", "stopped");
+  std::system(("rm -rf " + project).c_str());
+  const double timeout_s = 5;
+  std::vector<std::string> all = flags;
+  all.insert(all.end(), {"--heartbeat_timeout_s", "5"});
+  auto r = launch(3, kWorker,
+                  {"--project", project, "--steps", "10", "--freeze_rank", "2", "--freeze_after",
+                   "4", "--freeze", "sigstop", "--timeout_s", "120"},
+                  LaunchOptions().flags(all).timeout_s(180));
+  const double ended = std::chrono::duration<double>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count();
+  EXPECT_EQ(r.exit_code, 128 + 9) << r.output;  // the named rank's end: SIGKILL
+  const auto at = r.output.find("rank 2 freezes (sigstop) after step 4 at ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const double frozen = std::stod(r.output.substr(at + 41, r.output.find('\n', at) - at - 41));
+  EXPECT_LE(ended - frozen, timeout_s + 10) << r.output;
+  EXPECT_GE(ended - frozen, timeout_s - 1) << r.output;  // not before the timeout
+  EXPECT_EQ(count_of(r.output, "tandem launch: rank 2 (pid "), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "stopped running: its heartbeat is "), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "s old (--heartbeat_timeout_s 5); when it last beat, it "), 1)
+      << r.output;
+  for (const char* rank : {"Rank 0 waits in #", "Rank 1 waits in #"})
+    EXPECT_EQ(count_of(r.output, std::string(rank)), 1) << r.output;
+  EXPECT_GE(count_of(r.output, ") in group world (for "), 2) << r.output;
+  EXPECT_GE(count_of(r.output, " " + op + " ("), 2) << r.output;
+  EXPECT_EQ(count_of(r.output, "tandem doctor " + project + "/flight; stopping the job"), 1)
+      << r.output;
+  for (int k = 0; k < 2; ++k)
+    EXPECT_TRUE(has_file(project + "/flight/rank" + std::to_string(k) + ".json")) << r.output;
+  std::system(("rm -rf " + project).c_str());
+}
+
+TEST(Heartbeat, AStoppedRankIsNamedWithinTheTimeoutUnderDataParallel) {
+  a_stopped_rank_is_named({}, "allreduce");
+}
+
+TEST(Heartbeat, AStoppedRankIsNamedWithinTheTimeoutUnderZeroThree) {
+  a_stopped_rank_is_named({"--use_deepspeed", "--zero_stage", "3"}, "all-gather");
+}
+
+// Rank 1 of 2 sleeps for good after step 4, alive: its heartbeat goes on, and rank 0 waits in a
+// collective rank 1 never joins. Named as a hang, with rank 1 not in it; under --max_restarts 1
+// the job restarts from its checkpoint and finishes.
+TEST(Heartbeat, ARankThatNeverJoinsIsNamedAndTheJobRestarts) {
+  const auto project = tandem::testing::temp_path("heartbeat", "asleep");
+  std::system(("rm -rf " + project).c_str());
+  auto r = launch(2, kWorker,
+                  {"--project", project, "--steps", "8", "--freeze_rank", "1", "--freeze_after",
+                   "4", "--freeze", "sleep", "--timeout_s", "120"},
+                  LaunchOptions()
+                      .flags({"--heartbeat_timeout_s", "4", "--max_restarts", "1"})
+                      .timeout_s(180));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "rank 1 freezes (sleep) after step 4"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "tandem launch: rank 0 waited in a collective for longer than "
+                               "--heartbeat_timeout_s 4 s, beginning or ending no other: a hang. "
+                               "rank 1 (pid "),
+            1)
+      << r.output;
+  EXPECT_EQ(count_of(r.output, ": it is in no collective; its last: #"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "(look at its stack: gdb -p "), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "Rank 0 waits in #"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "restarting all ranks (restart 1 of 1)"), 1) << r.output;
+  EXPECT_EQ(count_of(r.output, "world 2 resumed " + project + "/checkpoints/checkpoint_"), 2)
+      << r.output;
+  EXPECT_FALSE(digest_of(r.output).empty()) << r.output;
   std::system(("rm -rf " + project).c_str());
 }
 

@@ -7,7 +7,7 @@
 //                  [--preempt_after S [--preempt_rank R] [--preempt_launcher] [--signal_in_save]
 //                   [--preempt_signal USR1]]
 //                  [--stop_rank R --stop_after S] [--mismatch_rank R --mismatch_after S]
-//                  [--timeout_s T]
+//                  [--freeze_rank R --freeze_after S --freeze sigstop|sleep] [--timeout_s T]
 //
 // --exit_after S: stop (exit 0) after step S, as a job stopped by hand. On the first attempt only
 // (TANDEM_RESTART_COUNT 0): --kill_rank R --kill_after S: rank R kills itself with SIGKILL after
@@ -23,12 +23,16 @@
 // (its flight recorder is dumped), and leaves without a word to the others, as a rank that
 // stopped; --mismatch_rank R --mismatch_after S: after step S every rank reduces a metric of 8
 // elements, rank R one of 9 (where that returns, every rank dumps on SIGUSR2 and exits 3).
+// Note [Heartbeat]: --freeze_rank R --freeze_after S (first attempt only): after step S rank R
+// prints "rank R freezes (<how>) after step S at <seconds since the epoch>" and stops itself with
+// SIGSTOP (--freeze sigstop) or sleeps for good, alive (--freeze sleep).
 // --timeout_s: the collectives' timeout.
 #include <signal.h>
 #include <unistd.h>
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -58,6 +62,8 @@ int run(int argc, char** argv) {
   int steps = 10, exit_after = -1, kill_rank = -1, kill_after = -1, kill_in_save = -1;
   int preempt_after = -1, preempt_rank = 0, preempt_signal = SIGTERM;
   int stop_rank = -1, stop_after = -1, mismatch_rank = -1, mismatch_after = -1;
+  int freeze_rank = -1, freeze_after = -1;
+  std::string freeze = "sigstop";
   double timeout_s = 1800;
   bool kill_machine = false, preempt_launcher = false, signal_in_save = false, preempted = false;
   for (int i = 1; i < argc; i += 2) {
@@ -83,6 +89,9 @@ int run(int argc, char** argv) {
     else if (k == "--mismatch_rank") mismatch_rank = std::stoi(v);
     else if (k == "--mismatch_after") mismatch_after = std::stoi(v);
     else if (k == "--timeout_s") timeout_s = std::stod(v);
+    else if (k == "--freeze_rank") freeze_rank = std::stoi(v);
+    else if (k == "--freeze_after") freeze_after = std::stoi(v);
+    else if (k == "--freeze") freeze = v;
     else if (k == "--preempt_signal") preempt_signal = v == "USR1" ? SIGUSR1 : SIGTERM;
     else throw std::invalid_argument("unknown argument " + k);
   }
@@ -152,6 +161,16 @@ int run(int argc, char** argv) {
         std::fflush(stdout);
         preempted = true;
         ::kill(preempt_launcher ? ::getppid() : ::getpid(), preempt_signal);
+      }
+      if (first_attempt && s == freeze_after && acc.process_index() == freeze_rank) {
+        const double now = std::chrono::duration<double>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
+        std::printf("rank %d freezes (%s) after step %d at %.3f\n", freeze_rank, freeze.c_str(), s,
+                    now);
+        std::fflush(stdout);
+        if (freeze == "sigstop") ::raise(SIGSTOP);
+        for (;;) ::sleep(1);
       }
       if (s == stop_after && acc.process_index() == stop_rank) {
         std::printf("rank %d stops after step %d\n", stop_rank, s);

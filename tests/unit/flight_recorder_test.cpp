@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -141,4 +142,68 @@ TEST(FlightDoctor, NamesTheRankBehindAndAMismatch) {
   fs::create_directories(missing + "-empty");
   EXPECT_THROW(tandem::track::diagnose_flight_dumps(missing + "-empty"), std::runtime_error);
   for (const auto& d : {behind, odd, even, missing, missing + "-empty"}) fs::remove_all(d);
+}
+
+// Note [Heartbeat]: what a beat says (the newest record, the oldest pending one, the ages), its
+// file read back as the launcher reads it, and a file that is not a whole beat refused.
+TEST(Heartbeat, SaysTheNewestAndTheOldestPendingCollective) {
+  auto& rec = FlightRecorder::instance();
+  rec.clear();
+  rec.set_dump_path("/tmp/run/flight", 0, 2);
+  EXPECT_TRUE(rec.heartbeat().last.empty());
+  EXPECT_LT(rec.heartbeat().activity_age_s, 0);
+  const auto a = rec.begin("world", "allreduce", 8, "Float");
+  rec.end(a, true);
+  const auto b = rec.begin("world", "broadcast", 3, "Int");
+  rec.begin("sub0", "all-gather", 5, "Float");
+  auto beat = rec.heartbeat();
+  EXPECT_EQ(beat.last, "#1 all-gather (5 x Float) in group sub0, pending");
+  EXPECT_EQ(beat.pending, "#2 broadcast (3 x Int) in group world");
+  EXPECT_GE(beat.pending_age_s, 0);
+  EXPECT_GE(beat.activity_age_s, 0);
+  EXPECT_EQ(beat.flight_dir, "/tmp/run/flight");
+  EXPECT_EQ(beat.pid, static_cast<int>(::getpid()));
+  rec.end(b, true);
+  EXPECT_EQ(rec.heartbeat().pending, "#1 all-gather (5 x Float) in group sub0");
+
+  const auto text = tandem::comm::format_heartbeat(beat);
+  auto back = tandem::comm::parse_heartbeat(text);
+  ASSERT_TRUE(back.has_value()) << text;
+  EXPECT_EQ(back->last, beat.last);
+  EXPECT_EQ(back->pending, beat.pending);
+  EXPECT_EQ(back->pid, beat.pid);
+  EXPECT_NEAR(back->wall_s, beat.wall_s, 1e-3);
+  EXPECT_FALSE(tandem::comm::parse_heartbeat(text.substr(0, text.size() / 2)).has_value());
+  EXPECT_FALSE(tandem::comm::parse_heartbeat("").has_value());
+  rec.clear();
+}
+
+// The thread rewrites its file until the last user stops it; then the file is gone.
+TEST(Heartbeat, BeatsUntilStoppedAndRemovesItsFile) {
+  auto& rec = FlightRecorder::instance();
+  rec.clear();
+  const auto dir = temp_dir("beat");
+  fs::create_directories(dir);
+  const auto path = dir + "/rank0.beat";
+  rec.beat_to(path, 0.02);
+  rec.beat_to(path, 0.02);  // a second Accelerator of the process
+  auto beat_time = [&] {  // -1: no whole beat there
+    std::ifstream f(path);
+    std::stringstream text;
+    text << f.rdbuf();
+    auto b = tandem::comm::parse_heartbeat(text.str());
+    return b ? b->wall_s : -1.0;
+  };
+  double first = -1;
+  for (int i = 0; i < 200 && first < 0; ++i, ::usleep(10 * 1000)) first = beat_time();
+  ASSERT_GT(first, 0);
+  double later = first;
+  for (int i = 0; i < 200 && later <= first; ++i, ::usleep(10 * 1000)) later = beat_time();
+  EXPECT_GT(later, first);
+  EXPECT_THROW(rec.beat_to(dir + "/other.beat", 0.02), std::runtime_error);
+  rec.stop_beating();
+  EXPECT_TRUE(fs::exists(path));  // one user left
+  rec.stop_beating();
+  EXPECT_FALSE(fs::exists(path));
+  fs::remove_all(dir);
 }

@@ -158,4 +158,6 @@ TEST(LaunchPlan, PreemptionSignalAndGrace) {
       << e;
   e = error(LaunchOptions().preemption_grace_s(-1));
   EXPECT_NE(e.find("--preemption_grace_s=-1 must be at least 0"), std::string::npos) << e;
+  e = error(LaunchOptions().heartbeat_timeout_s(-1));
+  EXPECT_NE(e.find("--heartbeat_timeout_s=-1 must be at least 0"), std::string::npos) << e;
 }

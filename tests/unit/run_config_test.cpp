@@ -16,6 +16,7 @@
 #include "tandem/config/config.h"
 #include "tandem/config/run_config.h"
 #include "tandem/config/run_env.h"
+#include "tandem/error.h"
 #include "tandem/launch/launcher.h"
 #include "tandem/launch/resolve.h"
 #include "tandem/parallel/activation_checkpoint.h"
@@ -326,9 +327,16 @@ TEST(RunEnvironmentTable, EveryRowOfTheRunConfigurationIsRead) {
   const auto state = tandem::ProcessState::from_env({{"RANK", "0"}, {"WORLD_SIZE", "1"},
                                                      {var::kLauncher, "1"},
                                                      {var::kErrorFile, "/tmp/e"},
+                                                     {var::kHeartbeatFile, "/tmp/b"},
+                                                     {var::kHeartbeatIntervalS, "0.5"},
                                                      {var::kLocalAddr, "10.0.0.2"}});
   EXPECT_EQ(state.launcher, tandem::LauncherKind::kTandem);
   EXPECT_EQ(state.error_file, "/tmp/e");
+  EXPECT_EQ(state.heartbeat_file, "/tmp/b");
+  EXPECT_EQ(state.heartbeat_interval_s, 0.5);
+  EXPECT_THROW(tandem::ProcessState::from_env({{"RANK", "0"}, {"WORLD_SIZE", "1"},
+                                               {var::kHeartbeatIntervalS, "0"}}),
+               tandem::Refused);
   EXPECT_EQ(state.local_addr, "10.0.0.2");
   const auto f = tandem::config::fault_injection_from_env(
       {{var::kCheckpointCrash, "after_files"}, {var::kCheckpointCrashRank, "1"}});

@@ -117,6 +117,11 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
                    "Seconds the ranks get to save and stop after SIGTERM or --preemption_signal, "
                    "before SIGKILL (30)")
       ->group(dist);
+  sub_->add_option(both("heartbeat_timeout_s"), heartbeat_timeout_,
+                   "End the job (or restart it under --max_restarts) when a rank stops running, "
+                   "or waits in one collective, for this many seconds, naming it and its "
+                   "collective; every rank's flight recorder dumps first (0: off)")
+      ->group(dist);
 
   value("mixed_precision", "mixed_precision", "no, fp16, bf16, fp8, bf16-true or fp16-true", prec);
   flag(both("downcast_bf16"), "downcast_bf16", "true", "Store fp32 tensors as bf16 (bf16 runs)",
@@ -260,6 +265,7 @@ int LaunchCommand::run() {
         .grace_period_s(grace_)
         .preemption_signal(preemption_signal_)
         .preemption_grace_s(preemption_grace_)
+        .heartbeat_timeout_s(heartbeat_timeout_)
         .log_dir(log_dir_)
         .tee(tee_)
         .quiet(quiet_)

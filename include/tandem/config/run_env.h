@@ -70,6 +70,8 @@ inline constexpr const char kFp8Prefix[] = "TANDEM_FP8_";
 inline constexpr const char kLauncher[] = "TANDEM_LAUNCHER";
 inline constexpr const char kRestartCount[] = "TANDEM_RESTART_COUNT";
 inline constexpr const char kErrorFile[] = "TANDEM_ERROR_FILE";
+inline constexpr const char kHeartbeatFile[] = "TANDEM_HEARTBEAT_FILE";
+inline constexpr const char kHeartbeatIntervalS[] = "TANDEM_HEARTBEAT_INTERVAL_S";
 inline constexpr const char kCpuAffinity[] = "TANDEM_CPU_AFFINITY";
 inline constexpr const char kLocalAddr[] = "TANDEM_LOCAL_ADDR";
 // Read by the CLI, and by the fault injection of the crash-consistency tests.

@@ -48,6 +48,11 @@ struct LaunchOptions {
   /// Seconds the ranks get after a forwarded SIGTERM or preemption signal to save and exit,
   /// before SIGKILL (--preemption_grace_s); keep it below the cluster's own grace period.
   TORCH_ARG(double, preemption_grace_s) = 30.0;
+  /// Note [Heartbeat]: a rank that stops running, or waits in one collective, for longer than
+  /// this many seconds ends the job (restarted under max_restarts), named with its collective;
+  /// every rank's flight recorder is asked for its dump first (--heartbeat_timeout_s). 0: off.
+  /// Keep it well below the collectives' timeout and above the longest collective.
+  TORCH_ARG(double, heartbeat_timeout_s) = 0.0;
   TORCH_ARG(int, max_restarts) = 0;
   /// Elastic on one machine (--min_processes): when ranks are lost (killed by a signal: the
   /// out-of-memory killer, kill -9, a crash), a restart runs on the processes that remain while

@@ -57,6 +57,7 @@ namespace order {
 constexpr int kUser = 0;
 constexpr int kCheckpoint = 100;  ///< activation checkpointing: recomputes everything inside
 constexpr int kShard = 200;       ///< a ZeRO-3 unit: gathers before, frees after
+constexpr int kAdapter = 250;     ///< a LoRA adapter adds to the layer's own call (peft/lora.h)
 constexpr int kOffload = 300;     ///< parameters brought to the device for the call
 constexpr int kRandom = 400;      ///< a random stream swapped in for the call
 }  // namespace order

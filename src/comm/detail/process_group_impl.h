@@ -38,6 +38,9 @@ struct ProcessGroup::Impl {
 };
 
 struct Work::Impl {
+  /// A work dropped without wait() is no longer pending in the flight recorder (Note
+  /// [Heartbeat]: a rank waits in nothing that nobody waits for).
+  ~Impl();
   c10::intrusive_ptr<compat::Work> work;
   /// Further parts of the operation, waited on after `work` (a send of several tensors).
   std::vector<c10::intrusive_ptr<compat::Work>> more;
