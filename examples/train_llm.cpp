@@ -1,12 +1,14 @@
 // Pretraining or fine-tuning a Llama-family model (llama, mistral, qwen2, qwen3: tandem/models/llama.h)
 // under every layout tandem launch gives it: data parallel, ZeRO 1-3 (FSDP), tensor parallel
-// (--tp_size), their combinations, activation checkpointing, mixed precision, accumulation.
+// (--tp_size), pipeline parallel (--pp_size, --microbatches; Note [Llama pipeline stages]),
+// their combinations, activation checkpointing, mixed precision, accumulation.
 //
 //   train_llm                                   a small byte-level Llama on this project's text
 //   train_llm --text book.txt                   ... on a file's bytes
 //   train_llm --config config.json              pretrain that model from scratch
 //   train_llm --model Qwen3-0.6B --data train.jsonl --save out/   fine-tune a save_pretrained folder
 //   tandem launch --num_processes 4 --cpu --use_fsdp --tp_size 2 build/examples/train_llm ...
+//   tandem launch --num_processes 4 --cpu --pp_size 2 --tp_size 2 build/examples/train_llm --config c.json
 //
 // Data: token ids in a flat binary file (uint16 or uint32, as llm.c and nanoGPT write them; cut
 // into windows of --seq_len), or JSONL lines {"input_ids": [...], "labels": [...]} (labels
@@ -24,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -202,6 +205,7 @@ int main(int argc, char** argv) {
   std::string model_dir, config_file, data, data_dtype = "uint16", save_dir, save_dtype, mixed_precision;
   std::string source_tree = TANDEM_SOURCE_DIR, text_file;
   int64_t steps = 20, batch = 4, seq_len = 64, warmup = 0, log_every = 5, pad_id = 0;
+  int64_t microbatches = 0;
   double lr = 3e-3, min_lr_ratio = 0.1, weight_decay = 0.0, clip = 1.0, peak_tflops = 0;
   bool shuffle = false;
   app.add_option("--model", model_dir, "A save_pretrained folder to fine-tune (config.json and weights)");
@@ -215,6 +219,8 @@ int main(int argc, char** argv) {
   app.add_option("--batch_size", batch, "Sequences per data-parallel rank per micro-step")
       ->check(CLI::PositiveNumber);
   app.add_option("--steps", steps, "Optimizer steps")->check(CLI::PositiveNumber);
+  app.add_option("--microbatches", microbatches, "Pipeline micro-batches per batch (default: the "
+                 "stages; under the launcher's --pp_size)")->check(CLI::NonNegativeNumber);
   app.add_option("--lr", lr, "Peak learning rate (AdamW)");
   app.add_option("--warmup_steps", warmup, "Linear warm-up steps")->check(CLI::NonNegativeNumber);
   app.add_option("--min_lr_ratio", min_lr_ratio, "Where the cosine decay ends, as a fraction of --lr "
@@ -297,12 +303,30 @@ int main(int argc, char** argv) {
     // A mixture of experts leaves the experts no token chose without a gradient in a step.
     if (cfg.num_experts > 0) options.find_unused_parameters(true);
     tandem::Accelerator acc(options);
-    const int tp = acc.topology().tp(), dp = acc.data_parallel_group().size();
-    if (acc.topology().pp() > 1)
-      throw tandem::Refused("train_llm: --pp_size " + std::to_string(acc.topology().pp()) +
-                            ": this example does not run pipeline stages yet; launch without "
-                            "--pp_size (train_gpt runs pipelines)");
+    const int tp = acc.topology().tp(), pp = acc.topology().pp();
+    const int dp = acc.data_parallel_group().size();
     models::check_llama_tensor_parallel(cfg, tp);
+    if (pp > 1) {
+      // Note [Llama pipeline stages]: what stages cannot hold, said before anything is built.
+      if (lora.r() > 0)
+        throw tandem::Refused("train_llm: LoRA under --pp_size " + std::to_string(pp) +
+                              ": adapters are not placed on pipeline stages yet; train LoRA "
+                              "under data parallel or ZeRO");
+      if (cfg.num_experts > 0)
+        throw tandem::Refused("train_llm: a mixture of experts (" + cfg.model_type +
+                              ") under --pp_size " + std::to_string(pp) + ": the experts no token "
+                              "chose have no gradient, which a stage's data-parallel reduction "
+                              "does not allow yet; train it under data parallel, ZeRO or tp");
+      if (microbatches == 0) microbatches = pp;
+      if (batch % microbatches != 0)
+        throw tandem::Refused("train_llm: --batch_size " + std::to_string(batch) +
+                              " is not a multiple of --microbatches " +
+                              std::to_string(microbatches) + " (the pipeline's micro-batches)");
+    } else if (microbatches != 0) {
+      throw tandem::Refused("train_llm: --microbatches " + std::to_string(microbatches) +
+                            " splits a pipeline's batch, and this run has no pipeline: give "
+                            "--pp_size (or the launcher's), or leave --microbatches out");
+    }
 
     // The data, the same on every rank (the loader gives each its share).
     std::shared_ptr<TokenWindows> windows;
@@ -334,7 +358,25 @@ int main(int argc, char** argv) {
     // (and loads a folder before splitting).
     models::LlamaForCausalLM model{nullptr};
     std::vector<torch::Tensor> adapters;
-    if (lora.r() > 0) {
+    std::shared_ptr<tandem::parallel::Pipeline> pipeline;
+    std::shared_ptr<torch::nn::Module> trained;
+    if (pp > 1) {
+      // Note [Llama pipeline stages]: the whole model (loaded) as a Sequential; this rank keeps
+      // its stage of it, split over tp too.
+      model = models::LlamaForCausalLM(cfg);
+      if (!model_dir.empty())
+        tandem::checkpoint::load_model(*model, model_dir,
+                                       tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
+      auto loss = [](const torch::Tensor& logits, const torch::Tensor& labels) {
+        return models::causal_lm_loss(logits, labels);
+      };
+      auto popts = tandem::parallel::PipelineOptions().microbatches(static_cast<int>(microbatches));
+      auto seq = models::llama_sequential(model);
+      pipeline = tp > 1 ? acc.prepare_pipeline(seq, loss, popts,
+                                               models::llama_sequential_tensor_parallel_plan(cfg))
+                        : acc.prepare_pipeline(seq, loss, popts);
+      trained = pipeline->module();
+    } else if (lora.r() > 0) {
       // LoRA: the dense base (loaded) gets its adapters before prepare, so that every strategy
       // sees the frozen and the trainable parameters as they are.
       if (tp > 1)
@@ -357,14 +399,17 @@ int main(int argc, char** argv) {
     } else {
       model = acc.build([&] { return models::LlamaForCausalLM(cfg); });
     }
-    model = acc.prepare(model);
-    if (!model_dir.empty() && tp == 1 && lora.r() == 0)
-      acc.load_model(*model, model_dir, tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
+    if (!pipeline) {
+      model = acc.prepare(model);
+      if (!model_dir.empty() && tp == 1 && lora.r() == 0)
+        acc.load_model(*model, model_dir, tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
+      trained = model.ptr();
+    }
     // A tied head is one tensor under two names: the optimizer lists it once. Under LoRA only
-    // the adapters train.
+    // the adapters train; under a pipeline, this stage's parameters.
     std::vector<torch::Tensor> params;
     std::set<const void*> seen;
-    for (auto& p : model->parameters())
+    for (auto& p : trained->parameters())
       if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params.push_back(p);
     if (lora.r() > 0) {
       int64_t trainable = 0;
@@ -396,7 +441,7 @@ int main(int argc, char** argv) {
     }
     acc.print(cfg.model_type, "with", cfg.parameter_count(), "parameters,", examples_count,
               "examples of", seq_len, "tokens;", acc.num_processes(), "processes (dp", dp, "x tp",
-              std::to_string(tp) + ");", flops_per_token / 1e6, "MFLOPs per token; peak",
+              tp, "x pp", std::to_string(pp) + ");", flops_per_token / 1e6, "MFLOPs per token; peak",
               peak_tflops > 0 ? std::to_string(peak_tflops) + " TFLOP/s from " + peak_source
                               : std::string("unknown for this GPU (give --peak_tflops)"));
 
@@ -413,14 +458,22 @@ int main(int argc, char** argv) {
     auto window_start = std::chrono::steady_clock::now();
     int64_t window_tokens = 0, window_micro = 0;
     torch::Tensor window_loss;  // the sum of this step's micro-step losses
+    double grad_norm = 0;
     auto run_epoch = [&](auto& loader) {
       for (auto& b : *loader) {
         auto scope = acc.accumulate();
-        auto loss = model->loss(b.data, b.target);
-        acc.backward(loss);
+        torch::Tensor loss;
+        if (pipeline) {
+          // The micro-batches' mean loss over this stage's data-parallel peers, on every rank.
+          loss = torch::tensor(pipeline->step(b.data, b.target));
+        } else {
+          loss = model->loss(b.data, b.target);
+          acc.backward(loss);
+        }
         window_loss = window_loss.defined() ? window_loss + loss.detach() : loss.detach();
         ++window_micro;
-        if (clip > 0) acc.clip_grad_norm_(params, clip);
+        // The norm before clipping, over every shard and stage (what transformers logs).
+        if (clip > 0) grad_norm = acc.clip_grad_norm_(params, clip);
         opt.step();
         opt.zero_grad();
         window_tokens += b.data.numel() * dp;
@@ -440,10 +493,14 @@ int main(int argc, char** argv) {
                                  ? tps * flops_per_token / (peak_tflops * 1e12 * acc.num_processes())
                                  : 0;
           acc.print("step", step, "loss", last_loss, "lr", opt->param_groups()[0].options().get_lr(),
+                    clip > 0 ? "grad_norm " + std::to_string(grad_norm) : std::string(),
                     static_cast<int64_t>(tps), "tokens/s", "MFU",
                     peak_tflops > 0 ? std::to_string(100 * mfu) + "%" : std::string("n/a"));
-          if (!log_with.empty())
-            acc.log({{"loss", last_loss}, {"tokens_per_s", tps}, {"mfu", mfu}}, step);
+          if (!log_with.empty()) {
+            std::map<std::string, double> m{{"loss", last_loss}, {"tokens_per_s", tps}, {"mfu", mfu}};
+            if (clip > 0) m["grad_norm"] = grad_norm;
+            acc.log(m, step);
+          }
           tokens += window_tokens;
           window_tokens = 0;
           window_start = std::chrono::steady_clock::now();
@@ -467,7 +524,9 @@ int main(int argc, char** argv) {
     if (!log_with.empty()) acc.end_training();
     acc.print("loss", last_loss < first_loss ? "fell" : "rose", "from", first_loss, "to", last_loss);
     if (!save_dir.empty()) {
-      auto state = acc.get_state_dict(*model);
+      auto state = acc.get_state_dict(*trained);
+      if (pipeline)  // the stages' Sequential paths back to transformers' names
+        for (auto& entry : state) entry.first = models::llama_name_of_sequential(cfg, entry.first);
       if (acc.is_main_process()) {
         if (lora.r() > 0)
           tandem::peft::save_adapter(state, lora, save_dir);

@@ -331,22 +331,77 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels) {
       l, shifted, torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100));
 }
 
-parallel::TensorParallelPlan llama_tensor_parallel_plan(const LlamaConfig& c) {
+namespace {
+
+// The plan with every decoder layer's paths under `layers` ("model.layers.*." or "*.").
+parallel::TensorParallelPlan tensor_parallel_plan(const LlamaConfig& c, const std::string& layers) {
   parallel::TensorParallelPlan plan;
-  plan.colwise("model.layers.*.self_attn.q_proj")
-      .colwise("model.layers.*.self_attn.k_proj")
-      .colwise("model.layers.*.self_attn.v_proj")
-      .rowwise("model.layers.*.self_attn.o_proj");
-  const bool dense = has_dense_layer(c);
+  plan.colwise(layers + "self_attn.q_proj")
+      .colwise(layers + "self_attn.k_proj")
+      .colwise(layers + "self_attn.v_proj")
+      .rowwise(layers + "self_attn.o_proj");
   // Experts stay whole on every tp rank (their input is whole after o_proj's all-reduce).
-  if (dense)
-    plan.colwise("model.layers.*.mlp.gate_proj")
-        .colwise("model.layers.*.mlp.up_proj")
-        .rowwise("model.layers.*.mlp.down_proj");
+  if (has_dense_layer(c))
+    plan.colwise(layers + "mlp.gate_proj")
+        .colwise(layers + "mlp.up_proj")
+        .rowwise(layers + "mlp.down_proj");
   if (c.qk_norm)
-    plan.sum_gradients("model.layers.*.self_attn.q_norm")
-        .sum_gradients("model.layers.*.self_attn.k_norm");
+    plan.sum_gradients(layers + "self_attn.q_norm").sum_gradients(layers + "self_attn.k_norm");
   return plan;
+}
+
+}  // namespace
+
+parallel::TensorParallelPlan llama_tensor_parallel_plan(const LlamaConfig& c) {
+  return tensor_parallel_plan(c, "model.layers.*.");
+}
+
+parallel::TensorParallelPlan llama_sequential_tensor_parallel_plan(const LlamaConfig& c) {
+  return tensor_parallel_plan(c, "*.");
+}
+
+// Note [Llama pipeline stages]
+torch::nn::Sequential llama_sequential(const LlamaForCausalLM& model) {
+  const auto& c = model->config;
+  if (c.tie_word_embeddings)
+    throw Refused("a " + c.model_type + " model with tie_word_embeddings true cannot be split "
+                  "into pipeline stages: its head is the token embedding, which lives on the "
+                  "first stage and the head on the last; set \"tie_word_embeddings\": false in "
+                  "config.json (the head then starts as a copy and trains apart), or train "
+                  "without --pp_size");
+  if (c.num_experts > 0 && c.output_router_logits)
+    throw Refused("a " + c.model_type + " model with output_router_logits true cannot be split "
+                  "into pipeline stages: its load-balancing loss needs every layer's router "
+                  "logits, which stay on their stages; set \"output_router_logits\": false, or "
+                  "train without --pp_size");
+  torch::nn::Sequential seq;
+  seq->push_back(model->model->embed_tokens);
+  for (const auto& layer : model->model->layers) seq->push_back(layer);
+  seq->push_back(model->model->norm);
+  seq->push_back(model->lm_head);
+  return seq;
+}
+
+std::string llama_name_of_sequential(const LlamaConfig& c, const std::string& name) {
+  const auto dot = name.find('.');
+  const std::string head = name.substr(0, dot), rest = dot == std::string::npos ? "" : name.substr(dot);
+  int64_t k = -1;
+  try {
+    size_t pos = 0;
+    k = std::stoll(head, &pos);
+    if (pos != head.size()) k = -1;
+  } catch (const std::exception&) {
+    k = -1;
+  }
+  const int64_t L = c.num_hidden_layers;
+  if (k < 0 || k > L + 2)
+    throw std::invalid_argument("llama_name_of_sequential: '" + name + "' is not a path of a " +
+                                std::to_string(L) + "-layer llama_sequential (0 .. " +
+                                std::to_string(L + 2) + ")");
+  if (k == 0) return "model.embed_tokens" + rest;
+  if (k <= L) return "model.layers." + std::to_string(k - 1) + rest;
+  if (k == L + 1) return "model.norm" + rest;
+  return "lm_head" + rest;
 }
 
 void check_llama_tensor_parallel(const LlamaConfig& c, int64_t tp) {

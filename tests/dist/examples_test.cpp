@@ -272,7 +272,7 @@ TEST(Examples, GenerateGpt2UnderTheLauncher) {
 // train_llm (the Llama family; tests/oracle/llama_training_oracle.py holds its layouts to
 // PyTorch's own steps): the launcher's accumulation and precision take effect and equal data
 // parallel's arithmetic where they should, and what the example cannot do is refused by name:
-// a pipeline, a tp size that splits heads, a model whose vocabulary the byte data overflows, and
+// a pipeline over a tied head, --microbatches without a pipeline, a tp size that splits heads, a model whose vocabulary the byte data overflows, and
 // data shorter than a global batch.
 TEST(Examples, TrainLlmTakesTheLaunchersSettingsAndRefusesWhatItCannotDo) {
   const std::vector<std::string> args{"--steps", "4", "--seq_len", "32", "--batch_size", "2",
@@ -301,10 +301,19 @@ TEST(Examples, TrainLlmTakesTheLaunchersSettingsAndRefusesWhatItCannotDo) {
   EXPECT_NEAR(final_loss(bf16.output), final_loss(dp.output), 0.05) << bf16.output;
   EXPECT_NE(final_loss(bf16.output), final_loss(dp.output)) << "bf16 changed nothing";
 
+  // Pipeline stages (tests/oracle/llama_training_oracle.py trains them): a head tied to the
+  // embedding cannot be split from it, and --microbatches without a pipeline would act on nothing.
   auto pp = launch(2, kTrainLlm, args, with_flags({"--pp_size", "2"}));
   EXPECT_NE(pp.exit_code, 0) << pp.output;
-  EXPECT_NE(pp.output.find("--pp_size 2: this example does not run pipeline stages"),
+  EXPECT_NE(pp.output.find("with tie_word_embeddings true cannot be split into pipeline stages"),
             std::string::npos) << pp.output;
+  auto micro_args = args;
+  micro_args.insert(micro_args.end(), {"--microbatches", "2"});
+  auto micro = launch(1, kTrainLlm, micro_args, with_flags());
+  EXPECT_NE(micro.exit_code, 0) << micro.output;
+  EXPECT_NE(micro.output.find("--microbatches 2 splits a pipeline's batch, and this run has no "
+                              "pipeline"),
+            std::string::npos) << micro.output;
   auto tp3 = launch(3, kTrainLlm, args, with_flags({"--tp_size", "3"}));
   EXPECT_NE(tp3.exit_code, 0) << tp3.output;
   EXPECT_NE(tp3.output.find("tensor parallel size 3 does not divide the llama model's "
@@ -331,6 +340,10 @@ TEST(Examples, TrainLlmTakesTheLaunchersSettingsAndRefusesWhatItCannotDo) {
   auto sparse = launch(2, kTrainLlm, moe_args, with_flags());
   ASSERT_EQ(sparse.exit_code, 0) << sparse.output;
   EXPECT_EQ(count_of(sparse.output, "qwen3_moe with"), 1) << sparse.output;
+  auto sparse_pp = launch(2, kTrainLlm, moe_args, with_flags({"--pp_size", "2"}));
+  EXPECT_NE(sparse_pp.exit_code, 0) << sparse_pp.output;
+  EXPECT_NE(sparse_pp.output.find("a mixture of experts (qwen3_moe) under --pp_size 2"),
+            std::string::npos) << sparse_pp.output;
   auto sparse_ckpt = launch(2, kTrainLlm, moe_args, with_flags({"--activation_checkpointing"}));
   EXPECT_NE(sparse_ckpt.exit_code, 0) << sparse_ckpt.output;
   EXPECT_NE(sparse_ckpt.output.find("Turn activation checkpointing off for this model, or set "

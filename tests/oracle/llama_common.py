@@ -29,19 +29,23 @@ def write_rows(path, vocab, rows, seq, seed):
 def train_like_train_llm(model, params, ids, steps, global_batch, lr, weight_decay, clip):
     """train_llm's steps in PyTorch: batches in order (epoch after epoch), AdamW, one warm-up step
     then cosine decay to 10% (transformers' schedule), gradient clipping; fails when the clipping
-    never bound (the check would not see a wrong global norm)."""
+    never bound (the check would not see a wrong global norm). Returns each step's gradient norm
+    before clipping."""
     model.train()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=1,
                                                         num_training_steps=steps, min_lr_rate=0.1)
     clipped = 0
+    norms = []
     n = ids.shape[0]
     for step in range(steps):
         b = ids[(step * global_batch) % n:(step * global_batch) % n + global_batch]
         model(input_ids=b, labels=b).loss.backward()
-        clipped += int(torch.nn.utils.clip_grad_norm_(params, clip) > clip)
+        norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
+        clipped += int(norms[-1] > clip)
         opt.step()
         sched.step()
         opt.zero_grad()
     if clipped == 0:
         fail("the clipping never bound: the check would not see a wrong global norm")
+    return norms

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "../common/temp_dir.h"
@@ -147,6 +148,55 @@ TEST(LlamaConfig, RefusesWhatItDoesNotCompute) {
   const auto c = parse(small("llama"));
   EXPECT_THROW(models::check_llama_tensor_parallel(c, 3), tandem::Refused);
   EXPECT_NO_THROW(models::check_llama_tensor_parallel(c, 2));
+}
+
+// Note [Llama pipeline stages]: the Sequential computes the model's logits with the model's own
+// modules, its paths map back to transformers' names, and what stages cannot hold is refused.
+TEST(LlamaSequential, ComputesTheModelsLogitsUnderTransformersNames) {
+  torch::manual_seed(4);
+  auto j = small("qwen3");
+  j["tie_word_embeddings"] = false;
+  const auto c = parse(j);
+  models::LlamaForCausalLM model(c);
+  model->eval();
+  auto seq = models::llama_sequential(model);
+  ASSERT_EQ(seq->size(), static_cast<size_t>(c.num_hidden_layers + 3));
+  auto ids = torch::randint(0, 40, {2, 5});
+  EXPECT_TRUE(torch::allclose(seq->forward(ids), model(ids)));
+  std::set<std::string> dense;
+  for (auto& p : model->named_parameters()) dense.insert(p.key());
+  std::set<std::string> mapped;
+  for (auto& p : seq->named_parameters()) {
+    const auto name = models::llama_name_of_sequential(c, p.key());
+    EXPECT_TRUE(dense.count(name)) << p.key() << " -> " << name;
+    EXPECT_TRUE(model->named_parameters()[name].is_same(p.value())) << name;
+    mapped.insert(name);
+  }
+  EXPECT_EQ(mapped, dense);
+  EXPECT_EQ(models::llama_name_of_sequential(c, "0.weight"), "model.embed_tokens.weight");
+  EXPECT_EQ(models::llama_name_of_sequential(c, "3.mlp.up_proj.weight"),
+            "model.layers.2.mlp.up_proj.weight");
+  EXPECT_EQ(models::llama_name_of_sequential(c, "4.weight"), "model.norm.weight");
+  EXPECT_EQ(models::llama_name_of_sequential(c, "5.weight"), "lm_head.weight");
+  EXPECT_THROW(models::llama_name_of_sequential(c, "6.weight"), std::invalid_argument);
+  EXPECT_THROW(models::llama_name_of_sequential(c, "x.weight"), std::invalid_argument);
+
+  auto refused = [](json j) {
+    try {
+      models::llama_sequential(models::LlamaForCausalLM(parse(j)));
+    } catch (const tandem::Refused& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto tied = small("llama");
+  tied["tie_word_embeddings"] = true;
+  EXPECT_NE(refused(tied).find("set \"tie_word_embeddings\": false in config.json"),
+            std::string::npos);
+  auto moe = small("qwen3_moe");
+  moe.update({{"num_experts", 4}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 8},
+              {"output_router_logits", true}});
+  EXPECT_NE(refused(moe).find("set \"output_router_logits\": false"), std::string::npos);
 }
 
 TEST(Lora, AddsZeroAdaptersTrainsOnlyThemAndRoundTripsPeftsFiles) {

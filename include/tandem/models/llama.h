@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
@@ -236,6 +237,20 @@ at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
 tandem::parallel::TensorParallelPlan llama_tensor_parallel_plan(const LlamaConfig& c);
 /// Throws tandem::Refused naming what a tensor-parallel size of `tp` does not divide.
 void check_llama_tensor_parallel(const LlamaConfig& c, int64_t tp);
+
+/// Note [Llama pipeline stages]: the model as a Sequential for pipeline parallel
+/// (Accelerator::prepare_pipeline): children "0" (the token embedding), "1" .. "L" (the decoder
+/// layers), "L+1" (the final norm) and "L+2" (the head), the very modules of `model`, so a model
+/// loaded before is the pipeline's. Refused, naming the config key, for a head tied to the
+/// embedding (they would live on the first and the last stage: tie_word_embeddings false) and
+/// for the load-balancing loss (the router logits stay on their stages: output_router_logits
+/// false). Its output: logits [B, T, vocab]; its loss: causal_lm_loss.
+torch::nn::Sequential llama_sequential(const LlamaForCausalLM& model);
+/// transformers' name of a llama_sequential parameter or path: "3.self_attn.q_proj.weight" ->
+/// "model.layers.2.self_attn.q_proj.weight", "0.weight" -> "model.embed_tokens.weight".
+std::string llama_name_of_sequential(const LlamaConfig& c, const std::string& name);
+/// llama_tensor_parallel_plan on llama_sequential's paths ("*.self_attn.q_proj", ...).
+tandem::parallel::TensorParallelPlan llama_sequential_tensor_parallel_plan(const LlamaConfig& c);
 
 /// Writes a folder transformers' from_pretrained loads: config.json and the weights
 /// (model.safetensors, or shards and an index past max_shard_size), every floating tensor as
