@@ -312,11 +312,6 @@ int main(int argc, char** argv) {
         throw tandem::Refused("train_llm: LoRA under --pp_size " + std::to_string(pp) +
                               ": adapters are not placed on pipeline stages yet; train LoRA "
                               "under data parallel or ZeRO");
-      if (cfg.num_experts > 0)
-        throw tandem::Refused("train_llm: a mixture of experts (" + cfg.model_type +
-                              ") under --pp_size " + std::to_string(pp) + ": the experts no token "
-                              "chose have no gradient, which a stage's data-parallel reduction "
-                              "does not allow yet; train it under data parallel, ZeRO or tp");
       if (microbatches == 0) microbatches = pp;
       if (batch % microbatches != 0)
         throw tandem::Refused("train_llm: --batch_size " + std::to_string(batch) +

@@ -190,11 +190,23 @@ double Pipeline::step(const at::Tensor& input, const at::Tensor& target) {
 
 // Note [Pipeline gradient sync]: the data-parallel replicas of a stage average its gradients
 // once per step, after the last backward of the schedule: one flat allreduce per dtype and
-// device, never one per micro-batch.
+// device, never one per micro-batch. A parameter some replicas used and others did not (an
+// expert no token of a replica's batch chose) has no gradient on those: it counts as zeros
+// there, as under DistributedDataParallel with find_unused_parameters; one no replica used keeps
+// no gradient. Which is which, one small allreduce of a flag per parameter says first.
 void Pipeline::reduce_gradients() {
   if (!dp_ || dp_->size() == 1) return;
+  auto params = module_->parameters();
+  auto used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+  auto* flag = used.data_ptr<int32_t>();
+  for (size_t i = 0; i < params.size(); ++i) flag[i] = params[i].grad().defined() ? 1 : 0;
+  dp_->allreduce(used, ReduceOp::kSum);
+  flag = used.data_ptr<int32_t>();
+  for (size_t i = 0; i < params.size(); ++i)
+    if (flag[i] > 0 && !params[i].grad().defined())
+      params[i].mutable_grad() = at::zeros_like(params[i]);
   std::map<std::pair<at::ScalarType, std::string>, std::vector<at::Tensor>> groups;
-  for (auto& prm : module_->parameters()) {
+  for (auto& prm : params) {
     auto g = prm.mutable_grad();
     if (g.defined()) groups[{g.scalar_type(), g.device().str()}].push_back(g);
   }
