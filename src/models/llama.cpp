@@ -367,8 +367,8 @@ torch::nn::Sequential llama_sequential(const LlamaForCausalLM& model) {
     throw Refused("a " + c.model_type + " model with tie_word_embeddings true cannot be split "
                   "into pipeline stages: its head is the token embedding, which lives on the "
                   "first stage and the head on the last; set \"tie_word_embeddings\": false in "
-                  "config.json (the head then starts as a copy and trains apart), or train "
-                  "without --pp_size");
+                  "config.json (a tied checkpoint holds no lm_head.weight: add one, a copy of "
+                  "model.embed_tokens.weight, to its safetensors), or train without --pp_size");
   if (c.num_experts > 0 && c.output_router_logits)
     throw Refused("a " + c.model_type + " model with output_router_logits true cannot be split "
                   "into pipeline stages: its load-balancing loss needs every layer's router "
