@@ -348,20 +348,29 @@ int main(int argc, char** argv) {
                             std::to_string(seq_len) + " tokens, fewer than one global batch (" +
                             std::to_string(batch * dp) + "); give more data or a smaller batch");
 
-    // The model as the layout needs it: under ZeRO-3 each layer is sharded as it is built (no
-    // rank holds the dense model); tensor parallel splits dense layers, so it builds them whole
-    // (and loads a folder before splitting).
+    // The model as the layout needs it.
     models::LlamaForCausalLM model{nullptr};
     std::vector<torch::Tensor> adapters;
     std::shared_ptr<tandem::parallel::Pipeline> pipeline;
     std::shared_ptr<torch::nn::Module> trained;
-    if (pp > 1) {
-      // Note [Llama pipeline stages]: the whole model (loaded) as a Sequential; this rank keeps
-      // its stage of it, split over tp too.
+    if (lora.r() > 0 && tp > 1)
+      throw tandem::Refused("train_llm: LoRA under --tp_size " + std::to_string(tp) +
+                            ": adapters do not follow tensor-parallel splits yet; train LoRA "
+                            "under data parallel or ZeRO (--use_fsdp)");
+    const auto load_options = tandem::checkpoint::LoadOptions().allow_dtype_cast(true);
+    // A pipeline, LoRA and tensor parallel start from the whole model on every rank, loaded
+    // before they cut or adapt it; the others build it through acc.build (under ZeRO-3 each
+    // layer is sharded as it is made) and load into it once prepared.
+    const bool whole = pp > 1 || lora.r() > 0 || tp > 1;
+    if (whole) {
       model = models::LlamaForCausalLM(cfg);
-      if (!model_dir.empty())
-        tandem::checkpoint::load_model(*model, model_dir,
-                                       tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
+      if (!model_dir.empty()) tandem::checkpoint::load_model(*model, model_dir, load_options);
+    } else {
+      model = acc.build([&] { return models::LlamaForCausalLM(cfg); });
+    }
+    if (pp > 1) {
+      // Note [Llama pipeline stages]: the whole model as a Sequential; this rank keeps its
+      // stage of it, split over tp too.
       auto loss = [](const torch::Tensor& logits, const torch::Tensor& labels) {
         return models::causal_lm_loss(logits, labels);
       };
@@ -372,32 +381,17 @@ int main(int argc, char** argv) {
                         : acc.prepare_pipeline(seq, loss, popts);
       trained = pipeline->module();
     } else if (lora.r() > 0) {
-      // LoRA: the dense base (loaded) gets its adapters before prepare, so that every strategy
-      // sees the frozen and the trainable parameters as they are.
-      if (tp > 1)
-        throw tandem::Refused("train_llm: LoRA under --tp_size " + std::to_string(tp) +
-                              ": adapters do not follow tensor-parallel splits yet; train LoRA "
-                              "under data parallel or ZeRO (--use_fsdp)");
-      model = models::LlamaForCausalLM(cfg);
-      if (!model_dir.empty())
-        tandem::checkpoint::load_model(*model, model_dir,
-                                       tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
+      // LoRA: the dense base gets its adapters before prepare, so that every strategy sees the
+      // frozen and the trainable parameters as they are.
       if (lora.base_model_name_or_path().empty()) lora.base_model_name_or_path(model_dir);
       adapters = tandem::peft::apply_lora(*model, lora);
       if (!lora_adapter.empty()) tandem::peft::load_adapter(*model, lora_adapter);
     } else if (tp > 1) {
-      model = models::LlamaForCausalLM(cfg);
-      if (!model_dir.empty())
-        tandem::checkpoint::load_model(*model, model_dir,
-                                       tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
       acc.parallelize(*model, models::llama_tensor_parallel_plan(cfg));
-    } else {
-      model = acc.build([&] { return models::LlamaForCausalLM(cfg); });
     }
     if (!pipeline) {
       model = acc.prepare(model);
-      if (!model_dir.empty() && tp == 1 && lora.r() == 0)
-        acc.load_model(*model, model_dir, tandem::checkpoint::LoadOptions().allow_dtype_cast(true));
+      if (!model_dir.empty() && !whole) acc.load_model(*model, model_dir, load_options);
       trained = model.ptr();
     }
     // A tied head is one tensor under two names: the optimizer lists it once. Under LoRA only
