@@ -16,6 +16,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "tandem/checkpoint/training_state.h"
 #include "tandem/comm/flight_recorder.h"
 #include "tandem/config/run_config.h"
 #include "tandem/host_allocator.h"
@@ -222,6 +223,15 @@ Accelerator::~Accelerator() {
   // callback holds the timeline by shared_ptr, never the Accelerator), so that a late use is a
   // clear error or a no-op, never a use of freed memory.
   *self_ = nullptr;
+  // Note [Asynchronous checkpoints]: the process does not end before a save in flight is on
+  // disk (a failure is said on stderr: a destructor throws nothing).
+  if (pending_save_) {
+    try {
+      wait_for_checkpoint();
+    } catch (const std::exception& e) {
+      std::cerr << e.what() << std::endl;
+    }
+  }
   if (!state_.heartbeat_file.empty()) comm::FlightRecorder::instance().stop_beating();
   if (profile_) {
     try {
@@ -249,9 +259,15 @@ void Accelerator::profile_parameters(const torch::nn::Module& model) {
                               static_cast<int64_t>(p.value().numel() * p.value().element_size()));
 }
 
+void Accelerator::end_training() {
+  wait_for_checkpoint();
+  recorder_->finish();
+}
+
 void Accelerator::free_memory() {
   TANDEM_CHECK(no_sync_depth_ == 0, state_.prefix(),
               " free_memory: called inside no_sync() or accumulate(); leave the scope first");
+  wait_for_checkpoint();  // its host copies are freed with it
   // Note [Accelerator lifetime]: what was prepared before reaches this Accelerator no more; a
   // kept optimizer steps as a plain LibTorch optimizer.
   *self_ = nullptr;
@@ -650,7 +666,7 @@ void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer)
     due = flag.item<int>() == 1;
   }
   if (!due) return;
-  save_state();
+  save_state(SaveOptions().async(options_.checkpoint_async()));
   last_checkpoint_ = std::chrono::steady_clock::now();
 }
 

@@ -249,6 +249,13 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
 }
 
 std::string Accelerator::save_state(const std::string& dir_arg) {
+  return save_state(SaveOptions().dir(dir_arg));
+}
+
+std::string Accelerator::save_state(const SaveOptions& save) {
+  // One save at a time: the numbering, the rotation and the host copies count on it.
+  wait_for_checkpoint();
+  const std::string& dir_arg = save.dir();
   fs::path target;
   if (!dir_arg.empty()) {
     target = dir_arg;
@@ -263,9 +270,20 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
   target = fs::absolute(target).lexically_normal();
   // A process-level switch a test may set between two saves: read at each save.
   const auto faults = config::fault_injection();
-  checkpoint::save_training_state(*pg_, target.string(), checkpoint_parts(),
-                                  dir_arg.empty() ? options_.total_limit() : 0,
-                                  {faults.checkpoint_crash, faults.checkpoint_crash_rank});
+  const checkpoint::CrashPoint crash{faults.checkpoint_crash, faults.checkpoint_crash_rank};
+  const int keep_last = dir_arg.empty() ? options_.total_limit() : 0;
+  if (save.async()) {
+    // Note [Asynchronous checkpoints]: the manifest and the rename have a group of their own.
+    if (!checkpoint_pg_) {
+      std::vector<int> all(static_cast<size_t>(pg_->size()));
+      for (int r = 0; r < pg_->size(); ++r) all[static_cast<size_t>(r)] = pg_->global_rank(r);
+      checkpoint_pg_ = pg_->new_subgroup(all);
+    }
+    pending_save_ = checkpoint::save_training_state_async(*pg_, checkpoint_pg_, target.string(),
+                                                          checkpoint_parts(), keep_last, crash);
+  } else {
+    checkpoint::save_training_state(*pg_, target.string(), checkpoint_parts(), keep_last, crash);
+  }
   if (dir_arg.empty()) {
     const auto n = checkpoint::checkpoint_number(target.string());
     if (n >= 0) checkpoints_saved_ = n + 1;
@@ -273,7 +291,16 @@ std::string Accelerator::save_state(const std::string& dir_arg) {
   return target.string();
 }
 
+void Accelerator::wait_for_checkpoint() {
+  if (!pending_save_) return;
+  auto pending = std::move(pending_save_);
+  pending->wait();
+}
+
+bool Accelerator::checkpoint_in_flight() const { return pending_save_ && !pending_save_->done(); }
+
 LoadedState Accelerator::load_state(const std::string& dir_arg) {
+  wait_for_checkpoint();  // the latest checkpoint may be the one being written
   std::string dir = dir_arg;
   if (dir.empty()) {
     dir = latest_checkpoint();

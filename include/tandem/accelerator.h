@@ -60,6 +60,7 @@ struct TensorParallelPlan;
 namespace checkpoint {
 struct StatePart;
 class StateReader;
+class PendingSave;
 }
 
 namespace detail {
@@ -94,6 +95,17 @@ struct LoadedState {
   /// Every rank's random generators were restored (false on another world size: they are per
   /// rank).
   bool random_states = true;
+};
+
+/// How Accelerator::save_state saves.
+struct SaveOptions {
+  /// Where; empty: project_dir/checkpoints/checkpoint_<n> (automatic_checkpoint_naming).
+  TORCH_ARG(std::string, dir) = "";
+  /// Note [Asynchronous checkpoints]: copy the state to host memory now and write it from a
+  /// background thread while training goes on; save_state returns once the copy is made. The
+  /// checkpoint appears (atomically, complete) when the write ends; the next save, load_state,
+  /// end_training and the Accelerator's end wait for it (wait_for_checkpoint waits on demand).
+  TORCH_ARG(bool, async) = false;
 };
 
 /// The Accelerator. One per process; it owns the process group and the engines it creates.
@@ -421,6 +433,15 @@ class Accelerator {
   /// project_dir/checkpoints/checkpoint_<n> and keeps at most total_limit of them. Returns the
   /// directory written.
   std::string save_state(const std::string& dir = "");
+  /// save_state with options: SaveOptions().async(true) returns once the state is copied to
+  /// host memory and writes it in the background (Note [Asynchronous checkpoints]); a save
+  /// still in flight is waited for first. Returns the directory it writes.
+  std::string save_state(const SaveOptions& options);
+  /// Waits until an asynchronous save in flight is on disk; throws, on every rank, what made it
+  /// fail (then no checkpoint was renamed into place). Returns at once when none is in flight.
+  void wait_for_checkpoint();
+  /// Whether an asynchronous save is still being written.
+  bool checkpoint_in_flight() const;
   /// Restores a save_state() directory (verifying every checksum first); without `dir`, the
   /// latest complete checkpoint under project_dir/checkpoints. Prepared loaders resume at the
   /// saved sample of the saved epoch. A checkpoint saved on another layout (data-parallel size,
@@ -471,8 +492,8 @@ class Accelerator {
   void log(const std::map<std::string, double>& values, int64_t step) {
     recorder_->log(values, step);
   }
-  /// Finishes the trackers and writes the timeline.
-  void end_training() { recorder_->finish(); }
+  /// Waits for an asynchronous save in flight, finishes the trackers and writes the timeline.
+  void end_training();
   /// Releases every prepared model, optimizer, scheduler and loader, and starts the strategy
   /// and the precision state over, as Accelerate's free_memory() / clear(): what a loop that
   /// trains a new model per trial (tandem::trials::Study) calls between trials. The step count
@@ -573,6 +594,10 @@ class Accelerator {
   };
   std::vector<Registered> registered_;
   int64_t checkpoints_saved_ = 0;  // numbering of automatic checkpoint_<n>
+  // Note [Asynchronous checkpoints]: the save being written, and the group its manifest and
+  // rename use (made at the first asynchronous save, over every rank).
+  std::unique_ptr<checkpoint::PendingSave> pending_save_;
+  std::shared_ptr<ProcessGroup> checkpoint_pg_;
   parallel::DistributedType distributed_type_ = parallel::DistributedType::kNo;
   std::unique_ptr<parallel::Strategy> strategy_;
   std::unique_ptr<precision::MixedPrecision> precision_;

@@ -110,6 +110,10 @@ struct AcceleratorOptions {
   /// many minutes after the last one (or the start); rank 0's clock decides for every rank.
   /// 0: none.
   TORCH_ARG(double, checkpoint_every_minutes) = 0;
+  /// The periodic checkpoints are asynchronous (Note [Asynchronous checkpoints]): the state is
+  /// copied to host memory at the step and written by a background thread while training goes
+  /// on (Accelerator::save_state(SaveOptions().async(true)) for one save).
+  TORCH_ARG(bool, checkpoint_async) = false;
   /// Resume from the latest complete checkpoint under project_dir/checkpoints, when there is
   /// one, as the first batch of a prepared loader is asked for (models, optimizers and loaders
   /// are prepared by then): an elastic restart (tandem launch --max_restarts --min_processes)

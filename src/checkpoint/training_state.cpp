@@ -18,11 +18,17 @@
 #include <ATen/Context.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <regex>
 #include <sstream>
 
@@ -163,21 +169,87 @@ void set_rng_states(const SafetensorsFile& f) {
 
 // ---- StateWriter ------------------------------------------------------------------------------
 
-StateWriter::StateWriter(std::string dir, int rank, int world_size)
-    : dir_(std::move(dir)), rank_(rank), world_(world_size) {}
+StateWriter::StateWriter(std::string dir, int rank, int world_size, bool staging)
+    : dir_(std::move(dir)), rank_(rank), world_(world_size), staging_(staging) {}
+
+namespace {
+
+// A copy of `t` in host memory that training cannot change (pinned when `t` lives on a GPU,
+// so that the copy is a DMA).
+at::Tensor host_copy(const at::Tensor& t) {
+  const at::Tensor d = t.detach();
+  if (d.is_cuda()) {
+    auto h = at::empty(d.sizes(), d.options().device(at::kCPU).pinned_memory(true));
+    h.copy_(d);
+    return h;
+  }
+  if (!d.device().is_cpu()) return d.to(at::kCPU);
+  return d.clone(at::MemoryFormat::Contiguous);
+}
+
+}  // namespace
+
+void StateWriter::wrote(const std::string& file) {
+  const fs::path p = fs::path(dir_) / file;
+  files_[file] = {fs::file_size(p), xxh64_of(p)};
+  if (after_first_file_) {
+    auto f = std::move(after_first_file_);
+    after_first_file_ = nullptr;
+    f();
+  }
+}
 
 void StateWriter::write_tensors(const std::string& file,
                                 const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                 const std::map<std::string, std::string>& metadata) {
-  const fs::path p = fs::path(dir_) / file;
-  save_safetensors(p.string(), tensors, metadata);
-  files_[file] = {fs::file_size(p), xxh64_of(p)};
+  if (staging_) {
+    Staged st;
+    st.file = file;
+    st.is_tensors = true;
+    st.metadata = metadata;
+    st.tensors.reserve(tensors.size());
+    for (const auto& [name, t] : tensors) st.tensors.emplace_back(name, host_copy(t));
+    staged_.push_back(std::move(st));
+    return;
+  }
+  save_safetensors((fs::path(dir_) / file).string(), tensors, metadata);
+  wrote(file);
 }
 
 void StateWriter::write_bytes(const std::string& file, const std::string& bytes) {
-  const fs::path p = fs::path(dir_) / file;
-  write_file(p, bytes);
-  files_[file] = {fs::file_size(p), xxh64_of(p)};
+  if (staging_) {
+    Staged st;
+    st.file = file;
+    st.bytes = bytes;
+    staged_.push_back(std::move(st));
+    return;
+  }
+  write_file(fs::path(dir_) / file, bytes);
+  wrote(file);
+}
+
+void StateWriter::write_staged() {
+  for (auto& st : staged_) {
+    const fs::path p = fs::path(dir_) / st.file;
+    if (st.is_tensors)
+      save_safetensors(p.string(), st.tensors, st.metadata);
+    else
+      write_file(p, st.bytes);
+    st.tensors.clear();
+    st.bytes.clear();
+    st.bytes.shrink_to_fit();
+    wrote(st.file);
+  }
+  staged_.clear();
+}
+
+uint64_t StateWriter::staged_bytes() const {
+  uint64_t n = 0;
+  for (const auto& st : staged_) {
+    n += st.bytes.size();
+    for (const auto& [name, t] : st.tensors) n += static_cast<uint64_t>(t.nbytes());
+  }
+  return n;
 }
 
 void StateWriter::set_state(const std::string& key, const std::string& json) {
@@ -283,16 +355,17 @@ std::optional<std::string> StateReader::state(const std::string& key) const {
 
 // ---- save and load ----------------------------------------------------------------------------
 
-void save_training_state(ProcessGroup& pg, const std::string& dir,
-                         const std::vector<StatePart>& parts, int keep_last,
-                         const CrashPoint& crash) {
-  const fs::path target = fs::absolute(dir).lexically_normal();
-  const fs::path tmp = target.parent_path() / ("." + target.filename().string() + ".tmp");
-  const int rank = pg.rank();
+namespace {
 
-  // 1. Rank 0 prepares an empty temporary directory; the others wait for it.
+// Where a checkpoint is assembled before its rename.
+fs::path temporary_of(const fs::path& target) {
+  return target.parent_path() / ("." + target.filename().string() + ".tmp");
+}
+
+// Step 1: rank 0 prepares an empty temporary directory; the others wait for it.
+void prepare_temporary(ProcessGroup& pg, const fs::path& target, const fs::path& tmp) {
   std::string error;
-  if (rank == 0) {
+  if (pg.rank() == 0) {
     try {
       fs::create_directories(target.parent_path());
       fs::remove_all(tmp);
@@ -303,11 +376,13 @@ void save_training_state(ProcessGroup& pg, const std::string& dir,
   }
   error = comm::broadcast_object(pg, error, 0);
   if (!error.empty()) throw std::runtime_error(pg.prefix() + " save_state: " + error);
+}
 
-  // 2. Every rank runs every part. After a failure the later parts still run, so that their
-  // collectives match on every rank; what they write goes with the temporary directory.
-  StateWriter writer(tmp.string(), rank, pg.size());
-  writer.set_name(target.filename().string());
+// Step 2: every rank runs every part. After a failure the later parts still run, so that their
+// collectives match on every rank; what they write goes with the temporary directory. Returns
+// the first failure.
+std::string run_parts(const std::vector<StatePart>& parts, StateWriter& writer) {
+  std::string error;
   for (const auto& part : parts) {
     try {
       part.save(writer);
@@ -315,6 +390,15 @@ void save_training_state(ProcessGroup& pg, const std::string& dir,
       if (error.empty()) error = "part '" + part.name + "': " + e.what();
     }
   }
+  return error;
+}
+
+// Step 3: rank 0 writes state.json, gathers every rank's files (or failure) over `pg`, writes
+// the manifest and renames; every rank learns the outcome and throws on a failure.
+void finish_save(ProcessGroup& pg, StateWriter& writer, std::string error, const fs::path& target,
+                 int keep_last, const CrashPoint& crash) {
+  const fs::path tmp = temporary_of(target);
+  const int rank = pg.rank();
   if (error.empty() && rank == 0) {
     try {
       json st;
@@ -322,6 +406,7 @@ void save_training_state(ProcessGroup& pg, const std::string& dir,
       st["world_size"] = pg.size();
       for (const auto& [key, value] : writer.state()) st[key] = json::parse(value);
       writer.write_bytes("state.json", st.dump(2));
+      writer.write_staged();
     } catch (const std::exception& e) {
       error = std::string("state.json: ") + e.what();
     }
@@ -331,7 +416,6 @@ void save_training_state(ProcessGroup& pg, const std::string& dir,
     files[name] = {{"size", info.first}, {"xxh64", info.second}};
   if (error.empty()) crash_point(crash, "after_files", rank);
 
-  // 3. Rank 0 gathers every rank's files (or failure), writes the manifest and renames.
   auto reports = comm::gather_object(pg, json{{"error", error}, {"files", files}}.dump());
   std::string outcome;
   if (rank == 0) {
@@ -376,6 +460,129 @@ void save_training_state(ProcessGroup& pg, const std::string& dir,
     throw std::runtime_error(pg.prefix() + " save_state to " + target.string() +
                              " failed; nothing was written and earlier checkpoints are intact: " +
                              outcome);
+}
+
+}  // namespace
+
+void save_training_state(ProcessGroup& pg, const std::string& dir,
+                         const std::vector<StatePart>& parts, int keep_last,
+                         const CrashPoint& crash) {
+  const fs::path target = fs::absolute(dir).lexically_normal();
+  const fs::path tmp = temporary_of(target);
+  const int rank = pg.rank();
+  prepare_temporary(pg, target, tmp);
+  StateWriter writer(tmp.string(), rank, pg.size());
+  writer.set_name(target.filename().string());
+  writer.set_after_first_file([&crash, rank] { crash_point(crash, "mid_files", rank); });
+  std::string error = run_parts(parts, writer);
+  finish_save(pg, writer, std::move(error), target, keep_last, crash);
+}
+
+// ---- asynchronous saves (Note [Asynchronous checkpoints]) -------------------------------------
+
+struct PendingSave::Impl {
+  std::string dir;
+  std::thread thread;
+  std::atomic<bool> done{false};
+  std::string error;  // the write's failure, set before done
+  bool reported = false;
+  double staging_s = 0;
+
+  // Joins the thread once; says a failure nobody asked for on stderr.
+  void finish() {
+    if (thread.joinable()) thread.join();
+    if (!error.empty() && !reported) {
+      reported = true;
+      std::cerr << error << std::endl;
+    }
+  }
+};
+
+namespace {
+
+// A program that calls std::exit with a save in flight (no destructor runs) still ends after
+// the write: every pending save is joined at exit.
+std::mutex g_pending_mu;
+std::vector<PendingSave::Impl*> g_pending;
+
+void finish_pending_at_exit() {
+  std::lock_guard<std::mutex> lock(g_pending_mu);
+  for (auto* p : g_pending) p->finish();
+}
+
+void add_pending(PendingSave::Impl* p) {
+  static const bool registered = [] { return std::atexit(finish_pending_at_exit) == 0; }();
+  (void)registered;
+  std::lock_guard<std::mutex> lock(g_pending_mu);
+  g_pending.push_back(p);
+}
+
+void remove_pending(PendingSave::Impl* p) {
+  std::lock_guard<std::mutex> lock(g_pending_mu);
+  g_pending.erase(std::remove(g_pending.begin(), g_pending.end(), p), g_pending.end());
+}
+
+}  // namespace
+
+PendingSave::PendingSave(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {
+  add_pending(impl_.get());
+}
+
+PendingSave::~PendingSave() {
+  remove_pending(impl_.get());
+  impl_->finish();
+}
+
+const std::string& PendingSave::dir() const { return impl_->dir; }
+bool PendingSave::done() const { return impl_->done.load(); }
+double PendingSave::staging_seconds() const { return impl_->staging_s; }
+
+void PendingSave::wait() {
+  if (impl_->thread.joinable()) impl_->thread.join();
+  if (!impl_->error.empty()) {
+    impl_->reported = true;
+    throw std::runtime_error(impl_->error);
+  }
+}
+
+std::unique_ptr<PendingSave> save_training_state_async(ProcessGroup& pg,
+                                                       std::shared_ptr<ProcessGroup> background,
+                                                       const std::string& dir,
+                                                       const std::vector<StatePart>& parts,
+                                                       int keep_last, const CrashPoint& crash) {
+  TANDEM_CHECK(background && background->size() == pg.size() && background->rank() == pg.rank(),
+               pg.prefix(), " save_training_state_async: the background group must hold the "
+               "same ranks as the run's group");
+  const auto t0 = std::chrono::steady_clock::now();
+  const fs::path target = fs::absolute(dir).lexically_normal();
+  const fs::path tmp = temporary_of(target);
+  const int rank = pg.rank();
+  prepare_temporary(pg, target, tmp);
+  auto writer = std::make_shared<StateWriter>(tmp.string(), rank, pg.size(), /*staging=*/true);
+  writer->set_name(target.filename().string());
+  writer->set_after_first_file([crash, rank] { crash_point(crash, "mid_files", rank); });
+  std::string error = run_parts(parts, *writer);
+  auto impl = std::make_unique<PendingSave::Impl>();
+  impl->dir = target.string();
+  impl->staging_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  PendingSave::Impl* state = impl.get();
+  impl->thread = std::thread([state, writer, background, error, target, keep_last, crash]() mutable {
+    try {
+      if (error.empty()) {
+        try {
+          writer->write_staged();
+        } catch (const std::exception& e) {
+          error = std::string("writing its files: ") + e.what();
+        }
+      }
+      finish_save(*background, *writer, error, target, keep_last, crash);
+    } catch (const std::exception& e) {
+      state->error = e.what();
+    }
+    state->done.store(true);
+  });
+  return std::make_unique<PendingSave>(std::move(impl));
 }
 
 void load_training_state(ProcessGroup& pg, const std::string& dir,

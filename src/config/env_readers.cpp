@@ -226,6 +226,11 @@ FaultInjection fault_injection_from_env(const EnvMap& env) {
   Reader r(env);
   FaultInjection f;
   f.checkpoint_crash = r.get(var::kCheckpointCrash).value_or("");
+  if (!f.checkpoint_crash.empty() && f.checkpoint_crash != "mid_files" &&
+      f.checkpoint_crash != "after_files" && f.checkpoint_crash != "before_rename" &&
+      f.checkpoint_crash != "after_rename")
+    throw detail::bad(var::kCheckpointCrash, f.checkpoint_crash,
+              "expected a point of a save: mid_files, after_files, before_rename or after_rename");
   f.checkpoint_crash_rank = static_cast<int>(r.integer(var::kCheckpointCrashRank).value_or(0));
   return f;
 }

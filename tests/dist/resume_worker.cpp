@@ -6,12 +6,16 @@
 //            injection point --point armed (the process is SIGKILLed inside the second save).
 //   verify   load the latest checkpoint and write its parameters to --out.
 //   loop     save checkpoints in a loop until killed (random-time kill test).
+//   failing  save asynchronously with a registered object that throws, then wait for the save.
+// --async makes every save asynchronous (Note [Asynchronous checkpoints]); --every K saves
+// periodically every K optimizer steps (checkpoint_every_steps, checkpoint_async with --async).
 // --mixed-precision MODE and --master-weights train in that precision mode; the dump then holds
 // the fp32 masters too.
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 
 #include "../../examples/common/mlp.h"
@@ -47,8 +51,11 @@ int main(int argc, char** argv) {
   std::string mode = "run", out, project = ".", point, precision = "no";
   bool master_weights = false;
   int64_t steps = 10, stop_at = -1, limit = 0;
-  bool resume = false;
+  bool resume = false, async = false;
+  int64_t every = 0;
   app.add_option("mode", mode);
+  app.add_flag("--async", async);
+  app.add_option("--every", every);
   app.add_option("--out", out);
   app.add_option("--project", project);
   app.add_option("--steps", steps);
@@ -65,7 +72,9 @@ int main(int argc, char** argv) {
                        .gradient_accumulation_steps(2)
                        .project_dir(project)
                        .total_limit(static_cast<int>(limit))
-                       .mixed_precision(precision);
+                       .mixed_precision(precision)
+                       .checkpoint_every_steps(every)
+                       .checkpoint_async(async);
     if (master_weights) options.master_weights(true);
     tandem::Accelerator acc(options);
     torch::manual_seed(7);
@@ -75,6 +84,16 @@ int main(int argc, char** argv) {
     auto sched = acc.prepare_scheduler(std::make_shared<torch::optim::StepLR>(*adamw, 3, 0.5));
     Counter counter;
     acc.register_for_checkpointing("counter", counter);
+    int broken_saves = 0;  // the first save of "broken" throws
+    if (mode == "failing")
+      acc.register_for_checkpointing(
+          "broken",
+          [&broken_saves]() -> std::string {
+            if (broken_saves++ == 0) throw std::runtime_error("cannot serialize the broken object");
+            return "ok";
+          },
+          [](const std::string&) {});
+    const auto save = [&] { return acc.save_state(tandem::SaveOptions().async(async)); };
     auto loader = acc.prepare_data_loader(examples::TeacherClassification(150, 32, 5, 3, 4),
                                           tandem::data::DataLoaderOptions().batch_size(8).shuffle(true).seed(5));
     auto train_steps = [&](int64_t until) {
@@ -90,7 +109,7 @@ int main(int argc, char** argv) {
           sched->step();
           ++counter.value;
           if (++done == stop_at) {
-            acc.save_state();
+            save();
             std::cout << "saved at step " << done << " (epoch " << loader->epoch() << ", batch "
                       << loader->position() << ")" << std::endl;
             return false;
@@ -124,7 +143,11 @@ int main(int argc, char** argv) {
       if (acc.is_main_process()) dump(acc, *model, *adamw, counter.value, out);
       train_steps(5);
       ::setenv("TANDEM_CHECKPOINT_CRASH", point.c_str(), 1);
-      acc.save_state();
+      save();
+      // An asynchronous save is written while training goes on (and the process waits for it
+      // at its end).
+      if (async) train_steps(8);
+      acc.wait_for_checkpoint();
       std::cout << "second save completed" << std::endl;
       return 0;
     }
@@ -134,10 +157,25 @@ int main(int argc, char** argv) {
       std::cout << "loaded " << acc.latest_checkpoint() << " at step " << acc.step() << std::endl;
       return 0;
     }
+    if (mode == "failing") {
+      train_steps(2);
+      const auto dir = save();
+      train_steps(3);
+      try {
+        acc.wait_for_checkpoint();
+        std::cout << "the failing save completed" << std::endl;
+      } catch (const std::exception& e) {
+        std::cout << "save failed: " << e.what() << std::endl;
+        std::cout << "checkpoint exists: " << std::filesystem::exists(dir) << std::endl;
+      }
+      acc.save_state(tandem::SaveOptions().async(async).dir(project + "/after"));
+      acc.wait_for_checkpoint();
+      return 0;
+    }
     if (mode == "loop") {
       for (int64_t k = 1;; ++k) {
         train_steps(k);
-        acc.save_state();
+        save();
         std::cout << "saved " << k << std::endl;
       }
     }

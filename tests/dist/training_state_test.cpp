@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -145,7 +146,8 @@ TEST_P(KillDuringSave, PreviousCheckpointStaysLoadable) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Points, KillDuringSave,
-                         ::testing::Values("after_files", "before_rename", "after_rename"));
+                         ::testing::Values("mid_files", "after_files", "before_rename",
+                                           "after_rename"));
 
 TEST(Checkpoint, SaveCompletesOnAllRanksOrNone) {
   // Rank 1 dies after writing its part of the second save: no checkpoint_1 appears.
@@ -243,5 +245,144 @@ TEST(Checkpoint, RotationKeepsTotalLimit) {
   for (auto& e : fs::directory_iterator(dir + "/checkpoints")) names.push_back(e.path().filename());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"checkpoint_2", "checkpoint_3"}));
+  fs::remove_all(dir);
+}
+
+// ---- asynchronous saves (Note [Asynchronous checkpoints]) -------------------------------------
+
+namespace {
+
+// Every file of two checkpoint directories, byte for byte (names and contents).
+void expect_same_files(const std::string& a, const std::string& b) {
+  std::vector<std::string> names_a, names_b;
+  for (const auto& e : fs::directory_iterator(a)) names_a.push_back(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(b)) names_b.push_back(e.path().filename().string());
+  std::sort(names_a.begin(), names_a.end());
+  std::sort(names_b.begin(), names_b.end());
+  ASSERT_EQ(names_a, names_b) << a << " and " << b << " hold other files";
+  ASSERT_GT(names_a.size(), 3u);
+  for (const auto& n : names_a)
+    EXPECT_TRUE(bytes_of(a + "/" + n) == bytes_of(b + "/" + n)) << n << " differs";
+}
+
+}  // namespace
+
+// (ranks, launcher flags): periodic saves at steps 7 and 14 (the last step: the process ends
+// right after it), synchronous against asynchronous: every file of both checkpoints is
+// byte-identical, and training is unchanged by saves written while it goes on. ZeRO-2: every rank
+// writes its own shards of the optimizer state.
+class AsyncSave : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
+
+TEST_P(AsyncSave, FilesEqualSynchronousSaves) {
+  const auto [n, zero] = GetParam();
+  auto dir = fresh_dir("async-files-" + std::to_string(n) + zero);
+  auto options = zero.empty() ? kLaunch
+                              : LaunchOptions(kLaunch).flags(
+                                    {"--grace_period", "1", "--use_deepspeed", "--zero_stage", zero});
+  std::string outs[2];
+  for (int async = 0; async < 2; ++async) {
+    const std::string project = dir + (async ? "/async" : "/sync");
+    outs[async] = project + ".safetensors";
+    std::vector<std::string> args{"run", "--steps", "14", "--every", "7", "--project", project,
+                                  "--out", outs[async]};
+    if (async) args.push_back("--async");
+    auto r = launch(n, kWorker, args, options);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  for (const char* ck : {"checkpoint_0", "checkpoint_1"})
+    expect_same_files(dir + "/sync/checkpoints/" + ck, dir + "/async/checkpoints/" + ck);
+  EXPECT_TRUE(bytes_of(outs[0]) == bytes_of(outs[1])) << "asynchronous saves changed training";
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, AsyncSave,
+                         ::testing::Values(std::make_tuple(1, std::string()),
+                                           std::make_tuple(2, std::string()),
+                                           std::make_tuple(2, std::string("2"))),
+                         [](const auto& info) {
+                           return std::to_string(std::get<0>(info.param)) + "ranks" +
+                                  (std::get<1>(info.param).empty()
+                                       ? std::string("_ddp")
+                                       : "_zero" + std::get<1>(info.param));
+                         });
+
+// An asynchronous save at step 7, the process ending at once (it waits for the write), resumed:
+// equal to uninterrupted training.
+TEST(AsyncSaveResume, ResumedEqualsUninterrupted) {
+  auto dir = fresh_dir("async-resume");
+  auto straight = dir + "/straight.safetensors", resumed = dir + "/resumed.safetensors";
+  auto a = launch(2, kWorker, {"run", "--steps", "14", "--project", dir + "/a", "--out", straight},
+                  kLaunch);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b1 = launch(2, kWorker,
+                   {"run", "--steps", "14", "--stop-at", "7", "--async", "--project", dir + "/b"},
+                   kLaunch);
+  ASSERT_EQ(b1.exit_code, 0) << b1.output;
+  ASSERT_TRUE(fs::exists(dir + "/b/checkpoints/checkpoint_0/manifest.json")) << b1.output;
+  auto b2 = launch(2, kWorker,
+                   {"run", "--steps", "14", "--resume", "--project", dir + "/b", "--out", resumed},
+                   kLaunch);
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  EXPECT_NE(b2.output.find("resumed at step 7"), std::string::npos) << b2.output;
+  EXPECT_TRUE(bytes_of(straight) == bytes_of(resumed));
+  fs::remove_all(dir);
+}
+
+class KillDuringAsyncSave : public ::testing::TestWithParam<std::string> {};
+
+// SIGKILL inside the background write of the second save (training goes on meanwhile): the latest
+// loadable checkpoint is the first one, equal to what was saved (killed after the rename: the
+// complete second one).
+TEST_P(KillDuringAsyncSave, PreviousCheckpointStaysLoadable) {
+  const std::string point = GetParam();
+  auto dir = fresh_dir("async-kill-" + point);
+  auto first = dir + "/first.safetensors", loaded = dir + "/loaded.safetensors";
+  auto r = launch(1, kWorker, {"crash", "--async", "--project", dir, "--point", point, "--out", first},
+                  kLaunch);
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
+  EXPECT_EQ(r.output.find("second save completed"), std::string::npos) << r.output;
+  auto v = launch(1, kWorker, {"verify", "--project", dir, "--out", loaded}, kLaunch);
+  ASSERT_EQ(v.exit_code, 0) << v.output;
+  if (point == "after_rename") {
+    EXPECT_NE(v.output.find("checkpoint_1 at step 5"), std::string::npos) << v.output;
+  } else {
+    EXPECT_NE(v.output.find("checkpoint_0 at step 3"), std::string::npos) << v.output;
+    EXPECT_TRUE(bytes_of(first) == bytes_of(loaded));
+    EXPECT_FALSE(fs::exists(dir + "/checkpoints/checkpoint_1"));
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Points, KillDuringAsyncSave,
+                         ::testing::Values("mid_files", "after_files", "before_rename",
+                                           "after_rename"));
+
+// Rank 1 killed in its background write on 2 ranks: no second checkpoint appears, the first
+// stays loadable.
+TEST(AsyncSaveKill, CompletesOnAllRanksOrNone) {
+  auto dir = fresh_dir("async-allornone");
+  auto r = launch(2, kWorker,
+                  {"crash", "--async", "--project", dir, "--point", "mid_files", "--out", dir + "/f"},
+                  LaunchOptions(kLaunch).env({{"TANDEM_CHECKPOINT_CRASH_RANK", "1"}}));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(fs::exists(dir + "/checkpoints/checkpoint_1")) << r.output;
+  auto v = launch(2, kWorker, {"verify", "--project", dir, "--out", dir + "/loaded"}, kLaunch);
+  EXPECT_EQ(v.exit_code, 0) << v.output;
+  EXPECT_EQ(count_of(v.output, "checkpoint_0 at step 3"), 2) << v.output;
+  fs::remove_all(dir);
+}
+
+// A part that fails in an asynchronous save (a registered object that throws) fails it on every
+// rank when it is waited for, names the part, renames nothing into place, and the next save
+// works.
+TEST(AsyncSaveFailure, ReportedOnEveryRankAtTheWait) {
+  auto dir = fresh_dir("async-failing");
+  auto r = launch(2, kWorker, {"failing", "--async", "--project", dir}, kLaunch);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output, "save failed: "), 2) << r.output;
+  EXPECT_NE(r.output.find("part 'custom': cannot serialize the broken object"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(count_of(r.output, "checkpoint exists: 0"), 2) << r.output;
+  EXPECT_TRUE(fs::exists(dir + "/after/manifest.json")) << r.output;
   fs::remove_all(dir);
 }

@@ -342,6 +342,18 @@ TEST(RunEnvironmentTable, EveryRowOfTheRunConfigurationIsRead) {
       {{var::kCheckpointCrash, "after_files"}, {var::kCheckpointCrashRank, "1"}});
   EXPECT_EQ(f.checkpoint_crash, "after_files");
   EXPECT_EQ(f.checkpoint_crash_rank, 1);
+  EXPECT_EQ(tandem::config::fault_injection_from_env({{var::kCheckpointCrash, "mid_files"}})
+                .checkpoint_crash,
+            "mid_files");
+  // A point no save has would arm nothing: refused, naming the points.
+  try {
+    tandem::config::fault_injection_from_env({{var::kCheckpointCrash, "after_file"}});
+    ADD_FAILURE() << "TANDEM_CHECKPOINT_CRASH=after_file was accepted";
+  } catch (const tandem::Refused& e) {
+    EXPECT_NE(std::string(e.what()).find("mid_files, after_files, before_rename or after_rename"),
+              std::string::npos)
+        << e.what();
+  }
   EXPECT_EQ(tandem::config::default_config_path({{var::kConfigHome, "/x"}}),
             "/x/default_config.yaml");
 }

@@ -7,6 +7,16 @@
 // fsyncs, and renames the directory into place (then fsyncs the parent). A crash at any moment
 // leaves either the previous checkpoints alone (the temporary directory is never taken for a
 // checkpoint: its name starts with a dot and it has no manifest yet) or the complete new one.
+//
+// Note [Asynchronous checkpoints]: an asynchronous save runs the parts on the calling thread, at
+// the step boundary (their collectives, the registered objects' bytes, the counters), but its
+// StateWriter stages what they hand in: every tensor copied to host memory (pinned when it lives
+// on a GPU), every file's bytes kept. A background thread then writes and fsyncs the files,
+// and the manifest and the rename follow as above, over a process group of their own (the
+// training thread's collectives go on meanwhile on the run's groups, so the two never
+// interleave). The files are byte for byte those of a synchronous save of the same state. The
+// copy is the price: the state's bytes are held twice on the host until the write ends (each
+// file's tensors are dropped once that file is written).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -32,7 +42,9 @@ class SafetensorsFile;
 /// process's small JSON state).
 class StateWriter {
  public:
-  StateWriter(std::string dir, int rank, int world_size);
+  /// `staging`: write_tensors / write_bytes keep host copies for write_staged() (Note
+  /// [Asynchronous checkpoints]) instead of writing at once.
+  StateWriter(std::string dir, int rank, int world_size, bool staging = false);
   int rank() const { return rank_; }
   int world_size() const { return world_; }
   bool is_main() const { return rank_ == 0; }
@@ -52,10 +64,28 @@ class StateWriter {
   // For save_training_state.
   const std::map<std::string, std::pair<uint64_t, std::string>>& files() const { return files_; }
   const std::map<std::string, std::string>& state() const { return state_; }
+  /// Writes what was staged, in the order it was handed in, releasing each file's copies once
+  /// it is written.
+  void write_staged();
+  /// Bytes of the staged copies not yet written.
+  uint64_t staged_bytes() const;
+  /// Runs `f` once, when this rank's first file is on disk (the "mid_files" CrashPoint).
+  void set_after_first_file(std::function<void()> f) { after_first_file_ = std::move(f); }
 
  private:
+  void wrote(const std::string& file);
+  struct Staged {
+    std::string file;
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    std::map<std::string, std::string> metadata;
+    std::string bytes;
+    bool is_tensors = false;
+  };
   std::string dir_, name_;
   int rank_, world_;
+  bool staging_ = false;
+  std::vector<Staged> staged_;
+  std::function<void()> after_first_file_;
   std::map<std::string, std::pair<uint64_t, std::string>> files_;  // name -> size, xxh64
   std::map<std::string, std::string> state_;                       // state.json keys
 };
@@ -104,7 +134,8 @@ struct StatePart {
 };
 
 /// A point of save_training_state where one rank is killed (SIGKILL), for the crash-consistency
-/// tests: "after_files", "before_rename" or "after_rename"; empty: none. The run configuration
+/// tests: "mid_files" (after the rank's first file), "after_files", "before_rename" or
+/// "after_rename"; empty: none. In an asynchronous save each falls in the background write. The run configuration
 /// resolves it (config::fault_injection, TANDEM_CHECKPOINT_CRASH) and the Accelerator hands it
 /// down.
 struct CrashPoint {
@@ -118,6 +149,41 @@ struct CrashPoint {
 void save_training_state(ProcessGroup& pg, const std::string& dir,
                          const std::vector<StatePart>& parts, int keep_last = 0,
                          const CrashPoint& crash = {});
+/// A save_training_state whose files are written in the background (Note [Asynchronous
+/// checkpoints]), as returned by save_training_state_async.
+class PendingSave {
+ public:
+  struct Impl;
+  explicit PendingSave(std::unique_ptr<Impl> impl);
+  /// Waits for the write (a failure is reported on stderr, never thrown from a destructor).
+  ~PendingSave();
+  PendingSave(const PendingSave&) = delete;
+  PendingSave& operator=(const PendingSave&) = delete;
+  /// The checkpoint's directory.
+  const std::string& dir() const;
+  /// Whether the write and the rename have ended (successfully or not).
+  bool done() const;
+  /// Waits until they have; throws (on every rank) what failed, as save_training_state would.
+  /// A second call returns at once (or throws the same error again).
+  void wait();
+  /// Seconds the calling thread spent staging (copying the state to host memory).
+  double staging_seconds() const;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+/// save_training_state, asynchronously: the parts run now on the calling thread (their
+/// collectives over `pg`) into host copies; a background thread writes the files, and the
+/// manifest and the rename follow over `background` (a group over the same ranks as `pg`,
+/// used by nothing else while the save runs). A part that fails, here or in the write, fails
+/// the save on every rank: wait() throws it, and nothing is renamed into place.
+std::unique_ptr<PendingSave> save_training_state_async(ProcessGroup& pg,
+                                                       std::shared_ptr<ProcessGroup> background,
+                                                       const std::string& dir,
+                                                       const std::vector<StatePart>& parts,
+                                                       int keep_last = 0,
+                                                       const CrashPoint& crash = {});
 /// Loads `parts` from the complete checkpoint `dir`, then waits for every rank.
 void load_training_state(ProcessGroup& pg, const std::string& dir,
                          const std::vector<StatePart>& parts);

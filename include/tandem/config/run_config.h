@@ -119,7 +119,8 @@ precision::Fp8Options fp8_options_from_env(const EnvMap& env);
 std::string timeline_dir_from_env(const EnvMap& env);
 
 /// The fault injection of the crash-consistency tests: TANDEM_CHECKPOINT_CRASH names a point of
-/// save_state ("after_files", "before_rename", "after_rename") where the rank
+/// save_state ("mid_files", "after_files", "before_rename", "after_rename"; another value is
+/// refused) where the rank
 /// TANDEM_CHECKPOINT_CRASH_RANK (default 0) is killed.
 struct FaultInjection {
   std::string checkpoint_crash;
