@@ -28,6 +28,7 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <sstream>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -442,6 +443,35 @@ int main(int argc, char** argv) {
                                       {"batch_size", batch},
                                       {"steps", steps},
                                       {"lora_r", lora.r()}});
+    // A mixture of experts: the top-k choices each expert of each sparse layer got over the log
+    // window, over every rank's tokens (the ranks of a tp group route the same tokens; each
+    // pipeline stage counts its own layers), printed, and each layer's load (its busiest
+    // expert over the mean) logged.
+    std::vector<int64_t> sparse_layers;
+    for (size_t i = 0; i < model->model->layers.size(); ++i)
+      if (!model->model->layers[i]->moe.is_empty()) sparse_layers.push_back(static_cast<int64_t>(i));
+    auto log_experts = [&](std::map<std::string, double>& m, int64_t step) {
+      auto counts = torch::stack(model->take_tokens_routed()).to(torch::kLong);  // [layers, E]
+      if (acc.num_processes() > 1) {
+        acc.process_group().allreduce(counts, tandem::ReduceOp::kSum);
+        counts = torch::div(counts, tp, "floor");
+      }
+      std::ostringstream line;
+      line << "step " << step << " tokens per expert:";
+      double worst = 0;
+      for (size_t l = 0; l < sparse_layers.size(); ++l) {
+        auto row = counts[static_cast<int64_t>(l)];
+        line << " layer " << sparse_layers[l] << " [";
+        for (int64_t e = 0; e < row.size(0); ++e) line << (e ? " " : "") << row[e].item<int64_t>();
+        line << "]";
+        const double mean = row.to(torch::kDouble).mean().item<double>();
+        const double load = mean > 0 ? row.max().item<int64_t>() / mean : 0;
+        m["experts/layer" + std::to_string(sparse_layers[l]) + "/max_load"] = load;
+        worst = std::max(worst, load);
+      }
+      m["experts/max_load"] = worst;
+      acc.print(line.str());
+    };
     int64_t step = 0, tokens = 0;
     double first_loss = -1, last_loss = 0;
     auto window_start = std::chrono::steady_clock::now();
@@ -485,11 +515,10 @@ int main(int argc, char** argv) {
                     clip > 0 ? "grad_norm " + std::to_string(grad_norm) : std::string(),
                     static_cast<int64_t>(tps), "tokens/s", "MFU",
                     peak_tflops > 0 ? std::to_string(100 * mfu) + "%" : std::string("n/a"));
-          if (!log_with.empty()) {
-            std::map<std::string, double> m{{"loss", last_loss}, {"tokens_per_s", tps}, {"mfu", mfu}};
-            if (clip > 0) m["grad_norm"] = grad_norm;
-            acc.log(m, step);
-          }
+          std::map<std::string, double> m{{"loss", last_loss}, {"tokens_per_s", tps}, {"mfu", mfu}};
+          if (clip > 0) m["grad_norm"] = grad_norm;
+          if (cfg.num_experts > 0) log_experts(m, step);
+          if (!log_with.empty()) acc.log(m, step);
           tokens += window_tokens;
           window_tokens = 0;
           window_start = std::chrono::steady_clock::now();

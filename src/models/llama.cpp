@@ -12,6 +12,7 @@
 
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/error.h"
+#include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/tensor_parallel.h"
 
 namespace tandem::models {
@@ -191,6 +192,9 @@ at::Tensor LlamaSparseMoeImpl::forward(const at::Tensor& x) {
   weights = weights.to(router_logits.scalar_type());
   const int64_t E = static_cast<int64_t>(experts.size());
   tokens_per_expert = torch::bincount(chosen.reshape({-1}).to(torch::kCPU), {}, E);
+  if (is_training() && !tandem::parallel::in_checkpoint_recompute())
+    tokens_routed =
+        tokens_routed.defined() ? tokens_routed + tokens_per_expert : tokens_per_expert.clone();
   auto out = torch::zeros_like(h);
   // Expert by expert in ascending order (transformers' order of the sums), each on its tokens.
   for (int64_t e = 0; e < E; ++e) {
@@ -303,6 +307,18 @@ std::vector<at::Tensor> LlamaForCausalLMImpl::tokens_per_expert() {
   std::vector<at::Tensor> out;
   for (auto& layer : model->layers)
     if (!layer->moe.is_empty()) out.push_back(layer->moe->tokens_per_expert);
+  return out;
+}
+
+std::vector<at::Tensor> LlamaForCausalLMImpl::take_tokens_routed() {
+  std::vector<at::Tensor> out;
+  for (auto& layer : model->layers) {
+    if (layer->moe.is_empty()) continue;
+    auto& t = layer->moe->tokens_routed;
+    out.push_back(t.defined() ? t : torch::zeros({static_cast<int64_t>(layer->moe->experts.size())},
+                                                 torch::kLong));
+    t = at::Tensor();
+  }
   return out;
 }
 

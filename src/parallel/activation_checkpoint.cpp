@@ -30,6 +30,7 @@ namespace {
 // Note [Callbacks in a recompute] (activation_checkpoint.h): recomputes running on this thread,
 // and the final callbacks queued inside them, to be queued on the outer graph task.
 thread_local int t_recompute_depth = 0;
+thread_local int t_recompute_forwards = 0;  // recomputed forwards running (in_checkpoint_recompute)
 thread_local std::vector<std::function<void()>> t_deferred_callbacks;
 
 // The random streams registered besides the default generators (register_random_stream).
@@ -206,7 +207,14 @@ struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
       precision::AutocastGuard cuda(c10::kCUDA, a.cuda_dtype, a.cuda_enabled);
       NoCastCache no_cache;
       torch::AutoGradMode grad_mode(true);
-      outputs = state->fn(detached);
+      ++t_recompute_forwards;
+      try {
+        outputs = state->fn(detached);
+      } catch (...) {
+        --t_recompute_forwards;
+        throw;
+      }
+      --t_recompute_forwards;
     }
     std::vector<at::Tensor> roots, root_grads;
     for (size_t i = 0; i < outputs.size() && i < grads.size(); ++i) {
@@ -242,6 +250,7 @@ void queue_backward_callback(std::function<void()> callback) {
 }
 
 int checkpoint_recompute_depth() { return t_recompute_depth; }
+bool in_checkpoint_recompute() { return t_recompute_depth > 0 || t_recompute_forwards > 0; }
 
 std::vector<at::Tensor> checkpoint(CheckpointFunction fn, std::vector<at::Tensor> inputs,
                                    CheckpointOptions options) {

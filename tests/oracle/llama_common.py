@@ -26,11 +26,20 @@ def write_rows(path, vocab, rows, seq, seed):
     return ids
 
 
-def train_like_train_llm(model, params, ids, steps, global_batch, lr, weight_decay, clip):
+def train_like_train_llm(model, params, ids, steps, global_batch, lr, weight_decay, clip,
+                         routed=None):
     """train_llm's steps in PyTorch: batches in order (epoch after epoch), AdamW, one warm-up step
     then cosine decay to 10% (transformers' schedule), gradient clipping; fails when the clipping
     never bound (the check would not see a wrong global norm). Returns each step's gradient norm
-    before clipping."""
+    before clipping. `routed` (a list): appends, per step, each sparse layer's top-k choices per
+    expert (transformers' routers return (logits, scores, indices))."""
+    hooks = []
+    if routed is not None:
+        def count(module, inputs, output):
+            experts = module.weight.shape[0]
+            routed[-1].append(torch.bincount(output[2].reshape(-1), minlength=experts).tolist())
+        hooks = [m.register_forward_hook(count) for m in model.modules()
+                 if type(m).__name__.endswith("TopKRouter")]
     model.train()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=1,
@@ -39,6 +48,8 @@ def train_like_train_llm(model, params, ids, steps, global_batch, lr, weight_dec
     norms = []
     n = ids.shape[0]
     for step in range(steps):
+        if routed is not None:
+            routed.append([])
         b = ids[(step * global_batch) % n:(step * global_batch) % n + global_batch]
         model(input_ids=b, labels=b).loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(params, clip).item())
@@ -46,6 +57,10 @@ def train_like_train_llm(model, params, ids, steps, global_batch, lr, weight_dec
         opt.step()
         sched.step()
         opt.zero_grad()
+    for h in hooks:
+        h.remove()
+    if routed is not None and not any(routed):
+        fail("no router of the model was seen: transformers' MoE routers have another name")
     if clipped == 0:
         fail("the clipping never bound: the check would not see a wrong global norm")
     return norms

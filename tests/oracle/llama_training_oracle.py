@@ -11,7 +11,9 @@ few elements by a fraction of a step; a wrong gradient moves them by whole steps
 parallel on 2, ZeRO-1 on 2, FSDP (ZeRO-3) on 2 with activation checkpointing, tensor parallel on 2,
 and ZeRO-3 x tensor parallel on 4; and on pipeline stages (pp 2, pp 2 x dp 2 and pp 2 x tp 2 on
 4), the Qwen3-MoE (untied) and a Qwen3 with an untied head (Note [Llama pipeline stages]); and a
-Qwen3-MoE of 32 experts (top 1), some chosen on one replica only, on dp 2 and pp 2 x dp 2.
+Qwen3-MoE of 32 experts (top 1), some chosen on one replica only, on dp 2 and pp 2 x dp 2. For
+the mixtures, train_llm's tokens per expert of every step (over every rank) are the reference's
+(PyTorch's routers' top-k choices, counted by hooks).
 
 Usage: llama_training_oracle.py TRAIN_LLM TANDEM_CLI WORK_DIR
 """
@@ -86,8 +88,10 @@ def check(train_llm, cli, work, family, config, layouts, against_pytorch=True):
     data = os.path.join(work, "data.jsonl")
     ids = write_rows(data, config.vocab_size, 8, SEQ, seed=6)
     before = load_file(os.path.join(model_dir, "model.safetensors"))  # by the files' names
+    experts = getattr(config, "num_experts", 0) or 0
+    routed = [] if experts else None
     norms = train_like_train_llm(model, list(model.parameters()), ids, STEPS, GLOBAL_BATCH, LR,
-                                 WD, CLIP)
+                                 WD, CLIP, routed)
     # By the files' names (transformers holds a mixture's experts fused).
     model.save_pretrained(os.path.join(work, "pytorch"), safe_serialization=True)
     want = load_file(os.path.join(work, "pytorch", "model.safetensors"))
@@ -104,13 +108,32 @@ def check(train_llm, cli, work, family, config, layouts, against_pytorch=True):
         if len(logged) != STEPS:
             fail(f"{family}, {name}: {len(logged)} grad_norm reports, expected {STEPS}:\n{out}")
         got = load_file(os.path.join(out_dir, "model.safetensors"))
+        counts = []
+        if experts:
+            # Each step's tokens per expert, over every rank: dropless, each sparse layer's
+            # counts sum to top-k x the step's tokens, and they are the reference's.
+            for line in re.findall(r"step \d+ tokens per expert:(.*)", out):
+                counts.append([[int(c) for c in layer.split()]
+                               for layer in re.findall(r"layer \d+ \[([^]]*)\]", line)])
+            if len(counts) != STEPS:
+                fail(f"{family}, {name}: {len(counts)} tokens-per-expert reports, expected "
+                     f"{STEPS}:\n{out}")
+            for k, step in enumerate(counts):
+                for layer in step:
+                    if len(layer) != experts or sum(layer) != \
+                            config.num_experts_per_tok * GLOBAL_BATCH * SEQ:
+                        fail(f"{family}, {name}: step {k + 1}'s tokens per expert {layer} are not "
+                             f"{config.num_experts_per_tok} x {GLOBAL_BATCH * SEQ} tokens over "
+                             f"{experts} experts")
         if not against_pytorch and whose == "PyTorch's":  # the first layout is the reference
-            norms, want, whose = logged, got, f"tandem's {name}'s"
+            norms, want, whose, routed = logged, got, f"tandem's {name}'s", counts
             print(f"{family}, {name}: the reference of the layouts that follow")
             continue
         for k, (a, b) in enumerate(zip(logged, norms)):
             if abs(a - b) > 1e-5 * b:
                 fail(f"{family}, {name}: step {k + 1}'s gradient norm is {a}, {whose} {b}")
+        if experts and counts != routed:
+            fail(f"{family}, {name}: tokens per expert {counts}, {whose} {routed}")
         worst = 0.0
         for pname, p in want.items():
             if pname not in got:
@@ -128,7 +151,8 @@ def check(train_llm, cli, work, family, config, layouts, against_pytorch=True):
         if type(back).__name__ != type(model).__name__:
             fail(f"{family}, {name}: the saved folder loads as {type(back).__name__}")
         print(f"{family}, {name}: gradient norms within 1e-5, {len(want)} tensors within "
-              f"{worst:.2e} of the distance {whose} training moved them, after {STEPS} steps")
+              f"{worst:.2e} of the distance {whose} training moved them, after {STEPS} steps" +
+              (f"; tokens per expert equal to {whose} at every step" if experts else ""))
 
 
 if __name__ == "__main__":

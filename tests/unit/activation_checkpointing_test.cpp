@@ -234,6 +234,24 @@ TEST(ActivationCheckpoint, NestedCheckpoints) {
   expect_bitwise(a, b);
 }
 
+// in_checkpoint_recompute: false in the region's first run, true when it runs again in the
+// backward (what a module that counts its forwards, as an MoE router its tokens, reads).
+TEST(ActivationCheckpoint, RecomputeIsToldApartFromTheFirstRun) {
+  auto m = model(1);
+  std::vector<bool> seen;
+  auto x = torch::randn({4, kWidth}, torch::requires_grad());
+  auto y = checkpoint(
+      [&](const torch::Tensor& in) {
+        seen.push_back(tandem::parallel::in_checkpoint_recompute());
+        return m->forward(in);
+      },
+      x);
+  EXPECT_FALSE(tandem::parallel::in_checkpoint_recompute());
+  y.sum().backward();
+  EXPECT_EQ(seen, (std::vector<bool>{false, true}));
+  EXPECT_FALSE(tandem::parallel::in_checkpoint_recompute());
+}
+
 TEST(ActivationCheckpoint, InputsThatDoNotRequireGrad) {
   auto plain = model(3);
   auto ckpt = model(3);

@@ -161,6 +161,10 @@ struct LlamaSparseMoeImpl : torch::nn::Module {
   std::vector<LlamaMLP> experts;
   at::Tensor router_logits;  ///< of the last forward (the load-balancing loss reads them)
   at::Tensor tokens_per_expert;  ///< of the last forward: [experts] counts (int64)
+  /// The top-k choices each expert got, summed over the training forwards since the last
+  /// LlamaForCausalLM::take_tokens_routed() (an activation checkpoint's recompute is not a
+  /// forward of its own): [experts] int64, undefined before the first.
+  at::Tensor tokens_routed;
 };
 TANDEM_MODULE(LlamaSparseMoe);
 
@@ -215,6 +219,10 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   at::Tensor router_aux_loss();
   /// Per sparse layer, how many of the last forward's top-k choices each expert got.
   std::vector<at::Tensor> tokens_per_expert();
+  /// Per sparse layer, the top-k choices each expert got over the training forwards since the
+  /// last call (zeros for a layer that ran none: another pipeline stage's), [experts] int64 on
+  /// the CPU each; the counts start again from zero.
+  std::vector<at::Tensor> take_tokens_routed();
   /// Turns the key/value cache on or off and empties it.
   void use_cache(bool on);
   void set_attention(tandem::nn::AttentionKernel kernel);

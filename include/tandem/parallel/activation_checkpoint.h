@@ -98,6 +98,9 @@ void queue_backward_callback(std::function<void()> callback);
 
 /// How many checkpoint recomputes (nested backward passes) are running on this thread.
 int checkpoint_recompute_depth();
+/// Whether this thread runs a checkpointed region's recompute: its forward again, or the nested
+/// backward after it (a module that counts its forwards, as a router its tokens, skips these).
+bool in_checkpoint_recompute();
 
 /// A module whose forward is checkpointed. The inner module's children, parameters and buffers
 /// are registered on the wrapper under their own names, so that parameter names (and
