@@ -354,10 +354,6 @@ int main(int argc, char** argv) {
     std::vector<torch::Tensor> adapters;
     std::shared_ptr<tandem::parallel::Pipeline> pipeline;
     std::shared_ptr<torch::nn::Module> trained;
-    if (lora.r() > 0 && tp > 1)
-      throw tandem::Refused("train_llm: LoRA under --tp_size " + std::to_string(tp) +
-                            ": adapters do not follow tensor-parallel splits yet; train LoRA "
-                            "under data parallel or ZeRO (--use_fsdp)");
     const auto load_options = tandem::checkpoint::LoadOptions().allow_dtype_cast(true);
     // A pipeline, LoRA and tensor parallel start from the whole model on every rank, loaded
     // before they cut or adapt it; the others build it through acc.build (under ZeRO-3 each
@@ -381,14 +377,16 @@ int main(int argc, char** argv) {
                                                models::llama_sequential_tensor_parallel_plan(cfg))
                         : acc.prepare_pipeline(seq, loss, popts);
       trained = pipeline->module();
-    } else if (lora.r() > 0) {
-      // LoRA: the dense base gets its adapters before prepare, so that every strategy sees the
-      // frozen and the trainable parameters as they are.
-      if (lora.base_model_name_or_path().empty()) lora.base_model_name_or_path(model_dir);
-      adapters = tandem::peft::apply_lora(*model, lora);
-      if (!lora_adapter.empty()) tandem::peft::load_adapter(*model, lora_adapter);
-    } else if (tp > 1) {
-      acc.parallelize(*model, models::llama_tensor_parallel_plan(cfg));
+    } else {
+      if (tp > 1) acc.parallelize(*model, models::llama_tensor_parallel_plan(cfg));
+      if (lora.r() > 0) {
+        // LoRA: the base gets its adapters before prepare, so that every strategy sees the
+        // frozen and the trainable parameters as they are; under tp after the split, so that
+        // each adapter splits as its layer (Note [LoRA under tensor parallel]).
+        if (lora.base_model_name_or_path().empty()) lora.base_model_name_or_path(model_dir);
+        adapters = tandem::peft::apply_lora(*model, lora);
+        if (!lora_adapter.empty()) tandem::peft::load_adapter(*model, lora_adapter);
+      }
     }
     if (!pipeline) {
       model = acc.prepare(model);

@@ -11,6 +11,7 @@
 
 #include "tandem/comm/collectives.h"
 #include "tandem/comm/process_group.h"
+#include "detail/reshard.h"
 
 namespace tandem::parallel {
 namespace {
@@ -38,6 +39,11 @@ at::Tensor to_bytes(const at::Tensor& t) {
 }
 
 }  // namespace
+
+at::Tensor cut_tensor_parallel_shard(const at::Tensor& dense, const std::string& how, int rank,
+                                     int size) {
+  return detail::cut_for_rank(dense, how, rank, size);
+}
 
 at::Tensor join_tensor_parallel_shards(const std::vector<at::Tensor>& shards,
                                        const std::string& how) {

@@ -258,6 +258,36 @@ TensorParallelModule::TensorParallelModule(std::shared_ptr<ProcessGroup> group)
   check_group(group_, "tensor-parallel layer");
 }
 
+void TensorParallelModule::add_adapter(const std::string& name,
+                                       std::function<at::Tensor(const at::Tensor&)> adapter) {
+  TANDEM_CHECK(takes_adapters(), group_->prefix(), " ", this->name(), ": adapter '", name,
+               "' on a layer that takes none; adapters go on column- and row-parallel linear "
+               "layers");
+  TANDEM_CHECK(!sequence_parallel(), group_->prefix(), " ", this->name(), ": adapter '", name,
+               "' under sequence parallel, whose layers see part of the sequence; adapt the "
+               "layers of a plan without sequence parallel");
+  TANDEM_CHECK(!has_adapter(name), group_->prefix(), " ", this->name(), " already has adapter '",
+               name, "'");
+  adapters_.emplace_back(name, std::move(adapter));
+}
+
+bool TensorParallelModule::has_adapter(const std::string& name) const {
+  for (const auto& a : adapters_)
+    if (a.first == name) return true;
+  return false;
+}
+
+void TensorParallelModule::mark_split(const at::Tensor& t, const std::string& how) {
+  TANDEM_CHECK(how == "cols" || how.rfind("rows/", 0) == 0, "mark_split: '", how,
+               "' is neither \"cols\" nor \"rows/<parts>\"");
+  marked_[t.unsafeGetTensorImpl()] = how;
+}
+
+at::Tensor TensorParallelModule::with_adapters(const at::Tensor& input, at::Tensor output) const {
+  for (const auto& a : adapters_) output = output + a.second(input).to(output.scalar_type());
+  return output;
+}
+
 // --- ColumnParallelLinear ---------------------------------------------------------------------
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(ColumnParallelLinearOptions o,
@@ -303,7 +333,7 @@ void ColumnParallelLinearImpl::load_dense(const at::Tensor& w, const at::Tensor&
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& input) {
   auto x = options.sequence_parallel() ? gather_from_sequence_region(input, group_)
                                        : copy_to_region(input, group_);
-  auto y = at::linear(x, weight, bias);
+  auto y = with_adapters(input, at::linear(x, weight, bias));
   if (!options.gather_output() || group_->size() == 1) return y;
   y = gather_from_region(y, group_);
   if (options.parts() == 1) return y;
@@ -365,7 +395,7 @@ at::Tensor RowParallelLinearImpl::forward(const at::Tensor& input) {
     auto y = reduce_scatter_to_sequence_region(at::linear(x, weight), group_);
     return bias.defined() ? y + copy_to_region(bias, group_) : y;
   }
-  auto y = reduce_from_region(at::linear(x, weight), group_);
+  auto y = with_adapters(x, reduce_from_region(at::linear(x, weight), group_));
   return bias.defined() ? y + bias : y;
 }
 

@@ -464,6 +464,8 @@ std::map<std::string, std::string> tensor_parallel_splits(torch::nn::Module& mod
   std::map<const c10::TensorImpl*, std::string> how;
   for (const auto& item : model.named_modules()) {
     auto* m = item.value().get();
+    if (auto* t = dynamic_cast<TensorParallelModule*>(m))  // Note [Adapters on tensor-parallel layers]
+      for (const auto& [impl, h] : t->marked_splits()) how[impl] = h;
     if (auto* c = dynamic_cast<ColumnParallelLinearImpl*>(m)) {
       const auto rows = "rows/" + std::to_string(c->options.parts());
       how[c->weight.unsafeGetTensorImpl()] = rows;

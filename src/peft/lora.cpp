@@ -14,8 +14,11 @@
 
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/checkpoint/safetensors.h"
+#include "tandem/comm/process_group.h"
 #include "tandem/error.h"
 #include "tandem/nn/module.h"
+#include "tandem/parallel/full_state.h"
+#include "tandem/parallel/tensor_parallel.h"
 
 namespace tandem::peft {
 namespace {
@@ -48,6 +51,59 @@ json read_json(const fs::path& path) {
   }
 }
 
+// Note [LoRA under tensor parallel]: apply_lora after Accelerator::parallelize finds the
+// column- and row-parallel layers at the targets and gives each an adapter that splits as its
+// layer does (Note [Adapters on tensor-parallel layers]), as Megatron's and NeMo's LoRA do:
+//   column-parallel (q/k/v, gate/up): y_r = W_r x + s B_r copy(A x): A [r, in] whole on every
+//     rank, B split by rows like W; copy_to_region on A x sums the partial gradients of A x over
+//     the group, so every rank's A gets the whole gradient;
+//   row-parallel (o, down): y = reduce(W_r x_r) + s B reduce(A_r x_r): A split by columns like
+//     W, B [out, r] whole; the reduction moves r numbers per token, not out.
+// A and B are made dense in the dense layer's order (the same random numbers as apply_lora on
+// the dense model) and cut, so the adapters start equal to the dense run's; get_state_dict joins
+// them under the dense names (mark_split). Not under sequence parallel (refused).
+std::vector<at::Tensor*> adapt_tensor_parallel(parallel::TensorParallelModule& m,
+                                               const std::string& path, const LoraOptions& options,
+                                               const at::Tensor& weight) {
+  auto* column = dynamic_cast<parallel::ColumnParallelLinearImpl*>(&m);
+  auto* row = dynamic_cast<parallel::RowParallelLinearImpl*>(&m);
+  if (!column && !row)
+    throw Refused("LoRA: " + path + " (" + m.name() + ") is a tensor-parallel layer that takes "
+                  "no adapter; name only linear layers in target_modules");
+  if (m.sequence_parallel())
+    throw Refused("LoRA: " + path + " is sequence parallel, whose layers see part of the "
+                  "sequence; adapters are not placed there yet: use a tensor-parallel plan "
+                  "without sequence parallel");
+  const auto group = m.group();
+  const int rank = group->rank(), size = group->size();
+  const int64_t in = column ? column->options.in_features() : row->options.in_features();
+  const int64_t out = column ? column->options.out_features() : row->options.out_features();
+  const int64_t r = options.r();
+  torch::nn::Linear a(torch::nn::LinearOptions(in, r).bias(false));  // as the dense apply_lora
+  torch::nn::Linear b(torch::nn::LinearOptions(r, out).bias(false));
+  b->weight.zero_();
+  const std::string how = column ? "rows/" + std::to_string(column->options.parts()) : "cols";
+  at::Tensor& split = column ? b->weight : a->weight;
+  split.set_data(parallel::cut_tensor_parallel_shard(split, how, rank, size).contiguous());
+  a->to(weight.device(), weight.scalar_type());
+  b->to(weight.device(), weight.scalar_type());
+  m.register_module("lora_A", a);
+  m.register_module("lora_B", b);
+  m.mark_split(split, how);
+  const double scale = options.scale(), p = options.dropout();
+  auto* module = &m;
+  const bool is_column = column != nullptr;
+  m.add_adapter("lora", [a = a.ptr(), b = b.ptr(), group, p, scale, module,
+                         is_column](const at::Tensor& input) {
+    auto x = input;
+    if (p > 0 && module->is_training()) x = torch::dropout(x, p, true);
+    auto h = a->forward(x.to(a->weight.scalar_type()));
+    h = is_column ? parallel::copy_to_region(h, group) : parallel::reduce_from_region(h, group);
+    return b->forward(h) * scale;
+  });
+  return {&a->weight, &b->weight};
+}
+
 }  // namespace
 
 double LoraOptions::scale() const {
@@ -77,12 +133,19 @@ std::vector<at::Tensor> apply_lora(torch::nn::Module& model, const LoraOptions& 
     if (!weight || weight->dim() != 2)
       throw Refused("LoRA: " + path + " (" + m.name() + ") is a target but not a linear layer "
                     "(a 2-D weight [out, in]); name only linear layers in target_modules");
+    if (m.named_children().contains("lora_A"))
+      throw Refused("LoRA: " + path + " already has an adapter; apply_lora once");
+    if (auto* tp = dynamic_cast<parallel::TensorParallelModule*>(&m)) {
+      for (auto* t : adapt_tensor_parallel(*tp, path, options, *weight)) {
+        t->requires_grad_(true);
+        trainable.push_back(*t);
+      }
+      continue;
+    }
     auto* h = tandem::nn::hookable(m);
     if (!h)
       throw Refused("LoRA: " + path + " (" + m.name() + ") cannot be reached by a forward hook; "
                     "declare it as tandem::nn::Linear (tandem/nn/module.h)");
-    if (m.named_children().contains("lora_A"))
-      throw Refused("LoRA: " + path + " already has an adapter; apply_lora once");
     const auto out = weight->size(0), in = weight->size(1);
     torch::nn::Linear a(torch::nn::LinearOptions(in, options.r()).bias(false));  // Kaiming-uniform, a = sqrt(5)
     torch::nn::Linear b(torch::nn::LinearOptions(options.r(), out).bias(false));
@@ -107,8 +170,8 @@ std::vector<at::Tensor> apply_lora(torch::nn::Module& model, const LoraOptions& 
           if (delta.size(-1) != outs.at(0).size(-1))
             throw Refused("LoRA: " + path + " gives " + std::to_string(outs[0].size(-1)) +
                           " outputs and its adapter " + std::to_string(delta.size(-1)) +
-                          ": the layer is split by tensor parallel, which adapters do not follow "
-                          "yet; train LoRA without --tp_size");
+                          ": the layer was split by tensor parallel after its adapter was added; "
+                          "apply_lora after acc.parallelize (Note [LoRA under tensor parallel])");
           outs[0] = outs[0] + (delta * scale).to(outs[0].scalar_type());
           return outs;
         });
@@ -190,6 +253,10 @@ void load_adapter(torch::nn::Module& model, const std::string& dir) {
   std::map<std::string, at::Tensor> mine;
   for (const auto& p : model.named_parameters())
     if (is_adapter_name(p.key())) mine[p.key()] = p.value();
+  const auto splits = parallel::tensor_parallel_splits(model);
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& item : model.named_modules("", /*include_self=*/false))
+    modules[item.key()] = item.value();
   std::set<std::string> seen;
   for (const auto& stored : file.names()) {
     if (stored.rfind(kPrefix, 0) != 0)
@@ -205,6 +272,12 @@ void load_adapter(torch::nn::Module& model, const std::string& dir) {
       throw Refused(file.path() + ": " + stored + " is an adapter the model does not have; apply "
                     "the adapter's own settings (read_adapter_config) first");
     auto t = file.tensor(stored);
+    // Note [LoRA under tensor parallel]: a split adapter takes its rank's shard of the file's.
+    if (auto sp = splits.find(name); sp != splits.end() && t.sizes() != it->second.sizes()) {
+      const auto owner = name.substr(0, name.rfind(".lora_"));
+      auto* tp = dynamic_cast<parallel::TensorParallelModule*>(modules.at(owner).get());
+      if (tp) t = parallel::cut_tensor_parallel_shard(t, sp->second, tp->group()->rank(), tp->group()->size());
+    }
     if (t.sizes() != it->second.sizes())
       throw Refused(file.path() + ": " + stored + " has shape " + c10::str(t.sizes()) +
                     ", the model's adapter " + c10::str(it->second.sizes()));

@@ -23,6 +23,11 @@ namespace tandem::parallel {
 at::Tensor join_tensor_parallel_shards(const std::vector<at::Tensor>& shards,
                                        const std::string& how);
 
+/// The inverse: tensor-parallel rank `rank`'s shard (of `size`) of the dense tensor `dense` cut
+/// as `how` ("" or a size of 1: the tensor itself).
+at::Tensor cut_tensor_parallel_shard(const at::Tensor& dense, const std::string& how, int rank,
+                                     int size);
+
 /// The whole model's named tensors on global rank 0 of a mesh, empty elsewhere. `local` is this
 /// rank's part (its stage, its shards; empty on ranks that hold no copy, such as data-parallel
 /// replicas other than the first), `splits` how each split tensor was cut. Over `tp` (null or

@@ -9,9 +9,11 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tandem/parallel/activation_checkpoint.h"
@@ -59,14 +61,41 @@ at::Tensor scatter_to_sequence_region(const at::Tensor& input, std::shared_ptr<P
 
 /// The base of the tensor-parallel layers: a module whose forward maps one tensor to one tensor
 /// (called through this base where a plan replaced a torch::nn::Linear or Embedding).
+///
+/// Note [Adapters on tensor-parallel layers]: add_adapter puts a function of the layer's input
+/// beside its weight (a LoRA adapter, tandem/peft/lora.h), whose output is added to the layer's:
+/// a column-parallel layer adds it to this rank's columns (before any gather), a row-parallel one
+/// after the reduction, where the output is whole. The function sees the input as the layer
+/// computes with it (a row-parallel layer's part of the last dimension), splits its own tensors
+/// as the layer does and says so with mark_split, so that get_state_dict and checkpoints join
+/// and cut them as they do the layer's weight (tensor_parallel_splits).
 class TensorParallelModule : public torch::nn::Module {
  public:
   explicit TensorParallelModule(std::shared_ptr<ProcessGroup> group);
   virtual at::Tensor forward(const at::Tensor& input) = 0;
   const std::shared_ptr<ProcessGroup>& group() const { return group_; }
+  /// Whether the layer computes on a sequence-parallel region (no adapter there yet).
+  virtual bool sequence_parallel() const { return false; }
+  /// Adds `adapter(input)` to every forward's output (Note [Adapters on tensor-parallel
+  /// layers]). Refused on an embedding, under sequence parallel, and for a second adapter of
+  /// the same name.
+  void add_adapter(const std::string& name, std::function<at::Tensor(const at::Tensor&)> adapter);
+  bool has_adapter(const std::string& name) const;
+  /// Records how an adapter's tensor `t` is split over the group ("rows/<parts>" or "cols", as
+  /// tensor_parallel_splits says); a tensor never marked is whole on every rank.
+  void mark_split(const at::Tensor& t, const std::string& how);
+  const std::map<const c10::TensorImpl*, std::string>& marked_splits() const { return marked_; }
 
  protected:
+  /// `output` plus every adapter's output for `input`.
+  at::Tensor with_adapters(const at::Tensor& input, at::Tensor output) const;
+  /// Whether add_adapter applies to this layer (the linear layers).
+  virtual bool takes_adapters() const { return false; }
   std::shared_ptr<ProcessGroup> group_;
+
+ private:
+  std::vector<std::pair<std::string, std::function<at::Tensor(const at::Tensor&)>>> adapters_;
+  std::map<const c10::TensorImpl*, std::string> marked_;
 };
 
 /// Options of ColumnParallelLinear.
@@ -110,9 +139,13 @@ class ColumnParallelLinearImpl : public TensorParallelModule {
   /// when the layer has none) into the parameters.
   void load_dense(const at::Tensor& weight, const at::Tensor& bias = {});
   at::Tensor forward(const at::Tensor& input) override;
+  bool sequence_parallel() const override { return options.sequence_parallel(); }
 
   ColumnParallelLinearOptions options;
   at::Tensor weight, bias;
+
+ protected:
+  bool takes_adapters() const override { return true; }
 };
 TORCH_MODULE(ColumnParallelLinear);
 
@@ -147,9 +180,13 @@ class RowParallelLinearImpl : public TensorParallelModule {
   /// Copies this rank's columns of the dense weight [out, in] and the whole bias [out].
   void load_dense(const at::Tensor& weight, const at::Tensor& bias = {});
   at::Tensor forward(const at::Tensor& input) override;
+  bool sequence_parallel() const override { return options.sequence_parallel(); }
 
   RowParallelLinearOptions options;
   at::Tensor weight, bias;
+
+ protected:
+  bool takes_adapters() const override { return true; }
 };
 TORCH_MODULE(RowParallelLinear);
 

@@ -50,8 +50,12 @@ struct LoraOptions {
 /// scale * lora_B(lora_A(dropout(x))) to the layer's output. Freezes every other parameter of the
 /// model (requires_grad false) and returns the adapters' parameters, for the optimizer. Call it
 /// before Accelerator::prepare (the strategies see the frozen and trainable parameters as they
-/// are). Throws tandem::Refused naming a target that matches no module, a matched module that is
-/// not a hookable linear layer (tandem::nn::Linear), or one that already has an adapter.
+/// are). Under tensor parallel call it after Accelerator::parallelize: a column- or row-parallel
+/// layer at a target gets an adapter split as the layer is (Note [LoRA under tensor parallel]),
+/// equal to the dense model's; get_state_dict joins it. Throws tandem::Refused naming a target
+/// that matches no module, a matched module that is not a hookable linear layer
+/// (tandem::nn::Linear) or a tensor-parallel linear layer (not under sequence parallel), or one
+/// that already has an adapter.
 std::vector<at::Tensor> apply_lora(torch::nn::Module& model, const LoraOptions& options);
 
 /// The adapter tensors of a model's state (names with ".lora_A." or ".lora_B."), under PEFT's
@@ -66,7 +70,8 @@ void save_adapter(const std::vector<std::pair<std::string, at::Tensor>>& state,
 LoraOptions read_adapter_config(const std::string& dir);
 
 /// Copies the adapter weights saved in `dir` (PEFT's adapter_model.safetensors) into a model
-/// that apply_lora gave adapters of the same shapes. Throws tandem::Refused naming an adapter
+/// that apply_lora gave adapters of the same shapes (under tensor parallel, each rank its shard
+/// of the split ones). Throws tandem::Refused naming an adapter
 /// tensor the model lacks or whose shape differs, or an adapter of the model the file lacks.
 void load_adapter(torch::nn::Module& model, const std::string& dir);
 
