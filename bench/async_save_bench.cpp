@@ -2,7 +2,9 @@
 // checkpoint takes several steps to write, with no save, with synchronous saves, with
 // asynchronous ones, and a plain LibTorch loop that saves with torch::save. Per mode: the median
 // step without a save, the time the training thread is blocked per save, the median step while
-// a save is being written, how long a save takes to reach the disk, and the whole run.
+// a save is being written, how long a save takes to reach the disk, and the whole run. Blocked:
+// the first save, and the median of the later ones (an asynchronous save copies into the host
+// buffers of the one before).
 //   async_save_bench MODE [--layers L] [--width W] [--batch B] [--steps S] [--every E] [--dir D]
 //   MODE: none | sync | async | plain
 // Prints "RESULT async_save <key>=<value>" lines.
@@ -70,7 +72,7 @@ int main(int argc, char** argv) {
   if (acc) prepared.emplace(acc->prepare(adamw));
   auto x = torch::randn({batch, width});
   auto y = torch::randn({batch, width});
-  std::vector<double> plain_steps, in_flight_steps, blocked, to_disk;
+  std::vector<double> plain_steps, in_flight_steps, blocked, to_disk, waited;
   Clock::time_point save_began;
   bool writing = false;
   const auto run_start = Clock::now();
@@ -106,6 +108,7 @@ int main(int argc, char** argv) {
       if (writing) {  // the previous save still being written: save_state waits for it
         acc->wait_for_checkpoint();
         to_disk.push_back(since(save_began));
+        waited.push_back(since(b));
       }
       save_began = Clock::now();
       acc->save_state(tandem::SaveOptions().async(true));
@@ -125,9 +128,15 @@ int main(int argc, char** argv) {
       : acc          ? dir_bytes(acc->latest_checkpoint())
                      : dir_bytes(fs::path(dir) / ("checkpoint_" + std::to_string((steps - 1) / every)));
   std::cout << "RESULT async_save mode=" << mode << " step_s=" << median(plain_steps)
-            << " step_in_flight_s=" << median(in_flight_steps) << " blocked_s=" << median(blocked)
+            << " step_in_flight_s=" << median(in_flight_steps)
+            << " blocked_first_s=" << (blocked.empty() ? 0 : blocked.front())
+            << " blocked_s=" << median(blocked.size() > 1 ? std::vector<double>(blocked.begin() + 1, blocked.end()) : blocked)
             << " to_disk_s=" << median(to_disk) << " saves=" << blocked.size()
-            << " total_s=" << total << " checkpoint_mb=" << bytes / 1e6 << std::endl;
+            << " total_s=" << total << " checkpoint_mb=" << bytes / 1e6 << " blocked_each_s=";
+  for (size_t i = 0; i < blocked.size(); ++i) std::cout << (i ? "," : "") << blocked[i];
+  std::cout << " waited_each_s=";
+  for (size_t i = 0; i < waited.size(); ++i) std::cout << (i ? "," : "") << waited[i];
+  std::cout << std::endl;
   fs::remove_all(dir);
   return 0;
 }

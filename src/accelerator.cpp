@@ -267,7 +267,8 @@ void Accelerator::end_training() {
 void Accelerator::free_memory() {
   TANDEM_CHECK(no_sync_depth_ == 0, state_.prefix(),
               " free_memory: called inside no_sync() or accumulate(); leave the scope first");
-  wait_for_checkpoint();  // its host copies are freed with it
+  wait_for_checkpoint();
+  staging_buffers_.reset();  // the host copies of asynchronous saves
   // Note [Accelerator lifetime]: what was prepared before reaches this Accelerator no more; a
   // kept optimizer steps as a plain LibTorch optimizer.
   *self_ = nullptr;

@@ -279,8 +279,10 @@ std::string Accelerator::save_state(const SaveOptions& save) {
       for (int r = 0; r < pg_->size(); ++r) all[static_cast<size_t>(r)] = pg_->global_rank(r);
       checkpoint_pg_ = pg_->new_subgroup(all);
     }
+    if (!staging_buffers_) staging_buffers_ = std::make_shared<checkpoint::StagingBuffers>();
     pending_save_ = checkpoint::save_training_state_async(*pg_, checkpoint_pg_, target.string(),
-                                                          checkpoint_parts(), keep_last, crash);
+                                                          checkpoint_parts(), keep_last, crash,
+                                                          staging_buffers_);
   } else {
     checkpoint::save_training_state(*pg_, target.string(), checkpoint_parts(), keep_last, crash);
   }

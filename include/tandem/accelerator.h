@@ -61,6 +61,7 @@ namespace checkpoint {
 struct StatePart;
 class StateReader;
 class PendingSave;
+struct StagingBuffers;
 }
 
 namespace detail {
@@ -598,6 +599,7 @@ class Accelerator {
   // rename use (made at the first asynchronous save, over every rank).
   std::unique_ptr<checkpoint::PendingSave> pending_save_;
   std::shared_ptr<ProcessGroup> checkpoint_pg_;
+  std::shared_ptr<checkpoint::StagingBuffers> staging_buffers_;  // kept between async saves
   parallel::DistributedType distributed_type_ = parallel::DistributedType::kNo;
   std::unique_ptr<parallel::Strategy> strategy_;
   std::unique_ptr<precision::MixedPrecision> precision_;

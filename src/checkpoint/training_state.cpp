@@ -169,8 +169,9 @@ void set_rng_states(const SafetensorsFile& f) {
 
 // ---- StateWriter ------------------------------------------------------------------------------
 
-StateWriter::StateWriter(std::string dir, int rank, int world_size, bool staging)
-    : dir_(std::move(dir)), rank_(rank), world_(world_size), staging_(staging) {}
+StateWriter::StateWriter(std::string dir, int rank, int world_size, bool staging,
+                         std::shared_ptr<StagingBuffers> reuse)
+    : dir_(std::move(dir)), rank_(rank), world_(world_size), staging_(staging), reuse_(std::move(reuse)) {}
 
 namespace {
 
@@ -208,7 +209,23 @@ void StateWriter::write_tensors(const std::string& file,
     st.is_tensors = true;
     st.metadata = metadata;
     st.tensors.reserve(tensors.size());
-    for (const auto& [name, t] : tensors) st.tensors.emplace_back(name, host_copy(t));
+    for (const auto& [name, t] : tensors) {
+      if (!reuse_) {
+        st.tensors.emplace_back(name, host_copy(t));
+        continue;
+      }
+      auto& buffer = reuse_->by_key[file + "\n" + name];
+      const bool fits = buffer.defined() && buffer.sizes() == t.sizes() &&
+                        buffer.scalar_type() == t.scalar_type() &&
+                        buffer.is_pinned() == t.is_cuda();
+      if (fits) {
+        buffer.copy_(t.detach());
+      } else {
+        buffer = host_copy(t);
+      }
+      used_.insert(file + "\n" + name);
+      st.tensors.emplace_back(name, buffer);
+    }
     staged_.push_back(std::move(st));
     return;
   }
@@ -241,6 +258,12 @@ void StateWriter::write_staged() {
     wrote(st.file);
   }
   staged_.clear();
+}
+
+void StateWriter::release_unused_buffers() {
+  if (!reuse_) return;
+  for (auto it = reuse_->by_key.begin(); it != reuse_->by_key.end();)
+    it = used_.count(it->first) ? std::next(it) : reuse_->by_key.erase(it);
 }
 
 uint64_t StateWriter::staged_bytes() const {
@@ -549,7 +572,8 @@ std::unique_ptr<PendingSave> save_training_state_async(ProcessGroup& pg,
                                                        std::shared_ptr<ProcessGroup> background,
                                                        const std::string& dir,
                                                        const std::vector<StatePart>& parts,
-                                                       int keep_last, const CrashPoint& crash) {
+                                                       int keep_last, const CrashPoint& crash,
+                                                       std::shared_ptr<StagingBuffers> buffers) {
   TANDEM_CHECK(background && background->size() == pg.size() && background->rank() == pg.rank(),
                pg.prefix(), " save_training_state_async: the background group must hold the "
                "same ranks as the run's group");
@@ -558,10 +582,12 @@ std::unique_ptr<PendingSave> save_training_state_async(ProcessGroup& pg,
   const fs::path tmp = temporary_of(target);
   const int rank = pg.rank();
   prepare_temporary(pg, target, tmp);
-  auto writer = std::make_shared<StateWriter>(tmp.string(), rank, pg.size(), /*staging=*/true);
+  auto writer = std::make_shared<StateWriter>(tmp.string(), rank, pg.size(), /*staging=*/true,
+                                             std::move(buffers));
   writer->set_name(target.filename().string());
   writer->set_after_first_file([crash, rank] { crash_point(crash, "mid_files", rank); });
   std::string error = run_parts(parts, *writer);
+  writer->release_unused_buffers();
   auto impl = std::make_unique<PendingSave::Impl>();
   impl->dir = target.string();
   impl->staging_s =

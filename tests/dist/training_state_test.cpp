@@ -124,15 +124,17 @@ INSTANTIATE_TEST_SUITE_P(
 
 class KillDuringSave : public ::testing::TestWithParam<std::string> {};
 
-// A process SIGKILLed at a point of its second save: the latest loadable checkpoint is the first
-// one (or, killed after the rename, the complete second one); never a half-written one.
-TEST_P(KillDuringSave, PreviousCheckpointStaysLoadable) {
-  const std::string point = GetParam();
-  auto dir = fresh_dir("kill-" + point);
+// A process SIGKILLed at a point of its second save (asynchronous: inside the background write,
+// training going on meanwhile): the latest loadable checkpoint is the first one, equal to what was
+// saved (or, killed after the rename, the complete second one); never a half-written one.
+void expect_previous_checkpoint_loadable(const std::string& point, bool async) {
+  auto dir = fresh_dir(std::string(async ? "async-" : "") + "kill-" + point);
   auto first = dir + "/first.safetensors", loaded = dir + "/loaded.safetensors";
-  auto r =
-      launch(1, kWorker, {"crash", "--project", dir, "--point", point, "--out", first}, kLaunch);
+  std::vector<std::string> args{"crash", "--project", dir, "--point", point, "--out", first};
+  if (async) args.push_back("--async");
+  auto r = launch(1, kWorker, args, kLaunch);
   EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
+  EXPECT_EQ(r.output.find("second save completed"), std::string::npos) << r.output;
   auto v = launch(1, kWorker, {"verify", "--project", dir, "--out", loaded}, kLaunch);
   ASSERT_EQ(v.exit_code, 0) << v.output;
   if (point == "after_rename") {
@@ -145,16 +147,21 @@ TEST_P(KillDuringSave, PreviousCheckpointStaysLoadable) {
   fs::remove_all(dir);
 }
 
+TEST_P(KillDuringSave, PreviousCheckpointStaysLoadable) {
+  expect_previous_checkpoint_loadable(GetParam(), false);
+}
+
 INSTANTIATE_TEST_SUITE_P(Points, KillDuringSave,
                          ::testing::Values("mid_files", "after_files", "before_rename",
                                            "after_rename"));
 
-TEST(Checkpoint, SaveCompletesOnAllRanksOrNone) {
-  // Rank 1 dies after writing its part of the second save: no checkpoint_1 appears.
-  auto dir = fresh_dir("allornone");
-  auto r =
-      launch(2, kWorker, {"crash", "--project", dir, "--point", "after_files", "--out", dir + "/f"},
-             LaunchOptions(kLaunch).env({{"TANDEM_CHECKPOINT_CRASH_RANK", "1"}}));
+// Rank 1 dies in the second save after writing its part (asynchronous: in its background write,
+// after its first file): no checkpoint_1 appears, the first stays loadable on both ranks.
+void expect_all_ranks_or_none(const std::string& point, bool async) {
+  auto dir = fresh_dir(std::string(async ? "async-" : "") + "allornone");
+  std::vector<std::string> args{"crash", "--project", dir, "--point", point, "--out", dir + "/f"};
+  if (async) args.push_back("--async");
+  auto r = launch(2, kWorker, args, LaunchOptions(kLaunch).env({{"TANDEM_CHECKPOINT_CRASH_RANK", "1"}}));
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_FALSE(fs::exists(dir + "/checkpoints/checkpoint_1")) << r.output;
   auto v = launch(2, kWorker, {"verify", "--project", dir, "--out", dir + "/loaded"}, kLaunch);
@@ -162,6 +169,8 @@ TEST(Checkpoint, SaveCompletesOnAllRanksOrNone) {
   EXPECT_EQ(count_of(v.output, "checkpoint_0 at step 3"), 2) << v.output;
   fs::remove_all(dir);
 }
+
+TEST(Checkpoint, SaveCompletesOnAllRanksOrNone) { expect_all_ranks_or_none("after_files", false); }
 
 TEST(Checkpoint, KilledAtRandomMomentsAlwaysLeavesALoadableLatest) {
   auto dir = fresh_dir("random");
@@ -330,47 +339,15 @@ TEST(AsyncSaveResume, ResumedEqualsUninterrupted) {
 
 class KillDuringAsyncSave : public ::testing::TestWithParam<std::string> {};
 
-// SIGKILL inside the background write of the second save (training goes on meanwhile): the latest
-// loadable checkpoint is the first one, equal to what was saved (killed after the rename: the
-// complete second one).
 TEST_P(KillDuringAsyncSave, PreviousCheckpointStaysLoadable) {
-  const std::string point = GetParam();
-  auto dir = fresh_dir("async-kill-" + point);
-  auto first = dir + "/first.safetensors", loaded = dir + "/loaded.safetensors";
-  auto r = launch(1, kWorker, {"crash", "--async", "--project", dir, "--point", point, "--out", first},
-                  kLaunch);
-  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
-  EXPECT_EQ(r.output.find("second save completed"), std::string::npos) << r.output;
-  auto v = launch(1, kWorker, {"verify", "--project", dir, "--out", loaded}, kLaunch);
-  ASSERT_EQ(v.exit_code, 0) << v.output;
-  if (point == "after_rename") {
-    EXPECT_NE(v.output.find("checkpoint_1 at step 5"), std::string::npos) << v.output;
-  } else {
-    EXPECT_NE(v.output.find("checkpoint_0 at step 3"), std::string::npos) << v.output;
-    EXPECT_TRUE(bytes_of(first) == bytes_of(loaded));
-    EXPECT_FALSE(fs::exists(dir + "/checkpoints/checkpoint_1"));
-  }
-  fs::remove_all(dir);
+  expect_previous_checkpoint_loadable(GetParam(), true);
 }
 
 INSTANTIATE_TEST_SUITE_P(Points, KillDuringAsyncSave,
                          ::testing::Values("mid_files", "after_files", "before_rename",
                                            "after_rename"));
 
-// Rank 1 killed in its background write on 2 ranks: no second checkpoint appears, the first
-// stays loadable.
-TEST(AsyncSaveKill, CompletesOnAllRanksOrNone) {
-  auto dir = fresh_dir("async-allornone");
-  auto r = launch(2, kWorker,
-                  {"crash", "--async", "--project", dir, "--point", "mid_files", "--out", dir + "/f"},
-                  LaunchOptions(kLaunch).env({{"TANDEM_CHECKPOINT_CRASH_RANK", "1"}}));
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_FALSE(fs::exists(dir + "/checkpoints/checkpoint_1")) << r.output;
-  auto v = launch(2, kWorker, {"verify", "--project", dir, "--out", dir + "/loaded"}, kLaunch);
-  EXPECT_EQ(v.exit_code, 0) << v.output;
-  EXPECT_EQ(count_of(v.output, "checkpoint_0 at step 3"), 2) << v.output;
-  fs::remove_all(dir);
-}
+TEST(AsyncSaveKill, CompletesOnAllRanksOrNone) { expect_all_ranks_or_none("mid_files", true); }
 
 // A part that fails in an asynchronous save (a registered object that throws) fails it on every
 // rank when it is waited for, names the part, renames nothing into place, and the next save

@@ -15,8 +15,9 @@
 // and the manifest and the rename follow as above, over a process group of their own (the
 // training thread's collectives go on meanwhile on the run's groups, so the two never
 // interleave). The files are byte for byte those of a synchronous save of the same state. The
-// copy is the price: the state's bytes are held twice on the host until the write ends (each
-// file's tensors are dropped once that file is written).
+// copy is the price: the state's bytes are held twice on the host. Without StagingBuffers each
+// file's copies are dropped once that file is written; the Accelerator keeps them for its next
+// asynchronous save (StagingBuffers), which then copies into memory already mapped.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,6 +26,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,6 +39,14 @@ namespace tandem::checkpoint {
 
 class SafetensorsFile;
 
+/// Host buffers an asynchronous save copies the state into, kept for the next one (Note
+/// [Asynchronous checkpoints]): a tensor of the same file, name, shape and dtype is copied into
+/// its buffer again instead of into new memory (a fresh buffer costs its page faults, about 5x
+/// the copy). One save uses them at a time; buffers a save did not use are released at its end.
+struct StagingBuffers {
+  std::map<std::string, at::Tensor> by_key;  // "<file>\n<name>" -> host tensor
+};
+
 /// What a part writes into a checkpoint being saved: files in the temporary directory (fsync'd,
 /// listed with their size and checksum in the manifest) and keys of state.json (the main
 /// process's small JSON state).
@@ -44,7 +54,9 @@ class StateWriter {
  public:
   /// `staging`: write_tensors / write_bytes keep host copies for write_staged() (Note
   /// [Asynchronous checkpoints]) instead of writing at once.
-  StateWriter(std::string dir, int rank, int world_size, bool staging = false);
+  /// `reuse`: buffers of an earlier asynchronous save to copy into (and to keep this one's).
+  StateWriter(std::string dir, int rank, int world_size, bool staging = false,
+              std::shared_ptr<StagingBuffers> reuse = nullptr);
   int rank() const { return rank_; }
   int world_size() const { return world_; }
   bool is_main() const { return rank_ == 0; }
@@ -69,6 +81,8 @@ class StateWriter {
   void write_staged();
   /// Bytes of the staged copies not yet written.
   uint64_t staged_bytes() const;
+  /// Releases the reused buffers no tensor of this save was copied into.
+  void release_unused_buffers();
   /// Runs `f` once, when this rank's first file is on disk (the "mid_files" CrashPoint).
   void set_after_first_file(std::function<void()> f) { after_first_file_ = std::move(f); }
 
@@ -84,6 +98,8 @@ class StateWriter {
   std::string dir_, name_;
   int rank_, world_;
   bool staging_ = false;
+  std::shared_ptr<StagingBuffers> reuse_;
+  std::set<std::string> used_;  // keys of reuse_ this save copied into
   std::vector<Staged> staged_;
   std::function<void()> after_first_file_;
   std::map<std::string, std::pair<uint64_t, std::string>> files_;  // name -> size, xxh64
@@ -178,12 +194,15 @@ class PendingSave {
 /// manifest and the rename follow over `background` (a group over the same ranks as `pg`,
 /// used by nothing else while the save runs). A part that fails, here or in the write, fails
 /// the save on every rank: wait() throws it, and nothing is renamed into place.
+/// `buffers`: host buffers kept from the last asynchronous save (null: fresh memory, freed
+/// once written).
 std::unique_ptr<PendingSave> save_training_state_async(ProcessGroup& pg,
                                                        std::shared_ptr<ProcessGroup> background,
                                                        const std::string& dir,
                                                        const std::vector<StatePart>& parts,
                                                        int keep_last = 0,
-                                                       const CrashPoint& crash = {});
+                                                       const CrashPoint& crash = {},
+                                                       std::shared_ptr<StagingBuffers> buffers = nullptr);
 /// Loads `parts` from the complete checkpoint `dir`, then waits for every rank.
 void load_training_state(ProcessGroup& pg, const std::string& dir,
                          const std::vector<StatePart>& parts);
