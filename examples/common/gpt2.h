@@ -200,34 +200,4 @@ struct GPT2LMHeadModelImpl : torch::nn::Module {
 };
 TANDEM_MODULE(GPT2LMHeadModel);
 
-/// Greedy decoding, as transformers' generate(do_sample=False): `max_new_tokens` ids after
-/// `prompt`. `step_logits` (when given) gets each step's logits [vocab] (float32, CPU), the
-/// first of them the prompt's last position; `prompt_logits` those of every prompt position
-/// [T, vocab]. With `use_cache` false every step runs the whole sequence again.
-inline std::vector<int64_t> generate_greedy(GPT2LMHeadModel& model,
-                                            const std::vector<int64_t>& prompt,
-                                            int64_t max_new_tokens, bool use_cache,
-                                            std::vector<torch::Tensor>* step_logits = nullptr,
-                                            torch::Tensor* prompt_logits = nullptr) {
-  torch::NoGradGuard no_grad;
-  model->use_cache(use_cache);
-  std::vector<int64_t> seq = prompt, out;
-  auto ids_of = [](const std::vector<int64_t>& v) {
-    return torch::tensor(v, torch::kLong).unsqueeze(0);
-  };
-  auto logits = model(ids_of(seq)).to(torch::kCPU, torch::kFloat);  // [1, T, vocab]
-  if (prompt_logits) *prompt_logits = logits[0].clone();
-  for (int64_t i = 0; i < max_new_tokens; ++i) {
-    auto last = logits[0][logits.size(1) - 1];
-    if (step_logits) step_logits->push_back(last.clone());
-    const int64_t next = last.argmax().item<int64_t>();
-    out.push_back(next);
-    seq.push_back(next);
-    if (i + 1 == max_new_tokens) break;
-    logits = (use_cache ? model(ids_of({next})) : model(ids_of(seq))).to(torch::kCPU, torch::kFloat);
-  }
-  model->use_cache(false);
-  return out;
-}
-
 }  // namespace examples

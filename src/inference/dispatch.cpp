@@ -464,7 +464,8 @@ std::unique_ptr<DispatchedModel> load_checkpoint_and_dispatch(torch::nn::Module&
       }
     }
   }
-  checkpoint::load_model(model, checkpoint, checkpoint::LoadOptions(),
+  checkpoint::load_model(model, checkpoint,
+                         checkpoint::LoadOptions().allow_dtype_cast(options.allow_dtype_cast()),
                          [&](const at::Tensor& t) -> std::optional<std::vector<checkpoint::TensorSlice>> {
                            auto it = on_disk.find(t.unsafeGetTensorImpl());
                            if (it != on_disk.end() && it->second)

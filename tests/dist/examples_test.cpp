@@ -2,7 +2,7 @@
 // (data parallel, ZeRO, tensor, pipeline and their combinations) against one process, the
 // launcher's settings reaching the example unless its own flag is given, the tied head stepped
 // once under every strategy, a layout flag that a program never acts on refused by name, and
-// generate_gpt2 on several processes and with its blocks on disk.
+// generate_gpt2 and generate_llm on several processes and with their blocks on disk.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -17,6 +17,7 @@
 #include "../../examples/common/gpt2.h"
 #include "../common/launch.h"
 #include "tandem/checkpoint/model_io.h"
+#include "tandem/models/llama.h"
 
 using tandem::testing::count_of;
 using tandem::testing::launch;
@@ -190,6 +191,7 @@ TEST(Examples, LayoutFlagsAProgramNeverActsOnAreRefused) {
 namespace {
 
 const std::string kGenerateGpt2 = GENERATE_GPT2;
+const std::string kGenerateLlm = GENERATE_LLM;
 
 // A small GPT-2 checkpoint as save_pretrained lays it out: config.json and model.safetensors.
 const std::string& small_gpt2() {
@@ -213,14 +215,36 @@ const std::string& small_gpt2() {
   return dir;
 }
 
+// A small Qwen3 checkpoint (tied head, grouped-query attention) as save_pretrained lays it out.
+const std::string& small_llm() {
+  static const std::string dir = [] {
+    const std::string d = tandem::testing::temp_path("examples", "qwen3");
+    std::filesystem::create_directories(d);
+    const std::string config =
+        "{\"model_type\": \"qwen3\", \"vocab_size\": 101, \"hidden_size\": 32, "
+        "\"intermediate_size\": 48, \"num_hidden_layers\": 3, \"num_attention_heads\": 4, "
+        "\"num_key_value_heads\": 2, \"head_dim\": 8, \"tie_word_embeddings\": true, "
+        "\"max_position_embeddings\": 64}";
+    torch::manual_seed(11);
+    tandem::models::LlamaForCausalLM model(
+        tandem::models::LlamaConfig::from_json_text(config, "small_llm"));
+    tandem::checkpoint::save_model(*model, d);
+    std::ofstream(d + "/config.json") << config;
+    return d;
+  }();
+  return dir;
+}
+
 // The `tokens: ...` lines of a run, in order.
 std::vector<std::string> token_lines(const std::string& output) {
   std::vector<std::string> out;
   std::istringstream in(output);
   std::string line;
   while (std::getline(in, line)) {
+    // "tokens: ..." or "[rank r] tokens: ..." (not a device map's "model.embed_tokens: disk").
     const auto at = line.find("tokens: ");
-    if (at != std::string::npos) out.push_back(line.substr(at));
+    if (at != std::string::npos && (at == 0 || line.compare(at - 2, 2, "] ") == 0))
+      out.push_back(line.substr(at));
   }
   return out;
 }
@@ -228,34 +252,33 @@ std::vector<std::string> token_lines(const std::string& output) {
 const std::vector<std::string> kPrompts{"--prompt_ids", "1,2,3", "--prompt_ids", "40,41",
                                         "--prompt_ids", "7", "--max_new_tokens", "6"};
 
-std::vector<std::string> gpt2_args(std::vector<std::string> extra = {}) {
-  std::vector<std::string> args{small_gpt2()};
+std::vector<std::string> generate_args(const std::string& dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> args{dir};
   args.insert(args.end(), kPrompts.begin(), kPrompts.end());
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
 }
 
-}  // namespace
-
-// generate_gpt2 under the launcher: the prompts split between the processes give the lines of
-// one process, in prompt order, also with every block on disk; the layouts it does not compute
-// (tensor, pipeline, sharded, mixed precision) and flags without the cap they need are refused.
-TEST(Examples, GenerateGpt2UnderTheLauncher) {
-  auto one = launch(1, kGenerateGpt2, gpt2_args(), with_flags());
+// A generation example under the launcher: the prompts split between the processes give the
+// lines of one process, in prompt order, also with every block on disk; the layouts it does not
+// compute (tensor, pipeline, sharded, mixed precision) and flags without the cap they need are
+// refused.
+void expect_generation_under_the_launcher(const std::string& program, const std::string& dir) {
+  auto one = launch(1, program, generate_args(dir), with_flags());
   ASSERT_EQ(one.exit_code, 0) << one.output;
   const auto want = token_lines(one.output);
   ASSERT_EQ(want.size(), 3u) << one.output;
-  auto two = launch(2, kGenerateGpt2, gpt2_args(), with_flags());
+  auto two = launch(2, program, generate_args(dir), with_flags());
   ASSERT_EQ(two.exit_code, 0) << two.output;
   EXPECT_EQ(token_lines(two.output), want) << two.output;
-  auto disk = launch(2, kGenerateGpt2, gpt2_args({"--max_memory", "1KB"}), with_flags());
+  auto disk = launch(2, program, generate_args(dir, {"--max_memory", "1KB"}), with_flags());
   ASSERT_EQ(disk.exit_code, 0) << disk.output;
   EXPECT_EQ(token_lines(disk.output), want) << disk.output;
   EXPECT_GE(count_of(disk.output, "disk reads"), 1) << disk.output;
 
   auto refused = [&](int n, std::vector<std::string> flags, std::vector<std::string> extra,
                      const std::string& words) {
-    auto r = launch(n, kGenerateGpt2, gpt2_args(std::move(extra)), with_flags(std::move(flags)));
+    auto r = launch(n, program, generate_args(dir, std::move(extra)), with_flags(std::move(flags)));
     EXPECT_NE(r.exit_code, 0) << r.output;
     EXPECT_GE(count_of(r.output, words), 1) << words << "\n" << r.output;
   };
@@ -267,6 +290,18 @@ TEST(Examples, GenerateGpt2UnderTheLauncher) {
   refused(1, {}, {"--quantize", "int8", "--max_memory", "1KB"}, "tandem quantize");
   refused(1, {}, {"--attention", "flash"}, "expected auto, sdpa or manual");
   if (!torch::cuda::is_available()) refused(1, {}, {"--device", "cuda:0"}, "no CUDA device");
+}
+
+}  // namespace
+
+// generate_gpt2 and generate_llm (one body, examples/common/generate.h) under the launcher;
+// tests/oracle/gpt2_oracle.py and llama_generate_oracle.py hold their tokens to transformers'.
+TEST(Examples, GenerateGpt2UnderTheLauncher) {
+  expect_generation_under_the_launcher(kGenerateGpt2, small_gpt2());
+}
+
+TEST(Examples, GenerateLlmUnderTheLauncher) {
+  expect_generation_under_the_launcher(kGenerateLlm, small_llm());
 }
 
 // train_llm (the Llama family; tests/oracle/llama_training_oracle.py holds its layouts to

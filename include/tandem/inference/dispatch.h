@@ -70,17 +70,22 @@ void release_weights(torch::nn::Module& model);
 ///       tandem::inference::DispatchOptions().offload_dir("/tmp/offload"));
 struct DispatchOptions {
   /// Where the weights come from (a .safetensors file, an index, or a directory, as load_model
-  /// reads them). A module on disk reads its weights from there when the file holds them in the
-  /// model's dtype; others are written into offload_dir.
+  /// reads them). A module on disk reads its weights from there at each forward (converted to
+  /// the model's dtype); weights the checkpoint does not hold are written into offload_dir.
   TORCH_ARG(std::string, checkpoint) = "";
   /// Where weights of modules on disk are written when the checkpoint cannot be read in their
-  /// place (no checkpoint, another dtype). Needed only then; an error names it when it is.
+  /// place (weights the checkpoint does not hold). Needed only then; an error names it when it is.
   TORCH_ARG(std::string, offload_dir) = "";
   /// Where modules kept on the CPU or on disk compute: "" is the first CUDA device of the map,
   /// or the CPU when it has none.
   TORCH_ARG(std::string, main_device) = "";
   /// Read the next module on disk while one computes.
   TORCH_ARG(bool, prefetch) = true;
+  /// load_checkpoint_and_dispatch: weights stored in another floating dtype than the model's
+  /// (a bfloat16 checkpoint, a float32 model) are converted as they load (LoadOptions::
+  /// allow_dtype_cast), and a module on disk converts them as it reads them at each forward.
+  /// false: such a checkpoint is refused, naming the tensors.
+  TORCH_ARG(bool, allow_dtype_cast) = false;
 };
 
 /// What the offload hooks did.
