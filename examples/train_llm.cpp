@@ -18,7 +18,10 @@
 // FLOPs per token (N the parameters outside the embedding, L layers, H heads, Q head size, T the
 // sequence length) over the step time and the peak (--peak_tflops, a table of NVIDIA GPUs, or a
 // matrix product measured on the CPU). --save writes a folder transformers loads. With --lora_r
-// only LoRA adapters train, and --save writes PEFT's adapter files.
+// only LoRA adapters train, and --save writes PEFT's adapter files. --checkpoint_every N saves the
+// whole training state into --project_dir/checkpoints (in the background with
+// --checkpoint_async), and --resume continues from the latest one, on this run's layout whatever
+// the saved one was.
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
@@ -208,7 +211,9 @@ int main(int argc, char** argv) {
   int64_t steps = 20, batch = 4, seq_len = 64, warmup = 0, log_every = 5, pad_id = 0;
   int64_t microbatches = 0;
   double lr = 3e-3, min_lr_ratio = 0.1, weight_decay = 0.0, clip = 1.0, peak_tflops = 0;
-  bool shuffle = false;
+  bool shuffle = false, checkpoint_async = false, resume = false;
+  int64_t checkpoint_every = 0;
+  int total_limit = 0;
   app.add_option("--model", model_dir, "A save_pretrained folder to fine-tune (config.json and weights)");
   app.add_option("--config", config_file, "A config.json to pretrain from scratch");
   app.add_option("--data", data, "Token ids: a .bin of uint16/uint32 ids, or .jsonl lines "
@@ -234,6 +239,15 @@ int main(int argc, char** argv) {
   app.add_option("--peak_tflops", peak_tflops, "The device's peak for the FLOPs utilisation "
                  "(default: a table of NVIDIA GPUs; on CPUs a measured matrix product)");
   app.add_option("--save", save_dir, "Write the trained model here as transformers' folder");
+  app.add_option("--checkpoint_every", checkpoint_every, "Save the training state (model, "
+                 "optimizer, schedule, data position, random states) every N optimizer steps "
+                 "into --project_dir/checkpoints")->check(CLI::NonNegativeNumber);
+  app.add_flag("--checkpoint_async", checkpoint_async, "Write those checkpoints from a background "
+               "thread while training goes on");
+  app.add_option("--total_limit", total_limit, "Keep at most this many checkpoints (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", resume, "Continue from the latest checkpoint under --project_dir (saved "
+               "on any layout)");
   app.add_option("--save_dtype", save_dtype, "Weights' dtype in --save: float32, bfloat16, float16 "
                  "(default: the model's)")->check(CLI::IsMember({"", "float32", "bfloat16", "float16"}));
   std::vector<std::string> log_with;
@@ -259,9 +273,21 @@ int main(int argc, char** argv) {
   app.add_option("--source-tree", source_tree, "Directory whose text is the default data");
   app.add_option("--text", text_file, "A text file whose bytes are the data instead");
   CLI11_PARSE(app, argc, argv);
-  if (!project_dir.empty() && log_with.empty()) {
-    std::cerr << "--project_dir " << project_dir << " is where --log_with's trackers write: give "
-              << "--log_with jsonl (or csv, tensorboard, all)\n";
+  const bool checkpoints = checkpoint_every > 0 || resume;
+  if (!project_dir.empty() && log_with.empty() && !checkpoints) {
+    std::cerr << "--project_dir " << project_dir << " is where --log_with's trackers and "
+              << "--checkpoint_every's checkpoints write: give --log_with jsonl (or csv, "
+              << "tensorboard, all), --checkpoint_every N or --resume\n";
+    return 2;
+  }
+  if (checkpoints && project_dir.empty()) {
+    std::cerr << (resume ? "--resume" : "--checkpoint_every") << " needs --project_dir: the "
+              << "checkpoints live in its checkpoints/ folder\n";
+    return 2;
+  }
+  if ((checkpoint_async || total_limit > 0) && checkpoint_every == 0) {
+    std::cerr << (checkpoint_async ? "--checkpoint_async" : "--total_limit")
+              << " applies to --checkpoint_every's checkpoints: give --checkpoint_every N\n";
     return 2;
   }
   if (!text_file.empty() && !data.empty()) {
@@ -301,6 +327,7 @@ int main(int argc, char** argv) {
     if (!mixed_precision.empty()) options.mixed_precision(mixed_precision);
     if (!log_with.empty()) options.log_with(log_with);
     if (!project_dir.empty()) options.project_dir(project_dir);
+    options.checkpoint_every_steps(checkpoint_every).checkpoint_async(checkpoint_async).total_limit(total_limit);
     // A mixture of experts leaves the experts no token chose without a gradient in a step.
     if (cfg.num_experts > 0) options.find_unused_parameters(true);
     tandem::Accelerator acc(options);
@@ -524,19 +551,32 @@ int main(int argc, char** argv) {
         if (step >= steps) return;
       }
     };
+    // --resume: everything is prepared; the latest checkpoint (any layout) restores the model,
+    // the optimizer, the schedule, the loader's epoch and sample, and the step.
+    auto train = [&](auto& loader) {
+      if (resume) {
+        if (acc.latest_checkpoint().empty()) {
+          acc.print("--resume: no checkpoint under", project_dir + "/checkpoints; starting at step 0");
+        } else {
+          const auto loaded = acc.load_state();
+          step = acc.step();
+          acc.print("resumed from", loaded.dir, "at step", step,
+                    loaded.resharded ? "(saved on " + loaded.saved_layout + ", resharded)" : "");
+        }
+      }
+      for (int64_t epoch = loader->epoch(); step < steps; ++epoch) {
+        loader->set_epoch(epoch);
+        run_epoch(loader);
+      }
+    };
     if (windows) {
       auto loader = acc.prepare_data_loader(*windows, loader_options);
-      for (int64_t epoch = 0; step < steps; ++epoch) {
-        loader->set_epoch(epoch);
-        run_epoch(loader);
-      }
+      train(loader);
     } else {
       auto loader = acc.prepare_data_loader(*rows, loader_options);
-      for (int64_t epoch = 0; step < steps; ++epoch) {
-        loader->set_epoch(epoch);
-        run_epoch(loader);
-      }
+      train(loader);
     }
+    acc.wait_for_checkpoint();
     if (!log_with.empty()) acc.end_training();
     acc.print("loss", last_loss < first_loss ? "fell" : "rose", "from", first_loss, "to", last_loss);
     if (!save_dir.empty()) {

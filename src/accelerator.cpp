@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <filesystem>
 #include <set>
 #include <stdexcept>
@@ -652,6 +653,7 @@ void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer)
     for (auto& m : models_)
       parallel::broadcast_module_state(*m, *topology_->data_parallel(), false, true);
   // Periodic checkpoints, once every optimizer of the step has stepped (the last prepared one).
+  // Note [Checkpoints inside the optimizer step]: taken here, inside the step.
   if (optimizers_.empty() || optimizers_.back().get() != &optimizer) return;
   if (profile_) profile_->step();
   stop_if_preempted();
@@ -667,8 +669,21 @@ void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer)
     due = flag.item<int>() == 1;
   }
   if (!due) return;
-  save_state(SaveOptions().async(options_.checkpoint_async()));
+  save_inside_step(SaveOptions().async(options_.checkpoint_async()));
   last_checkpoint_ = std::chrono::steady_clock::now();
+}
+
+// Note [Checkpoints inside the optimizer step] (src/accelerator_state.cpp).
+std::string Accelerator::save_inside_step(const SaveOptions& options) {
+  saving_inside_step_ = true;
+  try {
+    auto dir = save_state(options);
+    saving_inside_step_ = false;
+    return dir;
+  } catch (...) {
+    saving_inside_step_ = false;
+    throw;
+  }
 }
 
 // Note [Preemption]: every rank learns at the same step boundary whether any rank was signalled
@@ -687,7 +702,7 @@ void Accelerator::stop_if_preempted() {
   if (is_main_process())
     std::cerr << state_.prefix() << " preempted (" << preemption::signal_name(signal)
               << ") at step " << step << ": saving a checkpoint" << std::endl;
-  const auto dir = save_state();
+  const auto dir = save_inside_step(SaveOptions());
   if (is_main_process())
     std::cerr << state_.prefix() << " preempted at step " << step << ": saved " << dir
               << "; exiting with code " << preemption::kExitCode

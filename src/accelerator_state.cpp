@@ -189,6 +189,12 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
   for (auto& part : strategy_->checkpoint_parts(*topology_, *precision_, models_, optimizers_))
     parts.push_back(std::move(part));
 
+  // Note [Checkpoints inside the optimizer step]: a periodic or preemption checkpoint is taken
+  // inside the optimizer step that ends a boundary, before the program's code after it, which in
+  // a training loop steps the learning-rate schedulers (optimizer.step(); scheduler->step()).
+  // Such a checkpoint says so, and loading it steps each prepared scheduler once, as that code
+  // would have: the resumed run continues on the uninterrupted run's schedule (and learning
+  // rates). A checkpoint the program saves itself is loaded as it was saved.
   parts.push_back({"schedulers",
                    [this](StateWriter& w) {
                      if (!w.is_main()) return;
@@ -196,11 +202,15 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                      for (auto& s : schedulers_)
                        schedulers.push_back(checkpoint::scheduler_step_count(*s));
                      w.set_state("schedulers", schedulers.dump());
+                     if (saving_inside_step_) w.set_state("schedulers_step_pending", "true");
                    },
                    [this](const StateReader& r) {
                      auto st = state_of(r, "schedulers");
                      for (size_t i = 0; i < schedulers_.size() && i < st.size(); ++i)
                        checkpoint::set_scheduler_step_count(*schedulers_[i], st[i].get<unsigned>());
+                     const auto pending = r.state("schedulers_step_pending");
+                     if (pending && json::parse(*pending).get<bool>())
+                       for (auto& sched : schedulers_) sched->step();
                    }});
 
   parts.push_back({"precision",

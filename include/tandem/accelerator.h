@@ -595,6 +595,9 @@ class Accelerator {
   };
   std::vector<Registered> registered_;
   int64_t checkpoints_saved_ = 0;  // numbering of automatic checkpoint_<n>
+  // Note [Checkpoints inside the optimizer step]: a periodic or preemption save is running.
+  bool saving_inside_step_ = false;
+  std::string save_inside_step(const SaveOptions& options);
   // Note [Asynchronous checkpoints]: the save being written, and the group its manifest and
   // rename use (made at the first asynchronous save, over every rank).
   std::unique_ptr<checkpoint::PendingSave> pending_save_;

@@ -104,7 +104,10 @@ struct AcceleratorOptions {
   /// Keep at most this many automatically named checkpoints (oldest removed); 0 keeps all.
   TORCH_ARG(int, total_limit) = 0;
   /// Periodic checkpoints: save_state() (project_dir/checkpoints/checkpoint_<n>, total_limit)
-  /// after every N-th optimizer step of the last prepared optimizer; 0: none.
+  /// after every N-th optimizer step of the last prepared optimizer; 0: none. Taken inside that
+  /// optimizer step (Note [Checkpoints inside the optimizer step]): the prepared schedulers are
+  /// stepped once more on load (as the loop steps them after the optimizer); objects the loop
+  /// changes after optimizer.step() are saved as they were before the change.
   TORCH_ARG(int64_t, checkpoint_every_steps) = 0;
   /// Periodic checkpoints by time: save_state() after the first optimizer step at least this
   /// many minutes after the last one (or the start); rank 0's clock decides for every rank.

@@ -17,6 +17,7 @@
 #include "../../examples/common/gpt2.h"
 #include "../common/launch.h"
 #include "tandem/checkpoint/model_io.h"
+#include "tandem/checkpoint/safetensors.h"
 #include "tandem/models/llama.h"
 
 using tandem::testing::count_of;
@@ -302,6 +303,66 @@ TEST(Examples, GenerateGpt2UnderTheLauncher) {
 
 TEST(Examples, GenerateLlmUnderTheLauncher) {
   expect_generation_under_the_launcher(kGenerateLlm, small_llm());
+}
+
+
+// train_llm's checkpoints: --checkpoint_every 2 (asynchronous) of 4 steps; its step-2 checkpoint
+// alone, resumed with --resume, ends bitwise where the uninterrupted run ended, and resumed on
+// tensor parallel 2 (another layout: resharded) within float rounding of it; the flags without
+// what they need are refused.
+TEST(Examples, TrainLlmResumesFromItsCheckpoints) {
+  const auto dir = tandem::testing::temp_path("examples", "llm_ckpt");
+  std::filesystem::remove_all(dir);
+  const std::vector<std::string> args{"--steps", "4", "--seq_len", "32", "--batch_size", "2",
+                                      "--text", fixed_text()};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = args;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  auto straight = launch(1, kTrainLlm,
+                         with({"--checkpoint_every", "2", "--checkpoint_async", "--project_dir",
+                               dir + "/a", "--save", dir + "/out_a"}),
+                         with_flags());
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  ASSERT_TRUE(std::filesystem::exists(dir + "/a/checkpoints/checkpoint_1/manifest.json"))
+      << straight.output;
+  auto resume_from_step_2 = [&](const std::string& name, int n, std::vector<std::string> flags) {
+    std::filesystem::create_directories(dir + "/" + name + "/checkpoints");
+    std::filesystem::copy(dir + "/a/checkpoints/checkpoint_0",
+                          dir + "/" + name + "/checkpoints/checkpoint_0",
+                          std::filesystem::copy_options::recursive);
+    auto r = launch(n, kTrainLlm,
+                    with({"--resume", "--project_dir", dir + "/" + name, "--save",
+                          dir + "/out_" + name}),
+                    with_flags(std::move(flags)));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(count_of(r.output, "at step 2"), 1) << r.output;
+    return r;
+  };
+  resume_from_step_2("b", 1, {});
+  std::ifstream fa(dir + "/out_a/model.safetensors", std::ios::binary),
+      fb(dir + "/out_b/model.safetensors", std::ios::binary);
+  const std::string a_bytes((std::istreambuf_iterator<char>(fa)), {}),
+      b_bytes((std::istreambuf_iterator<char>(fb)), {});
+  ASSERT_GT(a_bytes.size(), 1000u);
+  EXPECT_TRUE(a_bytes == b_bytes) << "resumed on the same layout, the model differs";
+  auto tp = resume_from_step_2("c", 2, {"--tp_size", "2"});
+  EXPECT_EQ(count_of(tp.output, "resharded"), 1) << tp.output;
+  tandem::checkpoint::SafetensorsFile want(dir + "/out_a/model.safetensors"),
+      got(dir + "/out_c/model.safetensors");
+  for (const auto& name : want.names()) {
+    auto w = want.tensor(name), g = got.tensor(name);
+    EXPECT_LE((w - g).abs().max().item<double>(), 1e-5 * w.abs().max().item<double>()) << name;
+  }
+  auto refused = [&](std::vector<std::string> extra, const std::string& words) {
+    auto r = launch(1, kTrainLlm, with(std::move(extra)), with_flags());
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_GE(count_of(r.output, words), 1) << words << "\n" << r.output;
+  };
+  refused({"--resume"}, "--resume needs --project_dir");
+  refused({"--checkpoint_async"}, "give --checkpoint_every N");
+  std::filesystem::remove_all(dir);
 }
 
 // train_llm (the Llama family; tests/oracle/llama_training_oracle.py holds its layouts to

@@ -7,6 +7,8 @@
 //   verify   load the latest checkpoint and write its parameters to --out.
 //   loop     save checkpoints in a loop until killed (random-time kill test).
 //   failing  save asynchronously with a registered object that throws, then wait for the save.
+//   compare  --out A --project B: two dumps, every tensor and the metadata, but the counter:
+//            prints "equal but counter X and Y" or what differs.
 // --async makes every save asynchronous (Note [Asynchronous checkpoints]); --every K saves
 // periodically every K optimizer steps (checkpoint_every_steps, checkpoint_async with --async).
 // --mixed-precision MODE and --master-weights train in that precision mode; the dump then holds
@@ -67,6 +69,20 @@ int main(int argc, char** argv) {
   app.add_flag("--master-weights", master_weights);
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(1);
+  if (mode == "compare") {
+    tandem::checkpoint::SafetensorsFile a(out), b(project);
+    bool same = a.names() == b.names() && a.metadata() == b.metadata();
+    if (!same) std::cout << "the names or the metadata differ" << std::endl;
+    for (const auto& name : a.names())
+      if (name != "counter" && b.contains(name) && !torch::equal(a.tensor(name), b.tensor(name))) {
+        std::cout << name << " differs" << std::endl;
+        same = false;
+      }
+    if (!same) return 1;
+    std::cout << "equal but counter " << a.tensor("counter").item<int64_t>() << " and "
+              << b.tensor("counter").item<int64_t>() << std::endl;
+    return 0;
+  }
   try {
     auto options = tandem::AcceleratorOptions()
                        .gradient_accumulation_steps(2)
