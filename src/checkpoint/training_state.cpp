@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -266,15 +265,6 @@ void StateWriter::release_unused_buffers() {
     it = used_.count(it->first) ? std::next(it) : reuse_->by_key.erase(it);
 }
 
-uint64_t StateWriter::staged_bytes() const {
-  uint64_t n = 0;
-  for (const auto& st : staged_) {
-    n += st.bytes.size();
-    for (const auto& [name, t] : st.tensors) n += static_cast<uint64_t>(t.nbytes());
-  }
-  return n;
-}
-
 void StateWriter::set_state(const std::string& key, const std::string& json) {
   TANDEM_CHECK(is_main(), "StateWriter::set_state('", key,
               "') on rank ", rank_, ": state.json is written by the main process only");
@@ -509,7 +499,6 @@ struct PendingSave::Impl {
   std::atomic<bool> done{false};
   std::string error;  // the write's failure, set before done
   bool reported = false;
-  double staging_s = 0;
 
   // Joins the thread once; says a failure nobody asked for on stderr.
   void finish() {
@@ -558,7 +547,6 @@ PendingSave::~PendingSave() {
 
 const std::string& PendingSave::dir() const { return impl_->dir; }
 bool PendingSave::done() const { return impl_->done.load(); }
-double PendingSave::staging_seconds() const { return impl_->staging_s; }
 
 void PendingSave::wait() {
   if (impl_->thread.joinable()) impl_->thread.join();
@@ -577,7 +565,6 @@ std::unique_ptr<PendingSave> save_training_state_async(ProcessGroup& pg,
   TANDEM_CHECK(background && background->size() == pg.size() && background->rank() == pg.rank(),
                pg.prefix(), " save_training_state_async: the background group must hold the "
                "same ranks as the run's group");
-  const auto t0 = std::chrono::steady_clock::now();
   const fs::path target = fs::absolute(dir).lexically_normal();
   const fs::path tmp = temporary_of(target);
   const int rank = pg.rank();
@@ -590,8 +577,6 @@ std::unique_ptr<PendingSave> save_training_state_async(ProcessGroup& pg,
   writer->release_unused_buffers();
   auto impl = std::make_unique<PendingSave::Impl>();
   impl->dir = target.string();
-  impl->staging_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   PendingSave::Impl* state = impl.get();
   impl->thread = std::thread([state, writer, background, error, target, keep_last, crash]() mutable {
     try {

@@ -79,8 +79,6 @@ class StateWriter {
   /// Writes what was staged, in the order it was handed in, releasing each file's copies once
   /// it is written.
   void write_staged();
-  /// Bytes of the staged copies not yet written.
-  uint64_t staged_bytes() const;
   /// Releases the reused buffers no tensor of this save was copied into.
   void release_unused_buffers();
   /// Runs `f` once, when this rank's first file is on disk (the "mid_files" CrashPoint).
@@ -182,8 +180,6 @@ class PendingSave {
   /// Waits until they have; throws (on every rank) what failed, as save_training_state would.
   /// A second call returns at once (or throws the same error again).
   void wait();
-  /// Seconds the calling thread spent staging (copying the state to host memory).
-  double staging_seconds() const;
 
  private:
   std::unique_ptr<Impl> impl_;
