@@ -10,9 +10,12 @@
 //   model_parallel_bench tp      tensor parallel (`tandem launch --tp_size N`): every block's
 //                                attention and MLP split over the ranks, the whole batch on each;
 //   model_parallel_bench pp      pipeline parallel (`tandem launch --pp_size N`), --schedule
-//                                gpipe|1f1b, --microbatches m, the whole batch through the stages.
+//                                gpipe|1f1b|interleaved_1f1b|zero_bubble (--virtual_stages v),
+//                                --microbatches m, the whole batch through the stages.
 // Prints "RESULT model_parallel <name> samples_per_s=<x> step_s=<t> peak_bytes=<max over ranks>
-// peak_bytes_ranks=<r0,r1,...>" on rank 0, for pp also "schedule_bubble=<(p-1)/(m+p-1)>", and
+// peak_bytes_ranks=<r0,r1,...>" on rank 0, for pp also "schedule_bubble=<the schedule's formula>"
+// and "measured_idle=<1 - compute / schedule time, per rank from Pipeline::last_step_times,
+// averaged over the ranks and the timed steps>", and
 // for plain "parameters=<n>"; and "loss=<the last step's loss on the global batch>", the same
 // in every mode up to rounding (every mode trains the same model on the same batches).
 // peak_bytes come from tandem's counting CPU allocator over the timed steps (after the warm-up
@@ -61,7 +64,7 @@ int main(int argc, char** argv) {
   tandem::track::install_counting_cpu_allocator();
   CLI::App app("model_parallel_bench");
   std::string mode = "plain", schedule = "1f1b";
-  int steps = 10, warmup = 2, microbatches = 0;
+  int steps = 10, warmup = 2, microbatches = 0, virtual_stages = 1;
   int64_t batch = 8;
   GPTConfig c;
   c.vocab = 256;
@@ -74,8 +77,9 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "steps before the timed ones");
   app.add_option("--batch", batch,
                  "global batch (sequences per step, over all data-parallel ranks)");
-  app.add_option("--schedule", schedule, "pp: gpipe or 1f1b")
-      ->check(CLI::IsMember({"gpipe", "1f1b"}));
+  app.add_option("--schedule", schedule, "pp: gpipe, 1f1b, interleaved_1f1b or zero_bubble")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"}));
+  app.add_option("--virtual_stages", virtual_stages, "pp: stages per rank (interleaved_1f1b)");
   app.add_option("--microbatches", microbatches,
                  "micro-batches per step (pp: default 4; plain: default 1, accumulated)");
   app.add_option("--layers", c.layers);
@@ -131,6 +135,8 @@ int main(int argc, char** argv) {
   std::shared_ptr<tandem::parallel::Pipeline> pipe;
   std::optional<tandem::AcceleratedOptimizer> opt;
   double schedule_bubble = -1;
+  // pp: each rank's schedule and compute seconds over the timed steps (Pipeline::StepTimes).
+  double schedule_s = 0, compute_s = 0;
   if (mode == "ddp") {
     if (tandem::config::activation_checkpointing_from_env(tandem::current_environment())) name = "ckpt";
     acc.prepare(net);
@@ -162,19 +168,28 @@ int main(int argc, char** argv) {
     };
   } else {
     namespace par = tandem::parallel;
-    const auto kind = schedule == "gpipe" ? par::ScheduleKind::kGPipe : par::ScheduleKind::k1F1B;
+    const auto kind = par::schedule_from_name(schedule, "--schedule");
     if (microbatches <= 0) microbatches = 4;
-    name = "pp_" + schedule + "_m" + std::to_string(microbatches);
+    name = "pp_" + schedule + (virtual_stages > 1 ? "_v" + std::to_string(virtual_stages) : "") +
+           "_m" + std::to_string(microbatches);
     pipe = acc.prepare_pipeline(net, lm_loss,
-                                par::PipelineOptions().schedule(kind).microbatches(microbatches));
+                                par::PipelineOptions().schedule(kind).microbatches(microbatches)
+                                    .virtual_stages(virtual_stages));
     opt = acc.prepare(adamw(pipe->module()->parameters()));
-    const int p = pipe->stages();
-    schedule_bubble = static_cast<double>(p - 1) / (microbatches + p - 1);
+    // The schedule's idle share with a backward twice a forward (Note [Pipeline schedules]).
+    const double p = pipe->stages(), m = microbatches, v = virtual_stages;
+    schedule_bubble = kind == par::ScheduleKind::kInterleaved1F1B ? (p - 1) / (v * m + p - 1)
+                      : kind == par::ScheduleKind::kZeroBubble    ? 2 * (p - 1) / (3 * m + 2 * (p - 1))
+                                                                  : (p - 1) / (m + p - 1);
     train_step = [&](int i) {
       auto [x, y] = global_batch(i);
       last_loss = torch::tensor(
           pipe->step(pipe->is_first() ? x : torch::Tensor(), pipe->is_last() ? y : torch::Tensor()),
           torch::kDouble);
+      if (i >= warmup) {
+        schedule_s += pipe->last_step_times().schedule_s;
+        compute_s += pipe->last_step_times().compute_s;
+      }
       opt->step();
       opt->zero_grad();
     };
@@ -200,7 +215,19 @@ int main(int argc, char** argv) {
               << " peak_bytes_ranks=" << per_rank.str();
     std::cout << " loss=" << loss;
     if (schedule_bubble >= 0) std::cout << " schedule_bubble=" << schedule_bubble;
-    std::cout << std::endl;
   }
+  if (pipe) {  // the measured bubble: each rank's idle share of its schedule, averaged
+    auto idle = acc.process_group().allgather(
+        torch::tensor({schedule_s > 0 ? 1 - compute_s / schedule_s : 0.0}, torch::kDouble));
+    double mean = 0;
+    std::ostringstream ranks;
+    for (size_t r = 0; r < idle.size(); ++r) {
+      mean += idle[r].item<double>() / static_cast<double>(idle.size());
+      ranks << (r ? "," : "") << idle[r].item<double>();
+    }
+    if (acc.is_main_process())
+      std::cout << " measured_idle=" << mean << " measured_idle_ranks=" << ranks.str();
+  }
+  if (acc.is_main_process()) std::cout << std::endl;
   return 0;
 }

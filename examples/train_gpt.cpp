@@ -104,6 +104,9 @@ int main(int argc, char** argv) {
                                                examples::gpt_sequential_tensor_parallel_plan())
                         : acc.prepare_pipeline(examples::gpt_sequential(cfg), loss, popts);
       trained = pipeline->module();
+      acc.print("pipeline: schedule " + tandem::parallel::to_string(pipeline->schedule()) + ", " +
+                std::to_string(pipeline->virtual_stages()) + " stage(s) per rank, " +
+                std::to_string(microbatches) + " micro-batches");
     } else {
       // Under ZeRO-3 each block is sharded as it is built: no rank holds the dense model.
       // Tensor parallel splits the dense layers, so it builds them whole.

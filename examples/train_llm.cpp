@@ -404,6 +404,9 @@ int main(int argc, char** argv) {
                                                models::llama_sequential_tensor_parallel_plan(cfg))
                         : acc.prepare_pipeline(seq, loss, popts);
       trained = pipeline->module();
+      acc.print("pipeline: schedule " + tandem::parallel::to_string(pipeline->schedule()) + ", " +
+                std::to_string(pipeline->virtual_stages()) + " stage(s) per rank, " +
+                std::to_string(microbatches) + " micro-batches");
     } else {
       if (tp > 1) acc.parallelize(*model, models::llama_tensor_parallel_plan(cfg));
       if (lora.r() > 0) {

@@ -282,6 +282,7 @@ void Accelerator::free_memory() {
   strategy_->record_comm_spans(recorder_->timeline().enabled());
   precision_ = make_precision_();
   tp_applied_ = pipeline_prepared_ = split_checked_ = false;
+  topology_->set_pp_virtual_stages(1);
   micro_step_ = 0;
   optimizer_steps_ = 0;
   stepped_in_boundary_.clear();
@@ -405,9 +406,67 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
         "accumulate across calls; give the pipeline more micro-batches instead "
         "(PipelineOptions().microbatches, over a larger batch) and leave "
         "gradient_accumulation_steps at 1");
+  // The schedule and the stages per rank: the program's PipelineOptions, else the run's
+  // (--pp_schedule, --pp_virtual_stages); both set and different is refused.
+  if (options.schedule() && !config_.pp_schedule.empty() &&
+      parallel::to_string(*options.schedule()) != config_.pp_schedule)
+    throw ::tandem::Refused(state_.prefix() + " prepare_pipeline: the program asks for the " +
+                            parallel::to_string(*options.schedule()) +
+                            " schedule (PipelineOptions().schedule) and the run for " +
+                            config_.pp_schedule + " (--pp_schedule, parallelism_config "
+                            "pp_schedule): drop one of the two");
+  if (options.virtual_stages() && config_.pp_virtual_stages > 0 &&
+      *options.virtual_stages() != config_.pp_virtual_stages)
+    throw ::tandem::Refused(state_.prefix() + " prepare_pipeline: the program asks for " +
+                            std::to_string(*options.virtual_stages()) +
+                            " stages per rank (PipelineOptions().virtual_stages) and the run for " +
+                            std::to_string(config_.pp_virtual_stages) +
+                            " (--pp_virtual_stages, parallelism_config pp_virtual_stages): drop "
+                            "one of the two");
+  if (!options.schedule() && !config_.pp_schedule.empty())
+    options.schedule(parallel::schedule_from_name(config_.pp_schedule, "pp_schedule"));
+  if (!options.virtual_stages() && config_.pp_virtual_stages > 0)
+    options.virtual_stages(config_.pp_virtual_stages);
+  // Note [Input and weight gradients]: a checkpointed region refuses backward with inputs= (its
+  // recompute accumulates into every .grad), so the zero-bubble split cannot run through one.
+  if (options.schedule() == parallel::ScheduleKind::kZeroBubble && activation_checkpointing_)
+    throw ::tandem::Refused(
+        state_.prefix() + " prepare_pipeline: the zero-bubble schedule computes input and weight "
+        "gradients apart (backward with inputs=), which activation checkpointing's "
+        "recomputation cannot serve (--activation_checkpointing, or AcceleratorOptions()"
+        ".activation_checkpointing); use the 1f1b or interleaved_1f1b schedule with it, or turn "
+        "activation checkpointing off");
+  // The refusals above come before any group is used: every rank refuses alike, none waits.
   auto pp = topology_->group("pp");
   auto dp = topology_->data_parallel();
-  auto stage = parallel::split_sequential(model, pp->size(), pp->rank());
+  const int v = options.virtual_stages().value_or(1), p = pp->size(), r = pp->rank();
+  topology_->set_pp_virtual_stages(v);
+  // Note [Interleaved stages]: with v stages per rank the model is split into p v stages of
+  // consecutive entries (split_sequential's balance), and rank r holds stages r, r + p, ...,
+  // r + (v - 1) p (looped placement, as Megatron and torchtitan place them). The rank's stage
+  // module is one Sequential of all their entries under the whole model's names (one module for
+  // the optimizer, the gradient reduction and checkpoints, which find each parameter by name);
+  // each stage's forward runs its own entries, taken from that Sequential after the transforms
+  // (activation checkpointing replaces entries).
+  torch::nn::Sequential stage;
+  std::vector<size_t> chunk_sizes;
+  if (v == 1) {
+    stage = parallel::split_sequential(model, p, r);
+    chunk_sizes.push_back(stage->size());
+  } else {
+    const int64_t n = static_cast<int64_t>(model->size()), S = static_cast<int64_t>(p) * v;
+    TANDEM_CHECK(n >= S, state_.prefix(), " prepare_pipeline: ", n, " entries of the model for ",
+                 p, " ranks x ", v, " stages per rank = ", S,
+                 " stages: every stage needs at least one entry; use fewer virtual stages "
+                 "(--pp_virtual_stages) or split the model into more entries");
+    for (int c = 0; c < v; ++c) {
+      auto part = parallel::split_sequential(model, static_cast<int>(S), c * p + r);
+      const auto named = part->named_children();
+      for (size_t i = 0; i < named.size(); ++i)
+        stage->push_back(named[i].key(), *(part->begin() + static_cast<std::ptrdiff_t>(i)));
+      chunk_sizes.push_back(part->size());
+    }
+  }
   TANDEM_CHECK(plan.entries.empty() || topology_->tp() > 1, state_.prefix(),
               " prepare_pipeline: a tensor-parallel plan was given, but this run has no "
               "tensor-parallel dimension; set tp_size (tandem launch --tp_size, "
@@ -422,8 +481,24 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   pipeline_prepared_ = true;
   models_.push_back(stage.ptr());  // saved and loaded per rank (Note [Model-parallel checkpoints])
   profile_parameters(*stage.ptr());
-  return std::make_shared<parallel::Pipeline>(stage, pp, std::move(loss), options,
-                                              dp->size() > 1 ? dp : nullptr);
+  auto replicas = dp->size() > 1 ? dp : nullptr;
+  if (v == 1)
+    return std::make_shared<parallel::Pipeline>(stage, pp, std::move(loss), options, replicas);
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  std::vector<parallel::Pipeline::Forward> forwards;
+  const auto named = stage->named_children();
+  size_t at = 0;
+  for (size_t size : chunk_sizes) {
+    torch::nn::Sequential chunk;
+    for (size_t i = at; i < at + size; ++i)
+      chunk->push_back(named[i].key(), *(stage->begin() + static_cast<std::ptrdiff_t>(i)));
+    at += size;
+    modules.push_back(chunk.ptr());
+    forwards.push_back([chunk](const at::Tensor& x) mutable { return chunk->forward(x); });
+  }
+  return std::make_shared<parallel::Pipeline>(stage.ptr(), std::move(modules),
+                                              std::move(forwards), pp, std::move(loss), options,
+                                              replicas);
 }
 
 AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimizer> optimizer) {

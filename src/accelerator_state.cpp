@@ -126,7 +126,8 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                      loaded_.resharded =
                          loaded_.saved_layout !=
                          checkpoint::layout::SavedRunLayout{topology_->shape_string(),
-                                                          strategy_->name(), state_.world_size, true}
+                                                          strategy_->name(), state_.world_size, true,
+                                                          topology_->pp_virtual_stages()}
                              .describe();
                      loaded_.random_states = r.saved_world_size() == state_.world_size;
                      if (!loaded_.random_states && is_main_process())

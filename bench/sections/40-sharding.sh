@@ -9,6 +9,8 @@ cli=$2
 root=$(cd "$(dirname "$0")/../.." && pwd)
 reps=${REPS:-3}
 work=$(mktemp -d)
+# shellcheck source=lib/common.sh
+source "$(dirname "$0")/lib/common.sh"
 trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1
 py2=$("$root/scripts/install-torch2.sh")/bin/python
@@ -22,10 +24,7 @@ one() {
     echo "${v:-nan}" >> "$work/$name.$key"
   done
 }
-median() {
-  [ -f "$work/$1" ] || { echo nan; return; }
-  sort -g "$work/$1" | awk '{v[NR]=$1} END { m = (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2; print m }'
-}
+# median: lib/common.sh
 mb() { awk -v b="$1" -v d="$2" 'BEGIN { if (b == "nan" || b == "") print "-"; else printf "%.1f", b / d }'; }
 "$build/bench/sharding_bench" plain --steps 1 --warmup 0 --save_model "$work/model" > /dev/null
 for ((r = 1; r <= reps; ++r)); do

@@ -13,36 +13,21 @@ reps=${REPS:-3}
 steps=${STEPS:-10}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# shellcheck source=lib/common.sh
+source "$(dirname "$0")/lib/common.sh"
 export OMP_NUM_THREADS=1
 # The OpenBLAS kernels tandem launch gives its ranks, for the plain process too (Note [OpenBLAS
 # kernels] in bench/run).
-blas_core=$("$cli" env | sed -n 's/.*narrower than this CPU: OPENBLAS_CORETYPE=\([A-Za-z0-9]*\).*/\1/p')
-if [ -n "$blas_core" ] && [ -z "${OPENBLAS_CORETYPE:-}" ]; then export OPENBLAS_CORETYPE=$blas_core; fi
+use_launch_blas_kernels "$cli"
 bench=$build/bench/model_parallel_bench
 batch=8
 args=(--batch $batch --steps "$steps" --warmup 2)
 L2=("$cli" launch -q --num_processes 2 --cpu --num_cpu_threads_per_process 1)
-# one NAME CMD...: appends the values of CMD's RESULT line to $work/NAME.<key>
+# one NAME CMD...: the values of CMD's RESULT line in $work/NAME.<key> (lib/common.sh's record).
 one() {
-  local name=$1; shift
-  local line v key peaks
-  line=$("$@" 2>&1 | grep "RESULT model_parallel" | tail -1) || true
-  for key in samples_per_s step_s parameters loss; do
-    v=$(echo "$line" | grep -o " $key=[0-9.e+-]*" | cut -d= -f2 || true)
-    echo "${v:-nan}" >> "$work/$name.$key"
-  done
-  v=$(echo "$line" | grep -o "peak_bytes_ranks=[0-9,]*" | cut -d= -f2 || true)
-  IFS=, read -r -a peaks <<< "${v:-nan,nan}"
-  local rank
-  for rank in "${!peaks[@]}"; do echo "${peaks[$rank]}" >> "$work/$name.peak$rank"; done
-}
-median() {
-  [ -f "$work/$1" ] || { echo nan; return; }
-  sort -g "$work/$1" | awk '{v[NR]=$1} END { m = (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2; print m }'
-}
-spread() {
-  sort -g "$work/$1" | awk '{v[NR]=$1} END { m = (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2;
-    if (m > 0) printf "%.0f", 100 * (v[NR] - v[1]) / m; else printf "nan" }'
+  local name=$1
+  shift
+  record "$name" "samples_per_s step_s parameters loss" "$@"
 }
 configs=(plain plain_m2 plain_m4 plain_m8 ddp tp pp_gpipe_m2 pp_gpipe_m4 pp_gpipe_m8 pp_1f1b_m2 pp_1f1b_m4 pp_1f1b_m8 ckpt)
 for ((r = 1; r <= reps; ++r)); do

@@ -16,6 +16,8 @@ reps=${REPS:-5}
 steps=${STEPS:-20}
 idle_wait=${IDLE_WAIT:-60}
 work=$(mktemp -d)
+# shellcheck source=lib/common.sh
+source "$(dirname "$0")/lib/common.sh"
 competitor=""
 cleanup() {
   if [ -n "$competitor" ]; then kill -- "-$competitor" 2> /dev/null || kill "$competitor" 2> /dev/null; fi
@@ -25,8 +27,7 @@ trap cleanup EXIT
 # What a user's shell has: no thread settings (bench/run exports OMP_NUM_THREADS=1).
 unset OMP_NUM_THREADS OMP_WAIT_POLICY GOMP_SPINCOUNT TANDEM_NUM_CPU_THREADS MKL_NUM_THREADS
 # The OpenBLAS kernels tandem launch gives its ranks, for the programs started by hand too.
-blas_core=$("$cli" env | sed -n 's/.*narrower than this CPU: OPENBLAS_CORETYPE=\([A-Za-z0-9]*\).*/\1/p')
-if [ -n "$blas_core" ] && [ -z "${OPENBLAS_CORETYPE:-}" ]; then export OPENBLAS_CORETYPE=$blas_core; fi
+use_launch_blas_kernels "$cli"
 cores=$(nproc)
 prog=$build/examples/train_gpt
 args=(--steps "$steps" --layers 2 --width 64 --context 32)
@@ -85,10 +86,7 @@ one() {
   v=$("${cmd[@]}" "${args[@]}" 2>&1 | grep -o "[0-9.]* it/s" | tail -1 | cut -d' ' -f1) || true
   echo "${v:-nan}" >> "$work/$load.$c"
 }
-median() {
-  [ -f "$work/$1" ] || { echo nan; return; }
-  sort -g "$work/$1" | awk '{v[NR]=$1} END { m = (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2; print m }'
-}
+# median: lib/common.sh
 cell() {
   [ -f "$work/$1" ] || { echo "-"; return; }
   sort -g "$work/$1" | awk '{v[NR]=$1} END { m = (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2;

@@ -101,11 +101,17 @@ std::string SavedRunLayout::describe() const {
   std::string extra;
   if (world > 0) extra = std::to_string(world) + (world == 1 ? " process" : " processes");
   if (!strategy.empty()) extra += (extra.empty() ? "" : ", ") + strategy;
+  if (pp_virtual_stages > 1)
+    extra += (extra.empty() ? "" : ", ") + std::to_string(pp_virtual_stages) +
+             " pipeline stages per rank";
   return extra.empty() ? out : out + " (" + extra + ")";
 }
 
-std::string run_layout_json(const std::string& mesh, const std::string& strategy) {
-  return json{{"mesh", mesh}, {"strategy", strategy}}.dump();
+std::string run_layout_json(const std::string& mesh, const std::string& strategy,
+                            int pp_virtual_stages) {
+  json doc{{"mesh", mesh}, {"strategy", strategy}};
+  if (pp_virtual_stages > 1) doc["pp_virtual_stages"] = pp_virtual_stages;
+  return doc.dump();
 }
 
 std::string mesh_json(const std::string& mesh) { return json(mesh).dump(); }
@@ -137,6 +143,12 @@ SavedRunLayout saved_run_layout(const StateReader& r) {
     out.recorded = true;
     out.mesh = checked_mesh(kLayoutKey, doc["mesh"].get<std::string>());
     out.strategy = doc.value("strategy", "");
+    if (doc.contains("pp_virtual_stages")) {
+      const auto& v = doc["pp_virtual_stages"];
+      if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (1 << 20))
+        refuse(kLayoutKey, "holds pp_virtual_stages " + v.dump() + ", expected a count >= 1");
+      out.pp_virtual_stages = v.get<int>();
+    }
     return out;
   }
   if (auto text = r.state(kMeshKey)) {

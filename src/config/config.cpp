@@ -6,6 +6,7 @@
 
 #include "tandem/comm/mesh.h"
 #include "tandem/config/run_env.h"
+#include "tandem/parallel/schedule_kind.h"
 #include "tandem/parallel/sharding_options.h"
 
 #include <sys/stat.h>
@@ -272,7 +273,7 @@ void set_deepspeed(LaunchConfig& c, const std::string& key, const std::string& v
 }
 
 // parallelism_config: Accelerate's parallelism_config_<name> keys (the prefix may be left out,
-// as Accelerate's launcher adds it), plus tandem's pp_size. Context parallel is not run: a
+// as Accelerate's launcher adds it), plus tandem's pp_size, pp_schedule and pp_virtual_stages. Context parallel is not run: a
 // cp_size above 1 is refused rather than ignored.
 void set_parallelism(LaunchConfig& c, std::string key, const std::string& value,
                      const std::string& origin) {
@@ -282,6 +283,11 @@ void set_parallelism(LaunchConfig& c, std::string key, const std::string& value,
       key == "pp_size") {
     const int v = parse_int(origin, value, 1, 1 << 20, "a size >= 1");
     c.parallelism_config[key == "pp_size" ? key : prefix + key] = std::to_string(v);
+  } else if (key == "pp_schedule") {
+    c.parallelism_config[key] = parallel::to_string(parallel::schedule_from_name(trim(value), origin));
+  } else if (key == "pp_virtual_stages") {
+    c.parallelism_config[key] =
+        std::to_string(parse_int(origin, value, 1, 1 << 10, "a number of stages per rank >= 1"));
   } else if (key == "cp_size") {
     if (parse_int(origin, value, 1, 1 << 20, "a size >= 1") != 1)
       bad(origin, value, "1: tandem has no context parallel; split the sequence with tensor "
@@ -292,7 +298,8 @@ void set_parallelism(LaunchConfig& c, std::string key, const std::string& value,
     throw ::tandem::Refused(origin + ": unknown parallelism_config key '" + key +
                                 "'; expected parallelism_config_dp_replicate_size, "
                                 "parallelism_config_dp_shard_size, parallelism_config_tp_size, "
-                                "parallelism_config_cp_size or pp_size");
+                                "parallelism_config_cp_size, pp_size, pp_schedule or "
+                                "pp_virtual_stages");
   }
 }
 
@@ -407,7 +414,8 @@ void set_value(LaunchConfig& c, const std::string& key, const std::string& value
     } else if (section == "parallelism_config") {
       set_parallelism(c, sub, value, origin);
       std::string name = sub.rfind("parallelism_config_", 0) == 0 ? sub.substr(19) : sub;
-      c.sources["parallelism_config." + (name == "pp_size" ? name : "parallelism_config_" + name)] =
+      c.sources["parallelism_config." +
+                (name.rfind("pp_", 0) == 0 ? name : "parallelism_config_" + name)] =
           source;
     } else {
       throw ::tandem::Refused(origin + ": unknown section '" + section +
@@ -830,7 +838,14 @@ std::string to_yaml(const LaunchConfig& c) {
   if (c.gradient_as_bucket_view) out << YAML::Key << "gradient_as_bucket_view" << YAML::Value << true;
   if (!c.parallelism_config.empty()) {
     out << YAML::Key << "parallelism_config" << YAML::Value << YAML::BeginMap;
-    for (const auto& [k, v] : c.parallelism_config) out << YAML::Key << k << YAML::Value << std::stoi(v);
+    // Sizes as numbers, pp_schedule as its name.
+    for (const auto& [k, v] : c.parallelism_config) {
+      out << YAML::Key << k << YAML::Value;
+      if (!v.empty() && std::all_of(v.begin(), v.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); }))
+        out << std::stoi(v);
+      else
+        out << v;
+    }
     out << YAML::EndMap;
   }
   if (!c.gpu_ids.empty()) {

@@ -11,6 +11,7 @@
 #include "tandem/accelerator_options.h"
 #include "tandem/preemption.h"
 #include "tandem/parallel/comm_hook.h"
+#include "tandem/parallel/schedule_kind.h"
 
 namespace tandem::config {
 namespace {
@@ -153,6 +154,16 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
     c.timeline_dir =
         options.timeline_dir().empty() ? env.get(var::kTimeline).value_or("") : options.timeline_dir();
     c.profile = env.get(var::kProfile).value_or("");
+    if (auto name = env.get(var::kPpSchedule))
+      c.pp_schedule = parallel::to_string(parallel::schedule_from_name(
+          *name, env_value_origin(var::kPpSchedule, *name)));
+    c.pp_virtual_stages = env.positive_int(var::kPpVirtualStages).value_or(0);
+    if ((!c.pp_schedule.empty() || c.pp_virtual_stages > 0) && c.mesh_shape.pp == 1)
+      throw ::tandem::Refused(
+          std::string(c.pp_schedule.empty() ? "pp_virtual_stages" : "pp_schedule") +
+          " is set (tandem launch --pp_schedule/--pp_virtual_stages, or parallelism_config), but "
+          "this run has no pipeline dimension: set pp_size above 1 (--pp_size), or leave the "
+          "pipeline settings out");
     c.host_allocator = options.host_allocator().value_or(
         env.boolean(var::kHostAllocator).value_or(!kAddressSanitizer));
     c.host_cache_mb =
@@ -208,6 +219,9 @@ std::string describe(const RunConfig& c) {
      << ", first_bucket_cap_mb: " << c.first_bucket_cap_mb << "\n";
   os << "  mesh: " << c.mesh_shape.to_string() << "\n";
   os << "  activation_checkpointing: " << yes(c.activation_checkpointing) << "\n";
+  if (!c.pp_schedule.empty() || c.pp_virtual_stages > 0)
+    os << "  pipeline: " << (c.pp_schedule.empty() ? "the program's schedule" : c.pp_schedule)
+       << ", " << (c.pp_virtual_stages > 0 ? c.pp_virtual_stages : 1) << " stage(s) per rank\n";
   os << "  timeline_dir: " << (c.timeline_dir.empty() ? "none" : c.timeline_dir) << "\n";
   os << "  profile: " << (c.profile.empty() ? "none" : c.profile) << "\n";
   os << "  checkpoint_on_preemption: " << yes(c.checkpoint_on_preemption)

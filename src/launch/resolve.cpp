@@ -275,6 +275,10 @@ EnvMap program_environment(const ResolvedLaunch& r) {
   // The mesh sizes as set (config::resolve_run_config reads them back); validate() refused a
   // shape that does not fit the job before any rank started.
   for (const auto& [k, v] : mesh_shape_environment(config::mesh_shape(c))) env[k] = v;
+  for (const auto& [key, name] : {std::pair{"pp_schedule", var::kPpSchedule},
+                                  std::pair{"pp_virtual_stages", var::kPpVirtualStages}})
+    if (auto it = c.parallelism_config.find(key); it != c.parallelism_config.end())
+      env[name] = it->second;
   if (c.mixed_precision == "fp8") {
     for (const auto& [k, v] : c.fp8_config) {
       std::string name = k.rfind("fp8_", 0) == 0 ? k.substr(4) : k;

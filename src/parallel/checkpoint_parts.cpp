@@ -107,7 +107,9 @@ bool mesh_changed(const StateReader& r, const Topology& topology) {
   if (!saved.recorded) return false;  // an earlier checkpoint: its own "mesh" check decides
   // Without model parallel on either side, ZeRO reshards over dp by itself.
   if (!layout::model_parallel_mesh(saved.mesh) && !topology.model_parallel()) return false;
-  return saved.mesh != topology.shape_string();
+  // Interleaved stages put other entries on each pp rank (Note [Interleaved stages]).
+  return saved.mesh != topology.shape_string() ||
+         saved.pp_virtual_stages != topology.pp_virtual_stages();
 }
 
 // The state of a checkpoint saved on another layout, read once per load (Note [Resharding a
@@ -225,7 +227,8 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                    [this, layout, &models](StateWriter& w) {
                      if (w.is_main())
                        w.set_state(layout::kLayoutKey,
-                                   layout::run_layout_json(layout.topology.shape_string(), name()));
+                                   layout::run_layout_json(layout.topology.shape_string(), name(),
+                                                           layout.topology.pp_virtual_stages()));
                      // On every rank together: a sharded strategy gathers unit by unit.
                      for (size_t i = 0; i < models.size(); ++i) {
                        auto tensors = model_state(*models[i]);

@@ -112,11 +112,12 @@ checkpoint::StatePart Topology::checkpoint_part(const std::string& strategy) con
               return;
             }
             // Note [Resharding a checkpoint]: any other layout loads too; said once.
-            checkpoint::layout::SavedRunLayout here{mine, strategy, world_size(), true};
+            checkpoint::layout::SavedRunLayout here{mine, strategy, world_size(), true,
+                                                    pp_virtual_stages()};
             if (world()->rank() == 0 && saved.describe() != here.describe())
               std::cerr << world()->prefix() << " load_state: " << r.dir() << " was saved on "
                         << saved.describe() << "; resuming on " << here.describe()
-                        << (saved.mesh != mine &&
+                        << ((saved.mesh != mine || saved.pp_virtual_stages != pp_virtual_stages()) &&
                                     (model_parallel() || checkpoint::layout::model_parallel_mesh(saved.mesh))
                                 ? ": every tensor is joined from its saved pieces and cut again"
                                 : "")

@@ -180,6 +180,7 @@ std::string Layout::name() const {
   std::string s = "dp" + std::to_string(dp);
   if (tp > 1) s += " tp" + std::to_string(tp);
   if (pp > 1) s += " pp" + std::to_string(pp);
+  if (pp > 1 && virtual_stages > 1) s += " v" + std::to_string(virtual_stages);
   if (zero_stage > 0) s += " zero" + std::to_string(zero_stage);
   s += " mb" + std::to_string(micro_batch);
   if (accumulation > 1) s += " ga" + std::to_string(accumulation);
@@ -192,7 +193,8 @@ std::string Layout::name() const {
 bool Layout::operator==(const Layout& o) const {
   return dp == o.dp && tp == o.tp && pp == o.pp && zero_stage == o.zero_stage &&
          activation_checkpointing == o.activation_checkpointing && micro_batch == o.micro_batch &&
-         accumulation == o.accumulation && microbatches == o.microbatches && offload == o.offload;
+         accumulation == o.accumulation && microbatches == o.microbatches && offload == o.offload &&
+         virtual_stages == o.virtual_stages;
 }
 
 namespace {
@@ -286,13 +288,22 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
                 continue;
               }
             }
-            for (int64_t m : ms)
+            const std::vector<int> vs = pp > 1 ? search.virtual_stages : std::vector<int>{1};
+            for (int v : vs)
+            for (int64_t m : ms) {
+              if (v > 1 && (m % pp != 0 || pp * v > model.blocks + 2)) {
+                out_by("interleaved 1F1B needs micro-batches that are a multiple of pp and at "
+                       "least pp x virtual stages children (blocks + 2)",
+                       shape + " v" + std::to_string(v) + " m" + std::to_string(m));
+                continue;
+              }
               for (int64_t mb : divisors(per_rank / m)) {
                 if (search.max_micro_batch > 0 && mb > search.max_micro_batch) continue;
                 Layout l;
                 l.dp = dp;
                 l.tp = tp;
                 l.pp = pp;
+                l.virtual_stages = v;
                 l.zero_stage = zero;
                 l.activation_checkpointing = ckpt;
                 l.offload = offload;
@@ -303,6 +314,7 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
                 l.accumulation = per_rank / (mb * m);
                 layouts.push_back(l);
               }
+            }
           }
       }
     }
@@ -340,13 +352,20 @@ ChildWeights child_weights(const PlanModel& m) {
 std::vector<RankParameters> rank_parameters(const PlanModel& model, const Layout& layout) {
   const int64_t children = model.blocks + 2;  // the embeddings, the blocks, the head
   const int pp = std::max(1, layout.pp);
+  const int v = pp > 1 ? std::max(1, layout.virtual_stages) : 1;
+  const int stages = pp * v;  // rank s holds stages s, s + pp, ... (Note [Interleaved stages])
   std::vector<int64_t> first;
-  for (int s = 0; s < pp; ++s) first.push_back(s * children / pp);  // split_sequential's rule
+  for (int g = 0; g < stages; ++g) first.push_back(g * children / stages);  // split_sequential's rule
   first.push_back(children);
   auto child_of = [&](const PlanTensor& t) -> int64_t {
     if (t.block == PlanTensor::kBeforeBlocks) return 0;
     if (t.block == PlanTensor::kAfterBlocks) return children - 1;
     return t.block + 1;
+  };
+  auto held = [&](int s, int64_t c) {
+    for (int k = 0; k < v; ++k)
+      if (c >= first[k * pp + s] && c < first[k * pp + s + 1]) return true;
+    return false;
   };
   const auto w = child_weights(model);
   const double total_weight = w.before + w.after + static_cast<double>(model.blocks) * w.block;
@@ -358,19 +377,24 @@ std::vector<RankParameters> rank_parameters(const PlanModel& model, const Layout
     for (const auto& t : model.tensors) {
       const int64_t n = t.tp_split ? (t.numel + layout.tp - 1) / layout.tp : t.numel;
       const int64_t c = child_of(t);
-      if (c >= first[s] && c < first[s + 1]) units[c] += n;
+      if (held(s, c)) units[c] += n;
       // Stages share no tensor: the last stage keeps its own copy of a tied head.
       if (pp > 1 && t.tied_to_head && s == pp - 1 && c != children - 1) units[children - 1] += n;
     }
     double weight = 0;
-    for (int64_t c = first[s]; c < first[s + 1]; ++c)
-      weight += c == 0 ? w.before : c == children - 1 ? w.after : w.block;
+    for (int64_t c = 0; c < children; ++c)
+      if (held(s, c)) weight += c == 0 ? w.before : c == children - 1 ? w.after : w.block;
     for (const auto& [c, n] : units) {
       r.parameters += n;
       r.largest_unit = std::max(r.largest_unit, n);
     }
-    r.activation_share = pp > 1 ? weight / total_weight : 1.0;
-    r.in_flight = pp > 1 ? std::min<int64_t>(layout.microbatches, pp - s) : 1;
+    // Under 1F1B the stage holds min(m, pp - s) micro-batches; interleaved, up to its warm-up
+    // plus one of its stages' micro-batches, each about 1/v of the rank's activations.
+    r.activation_share = pp > 1 ? weight / total_weight / v : 1.0;
+    r.in_flight = pp == 1  ? 1
+                  : v == 1 ? std::min<int64_t>(layout.microbatches, pp - s)
+                           : std::min<int64_t>(layout.microbatches * v,
+                                               (v - 1) * pp + 2 * (pp - 1 - s) + 1);
     out.push_back(r);
   }
   return out;
@@ -411,7 +435,8 @@ ProbeFigures gpt_activation_formula(const PlanModel& model, int64_t seq_len, dou
 // and gathers as they run today. Activations come from the probe (micro-batches 1 and 2; the share
 // tensor parallel splits from a tp 2 run), scaled by the micro-batch, the stage's share of the
 // model (by Korthikanti et al.'s per-layer weights) and, under 1F1B, the micro-batches in flight on
-// that stage (min(m, pp - stage)).
+// that stage (min(m, pp - stage); interleaved 1F1B: its warm-up (v - 1) pp + 2 (pp - 1 - stage) plus
+// one, of its stages' micro-batches, each 1/v of the rank's share).
 MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
                                 const ProbeFigures& probe) {
   MemoryPrediction best;
@@ -472,8 +497,10 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
 double layout_cost(const Layout& l) {
   double c = 1.0;
   if (l.activation_checkpointing) c *= 1.33;  // one more forward per backward
-  if (l.pp > 1)                               // the 1F1B bubble
-    c *= static_cast<double>(l.microbatches + l.pp - 1) / static_cast<double>(l.microbatches);
+  if (l.pp > 1) {  // the 1F1B bubble; interleaved: (v m + pp - 1) / (v m)
+    const double vm = static_cast<double>(l.microbatches) * std::max(1, l.virtual_stages);
+    c *= (vm + l.pp - 1) / vm;
+  }
   c *= 1.0 + 0.15 * (l.tp - 1);  // two all-reduces per block, forward and backward
   c *= 1.0 + 0.02 * l.zero_stage + (l.zero_stage == 3 ? 0.1 : 0.0);
   if (!l.offload.empty()) c *= 1.5;
@@ -496,6 +523,9 @@ std::vector<std::string> launch_flags(const Layout& l, const PlanMachine& machin
   }
   if (l.tp > 1) f.insert(f.end(), {"--tp_size", std::to_string(l.tp)});
   if (l.pp > 1) f.insert(f.end(), {"--pp_size", std::to_string(l.pp)});
+  if (l.pp > 1 && l.virtual_stages > 1)
+    f.insert(f.end(), {"--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages",
+                       std::to_string(l.virtual_stages)});
   if (l.accumulation > 1)
     f.insert(f.end(), {"--gradient_accumulation_steps", std::to_string(l.accumulation)});
   if (l.activation_checkpointing) f.push_back("--activation_checkpointing");
@@ -524,6 +554,10 @@ config::LaunchConfig layout_config(const Layout& l, const PlanMachine& machine,
   if (l.accumulation > 1) set("gradient_accumulation_steps", std::to_string(l.accumulation));
   if (l.tp > 1) set("parallelism_config.parallelism_config_tp_size", std::to_string(l.tp));
   if (l.pp > 1) set("parallelism_config.pp_size", std::to_string(l.pp));
+  if (l.pp > 1 && l.virtual_stages > 1) {
+    set("parallelism_config.pp_schedule", "interleaved_1f1b");
+    set("parallelism_config.pp_virtual_stages", std::to_string(l.virtual_stages));
+  }
   if (l.activation_checkpointing) set("fsdp_config.fsdp_activation_checkpointing", "true");
   return c;
 }

@@ -508,6 +508,7 @@ std::string plan_to_json(const PlanResult& res, const PlannerOptions& o) {
                         {"micro_batch", p.layout.micro_batch},
                         {"accumulation", p.layout.accumulation},
                         {"microbatches", p.layout.microbatches},
+                        {"virtual_stages", p.layout.virtual_stages},
                         {"offload", p.layout.offload},
                         {"fits", p.fits},
                         {"winner", res.winner && *res.winner == i},

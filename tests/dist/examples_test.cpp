@@ -98,6 +98,21 @@ TEST(Examples, TrainGptUnderEveryLayout) {
   EXPECT_EQ(count_of(pptp.output, "mesh pp 2 x dp 1 x tp 2"), 1) << pptp.output;
   EXPECT_NEAR(final_loss(pptp.output), final_loss(pp.output), 1e-4) << pptp.output << pp.output;
   EXPECT_LT(final_loss(pp.output), 5.0) << pp.output;
+  EXPECT_EQ(count_of(pp.output, "pipeline: schedule 1F1B, 1 stage(s) per rank, 2 micro-batches"), 1)
+      << pp.output;
+  // The launcher's schedules: interleaved 1F1B with 2 stages per rank (the embedding and block 1
+  // on rank 0, block 0 and the head on rank 1) and zero bubble train as 1F1B does.
+  for (const auto& [flags, line] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"},
+            "pipeline: schedule Interleaved1F1B, 2 stage(s) per rank"},
+           {{"--pp_schedule", "zero_bubble"}, "pipeline: schedule ZeroBubble, 1 stage(s) per rank"}}) {
+    std::vector<std::string> all = {"--pp_size", "2"};
+    all.insert(all.end(), flags.begin(), flags.end());
+    auto other = launch(2, kTrainGpt, gpt_args(), with_flags(all));
+    ASSERT_EQ(other.exit_code, 0) << other.output;
+    EXPECT_EQ(count_of(other.output, line), 1) << other.output;
+    EXPECT_NEAR(final_loss(other.output), final_loss(pp.output), 1e-5) << other.output << pp.output;
+  }
 
   // dp 2 x tp 2 under ZeRO-3 equals plain data parallel on 2 processes (the same global batch).
   auto dp = launch(2, kTrainGpt, gpt_args(), with_flags());

@@ -64,8 +64,11 @@ double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // Runs every configuration on stages x dp ranks and checks each against the reference: the
-// concatenated stage parameters of every replica, and every rank's losses, within rtol 1e-5;
-// configurations with fewer micro-batches than stages refused on every rank with the advice.
+// parameters of every model stage (with virtual stages: 2 x stages of them, rank r holding r and
+// r + stages) joined in order, per replica, and every rank's losses, within rtol 1e-5; the
+// configurations a schedule cannot run refused on every rank with the advice: fewer
+// micro-batches than stages, and for interleaved 1F1B micro-batches that are not a multiple of
+// the stages.
 void check_against_reference(int stages, int dp) {
   const auto& [ref_params, ref_losses] = reference();
   ASSERT_EQ(ref_params.size(), 8u * (16 * 16 + 16));
@@ -76,24 +79,27 @@ void check_against_reference(int stages, int dp) {
                    out_dir()});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   double worst_params = 0, worst_loss = 0;
-  for (const std::string kind : {"GPipe", "1F1B"}) {
+  int trained = 0;
+  for (const std::string kind : {"GPipe", "1F1B", "ZeroBubble", "Interleaved1F1B"}) {
+    const int v = kind == "Interleaved1F1B" ? 2 : 1;
     for (int m : {1, 2, 4, 8}) {
       const std::string name = kind + "-m" + std::to_string(m);
-      if (m < stages) {
+      if (m < stages || (v > 1 && m % stages != 0)) {
+        const std::string why =
+            m < stages ? std::to_string(m) + " micro-batches for " + std::to_string(stages) +
+                             " stages: use at least " + std::to_string(stages) + " micro-batches"
+                       : "not a multiple of " + std::to_string(stages);
         EXPECT_EQ(count_of(r.output, "config " + name + " refused: "), n) << r.output;
-        EXPECT_EQ(lines_with(r.output, "config " + name + " refused: ",
-                             std::to_string(m) + " micro-batches for " + std::to_string(stages) +
-                                 " stages: use at least " + std::to_string(stages) +
-                                 " micro-batches"),
-                  n)
-            << r.output;
+        EXPECT_EQ(lines_with(r.output, "config " + name + " refused: ", why), n) << r.output;
         continue;
       }
       EXPECT_EQ(count_of(r.output, "config " + name + " trained"), n) << r.output;
+      ++trained;
       for (int d = 0; d < dp; ++d) {
         std::vector<float> params;
-        for (int s = 0; s < stages; ++s) {
-          auto part = read_floats(out_dir() + "/" + name + "-rank" + std::to_string(d * stages + s) + ".bin");
+        for (int g = 0; g < stages * v; ++g) {
+          auto part = read_floats(out_dir() + "/" + name + "-stage" + std::to_string(g) + "-d" +
+                                  std::to_string(d) + ".bin");
           params.insert(params.end(), part.begin(), part.end());
         }
         const double diff = max_rel_diff(params, ref_params);
@@ -109,7 +115,9 @@ void check_against_reference(int stages, int dp) {
       }
     }
   }
-  std::cout << stages << " stages x " << dp << " replicas: max relative difference to one process: "
+  EXPECT_GE(trained, 3 * 2 + 1) << r.output;
+  std::cout << stages << " stages x " << dp << " replicas, " << trained
+            << " configurations: max relative difference to one process: "
             << "parameters " << worst_params << ", losses " << worst_loss << " (" << r.seconds
             << " s)" << std::endl;
 }
@@ -153,21 +161,88 @@ TEST(PipelineParallel, AcceleratorPipelineTimesDataParallelWithCheckpointingEqua
   }
 }
 
+// The schedule from the launcher: `--pp_schedule interleaved_1f1b --pp_virtual_stages 2` on a
+// (pp 2, dp 2) mesh with activation checkpointing splits the 16 entries into 4 stages, rank r
+// holding stages r and r + 2 (4 entries, all checkpointed); a program that asks for 1F1B itself
+// is refused naming both; the whole model, gathered by name (get_state_dict), equals one
+// process's within rtol 1e-5, as does every rank's loss.
+TEST(PipelineParallel, InterleavedScheduleFromTheLauncherEqualsOneProcess) {
+  const auto& [ref_params, ref_losses] = reference();
+  auto r = launch(4, kWorker, {"accelerate", "--out", out_dir()},
+                  LaunchOptions()
+                      .flags({"--pp_size", "2", "--activation_checkpointing", "--pp_schedule",
+                              "interleaved_1f1b", "--pp_virtual_stages", "2"})
+                      .env({{"PIPELINE_SCHEDULE_FROM_RUN", "1"}}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* line :
+       {"acc rank 0 stage 0 of 2 replica 0 of 2 checkpointed 8 schedule Interleaved1F1B virtual stages 2",
+        "acc rank 1 stage 0 of 2 replica 1 of 2 checkpointed 8 schedule Interleaved1F1B virtual stages 2",
+        "acc rank 2 stage 1 of 2 replica 0 of 2 checkpointed 8 schedule Interleaved1F1B virtual stages 2",
+        "acc rank 3 stage 1 of 2 replica 1 of 2 checkpointed 8 schedule Interleaved1F1B virtual stages 2"})
+    EXPECT_EQ(count_of(r.output, line), 1) << line << "\n" << r.output;
+  EXPECT_EQ(lines_with(r.output, "schedule refused: ",
+                       "asks for the 1F1B schedule (PipelineOptions().schedule) and the run for "
+                       "Interleaved1F1B (--pp_schedule"),
+            4)
+      << r.output;
+  const double diff = max_rel_diff(read_floats(out_dir() + "/acc-full.bin"), ref_params);
+  std::cout << "interleaved from the launcher: max relative difference to one process " << diff
+            << std::endl;
+  EXPECT_LE(diff, 1e-5);
+  for (int d = 0; d < 2; ++d)
+    for (int s = 0; s < 2; ++s)
+      EXPECT_LE(max_rel_diff(read_floats(out_dir() + "/acc-d" + std::to_string(d) + "-s" +
+                                         std::to_string(s) + "-loss.bin"),
+                             ref_losses),
+                1e-5);
+}
+
+// Zero bubble computes input and weight gradients with torch::autograd::grad, which a
+// checkpointed region refuses: prepare_pipeline refuses the pair on every rank, naming the fix,
+// before any step.
+TEST(PipelineParallel, ZeroBubbleWithActivationCheckpointingIsRefused) {
+  auto r = launch(2, kWorker, {"accelerate", "--out", out_dir()},
+                  LaunchOptions()
+                      .flags({"--pp_size", "2", "--activation_checkpointing", "--pp_schedule",
+                              "zero_bubble"})
+                      .env({{"PIPELINE_SCHEDULE_FROM_RUN", "1"}}));
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_EQ(lines_with(r.output, "pipeline refused: ",
+                       "use the 1f1b or interleaved_1f1b schedule with it, or turn activation "
+                       "checkpointing off"),
+            2)
+      << r.output;
+}
+
 // DP x PP x TP on one 4-rank mesh (pp 2, tp 2): the example GPT as a Sequential, each stage's
-// blocks, embedding and head split over its tp pair by the plan, 1F1B with 2 micro-batches and a
+// blocks, embedding and head split over its tp pair by the plan, 2 micro-batches and a
 // vocab-parallel loss, with the whole model's gradient norm clipped (binding), trains as one dense
 // process does: every step's loss and norm and the final parameters within 1e-5, and the loss
 // falls. A plan entry that matches no stage's module is refused on every rank. save_state then
-// merge_weights give back the dense model's weights.
-TEST(PipelineParallel, PipelineTimesTensorParallelGptEqualsOneProcess) {
-  auto r = launch(4, kWorker, {"gpt", "--out", out_dir()},
-                  LaunchOptions().flags({"--pp_size", "2", "--tp_size", "2"}));
+// merge_weights give back the dense model's weights. Under each schedule: 1F1B (the default);
+// interleaved 1F1B with 2 stages per rank (rank 0: the embedding and block 1, rank 1: block 0
+// and the head); zero bubble (input and weight gradients apart).
+struct GptSchedule {
+  std::string label;
+  std::vector<std::string> flags;
+  std::string printed;  // what the pipeline reports
+};
+void PrintTo(const GptSchedule& s, std::ostream* os) { *os << s.label; }
+class PipelineGpt : public ::testing::TestWithParam<GptSchedule> {};
+
+TEST_P(PipelineGpt, PipelineTimesTensorParallelGptEqualsOneProcess) {
+  std::vector<std::string> flags = {"--pp_size", "2", "--tp_size", "2"};
+  flags.insert(flags.end(), GetParam().flags.begin(), GetParam().flags.end());
+  const std::string dir = out_dir() + "/" + GetParam().label;
+  std::system(("mkdir -p " + dir).c_str());
+  auto r = launch(4, kWorker, {"gpt", "--out", dir},
+                  LaunchOptions().flags(flags));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  // Stage 0: the vocab-parallel token embedding and block 0's four layers; stage 1: block 1's
-  // four layers and the head.
+  // 1F1B: stage 0 holds the vocab-parallel token embedding and block 0's four layers, stage 1
+  // block 1's four layers and the head; interleaved: 5 split layers on each rank too.
   for (const char* line : {"gpt rank 0 stage 0 tp 0 split layers 5", "gpt rank 1 stage 0 tp 1 split layers 5",
                            "gpt rank 2 stage 1 tp 0 split layers 5", "gpt rank 3 stage 1 tp 1 split layers 5"})
-    EXPECT_EQ(count_of(r.output, line), 1) << line << "\n" << r.output;
+    EXPECT_EQ(count_of(r.output, std::string(line) + GetParam().printed), 1) << line << "\n" << r.output;
   int checks = 0;
   std::istringstream in(r.output);
   for (std::string line; std::getline(in, line);) {
@@ -200,6 +275,16 @@ TEST(PipelineParallel, PipelineTimesTensorParallelGptEqualsOneProcess) {
   EXPECT_EQ(count_of(r.output, "entry '*.mlp.down' match no module of any pipeline stage"), 4)
       << r.output;
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Schedules, PipelineGpt,
+    ::testing::Values(GptSchedule{"1f1b", {}, " schedule 1F1B virtual stages 1"},
+                      GptSchedule{"interleaved",
+                                  {"--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"},
+                                  " schedule Interleaved1F1B virtual stages 2"},
+                      GptSchedule{"zero_bubble", {"--pp_schedule", "zero_bubble"},
+                                  " schedule ZeroBubble virtual stages 1"}),
+    [](const ::testing::TestParamInfo<GptSchedule>& info) { return info.param.label; });
 
 // A ZeRO stage with a pipeline is refused on every rank with the fix (the pipeline reduces
 // each stage's gradients itself).

@@ -3,15 +3,22 @@
 //              3 steps on the global batch; writes its parameters and losses (raw float32).
 //   train      --stages P --dp D on P x D ranks: rank = d * P + s (row-major (dp, pp): pipeline
 //              groups {0..P-1}, {P..2P-1}, ..., data-parallel groups {s, P + s, ...}). Trains the
-//              same model split into P stages with every configuration in turn (GPipe and 1F1B,
-//              1, 2, 4, 8 micro-batches), replica d on its 1/D of the global batch; writes each
-//              configuration's stage parameters and losses per rank. Configurations with fewer
-//              micro-batches than stages print the error they get.
+//              same model split into P stages with every configuration in turn (GPipe, 1F1B and
+//              zero bubble, and interleaved 1F1B with 2 stages per rank over 2P stages; 1, 2, 4,
+//              8 micro-batches), replica d on its 1/D of the global batch; writes each
+//              configuration's parameters per model stage and replica (<config>-stage<g>-d<d>)
+//              and its losses per rank. Configurations the schedule refuses (fewer micro-batches
+//              than stages; interleaved: not a multiple of P) print the error they get.
 //   accelerate --pp_size 2 on 4 ranks (with --activation_checkpointing): the Accelerator's mesh
 //              (pp outermost: pipeline groups {0,2}, {1,3}, data-parallel groups {0,1}, {2,3}),
 //              prepare_pipeline() (1F1B, 4 micro-batches) and a prepared SGD; writes
-//              acc-d<replica>-s<stage>.bin and -loss.bin.
-//   gpt        --pp_size 2 --tp_size 2 on 4 ranks: the example GPT as a Sequential
+//              acc-d<replica>-s<stage>.bin and -loss.bin. With PIPELINE_SCHEDULE_FROM_RUN=1 the
+//              schedule and virtual stages come from the launcher (--pp_schedule,
+//              --pp_virtual_stages): a program asking for 1F1B is refused first, then the main
+//              process writes the whole model (get_state_dict) in the model's order to
+//              acc-full.bin.
+//   gpt        --pp_size 2 --tp_size 2 on 4 ranks (and --pp_schedule, --pp_virtual_stages when
+//              given; else 1F1B): the example GPT as a Sequential
 //              (examples::gpt_sequential), each stage split over its tp pair by the GPT's plan
 //              (prepare_pipeline with a plan; mesh pp outermost: pipeline groups {0,2}, {1,3},
 //              tensor-parallel groups {0,1}, {2,3}), 1F1B with 2 micro-batches, the loss
@@ -36,6 +43,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <thread>
 
 #include "../../examples/common/gpt.h"
@@ -128,19 +136,35 @@ int train(const std::string& dir, int stages, int dp_size) {
       if (auto g = world->new_subgroup(ranks)) dp = g;
     }
   const int64_t rows = kBatch / dp_size;
-  for (auto kind : {tp::ScheduleKind::kGPipe, tp::ScheduleKind::k1F1B}) {
+  for (auto kind : {tp::ScheduleKind::kGPipe, tp::ScheduleKind::k1F1B, tp::ScheduleKind::kZeroBubble,
+                    tp::ScheduleKind::kInterleaved1F1B}) {
+    const int v = kind == tp::ScheduleKind::kInterleaved1F1B ? 2 : 1;
     for (int m : {1, 2, 4, 8}) {
       const std::string name = tp::to_string(kind) + "-m" + std::to_string(m);
-      auto stage = tp::split_sequential(make_model(), stages, s);
+      // This rank's stages s, s + P, ... of P v (looped placement), their modules and forwards.
+      torch::nn::Sequential all;
+      std::vector<torch::nn::Sequential> chunks;
+      std::vector<std::shared_ptr<torch::nn::Module>> modules;
+      std::vector<tp::Pipeline::Forward> forwards;
+      auto model = make_model();
+      for (int c = 0; c < v; ++c) {
+        auto chunk = tp::split_sequential(model, stages * v, c * stages + s);
+        const auto named = chunk->named_children();
+        for (size_t i = 0; i < named.size(); ++i)
+          all->push_back(named[i].key(), *(chunk->begin() + static_cast<std::ptrdiff_t>(i)));
+        chunks.push_back(chunk);
+        modules.push_back(chunk.ptr());
+        forwards.push_back([chunk](const at::Tensor& x) mutable { return chunk->forward(x); });
+      }
       std::unique_ptr<tp::Pipeline> pipe;
       try {
-        pipe = std::make_unique<tp::Pipeline>(stage, pp, mse,
+        pipe = std::make_unique<tp::Pipeline>(all.ptr(), modules, forwards, pp, mse,
                                               tp::PipelineOptions().schedule(kind).microbatches(m), dp);
       } catch (const std::invalid_argument& e) {
         std::cout << "config " << name << " refused: " << e.what() << std::endl;
         continue;
       }
-      torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(kLr));
+      torch::optim::SGD opt(all->parameters(), torch::optim::SGDOptions(kLr));
       std::vector<torch::Tensor> losses;
       for (int64_t step = 0; step < kSteps; ++step) {
         auto [x, y] = batch(step);
@@ -151,9 +175,11 @@ int train(const std::string& dir, int stages, int dp_size) {
         opt.zero_grad();
         losses.push_back(torch::full({1}, loss, torch::kDouble));
       }
-      const std::string base = dir + "/" + name + "-rank" + std::to_string(rank);
-      write_floats(base + ".bin", stage->parameters());
-      write_floats(base + "-loss.bin", losses);
+      for (int c = 0; c < v; ++c)
+        write_floats(dir + "/" + name + "-stage" + std::to_string(c * stages + s) + "-d" +
+                         std::to_string(d) + ".bin",
+                     chunks[c]->parameters());
+      write_floats(dir + "/" + name + "-rank" + std::to_string(rank) + "-loss.bin", losses);
       std::cout << "config " << name << " trained rank " << rank << std::endl;
     }
   }
@@ -164,14 +190,33 @@ int accelerate(const std::string& dir) {
   tandem::Accelerator acc;
   auto& dpg = acc.data_parallel_group();
   const int d = dpg.rank(), dp_size = dpg.size();
-  auto pipe = acc.prepare_pipeline(make_model(), mse,
-                                   tp::PipelineOptions().schedule(tp::ScheduleKind::k1F1B).microbatches(4));
+  const bool from_run = std::getenv("PIPELINE_SCHEDULE_FROM_RUN") != nullptr;
+  auto options = tp::PipelineOptions().microbatches(4);
+  if (from_run) {
+    try {  // the launcher's schedule and the program's disagree: refused, naming both
+      acc.prepare_pipeline(make_model(), mse, tp::PipelineOptions(options).schedule(tp::ScheduleKind::k1F1B));
+      std::cout << "a program's 1F1B against the launcher's schedule was accepted" << std::endl;
+    } catch (const std::invalid_argument& e) {
+      std::cout << "schedule refused: " << e.what() << std::endl;
+    }
+  } else {
+    options.schedule(tp::ScheduleKind::k1F1B);
+  }
+  std::shared_ptr<tp::Pipeline> pipe;
+  try {
+    pipe = acc.prepare_pipeline(make_model(), mse, options);
+  } catch (const std::invalid_argument& e) {
+    std::cout << "pipeline refused: " << e.what() << std::endl;
+    return 3;
+  }
   const int s = pipe->stage(), stages = pipe->stages();
   int wrapped = 0;
   for (const auto& child : pipe->module()->children())
     wrapped += std::dynamic_pointer_cast<tp::CheckpointedImpl>(child) != nullptr;
   std::cout << "acc rank " << acc.process_index() << " stage " << s << " of " << stages
-            << " replica " << d << " of " << dp_size << " checkpointed " << wrapped << std::endl;
+            << " replica " << d << " of " << dp_size << " checkpointed " << wrapped
+            << " schedule " << tp::to_string(pipe->schedule()) << " virtual stages "
+            << pipe->virtual_stages() << std::endl;
   auto opt = acc.prepare(std::make_shared<torch::optim::SGD>(pipe->module()->parameters(),
                                                              torch::optim::SGDOptions(kLr)));
   const int64_t rows = kBatch / dp_size;
@@ -189,6 +234,15 @@ int accelerate(const std::string& dir) {
   const std::string base = dir + "/acc-d" + std::to_string(d) + "-s" + std::to_string(s);
   write_floats(base + ".bin", pipe->module()->parameters());
   write_floats(base + "-loss.bin", losses);
+  if (from_run) {  // the whole model by name, in the model's order
+    auto full = acc.get_state_dict(*pipe->module());
+    if (acc.is_main_process()) {
+      std::map<std::string, torch::Tensor> by_name(full.begin(), full.end());
+      std::vector<torch::Tensor> ordered;
+      for (const auto& p : make_model()->named_parameters()) ordered.push_back(by_name.at(p.key()));
+      write_floats(dir + "/acc-full.bin", ordered);
+    }
+  }
   std::cout << "acc trained rank " << acc.process_index() << std::endl;
   return 0;
 }
@@ -217,15 +271,15 @@ int gpt(const std::string& dir) {
     }
   }
   torch::manual_seed(21);
-  auto pipe = acc.prepare_pipeline(
-      examples::gpt_sequential(c), loss_fn,
-      tp::PipelineOptions().schedule(tp::ScheduleKind::k1F1B).microbatches(2),
-      examples::gpt_sequential_tensor_parallel_plan());
+  auto pipe = acc.prepare_pipeline(examples::gpt_sequential(c), loss_fn,
+                                   tp::PipelineOptions().microbatches(2),
+                                   examples::gpt_sequential_tensor_parallel_plan());
   int split = 0;
   for (const auto& m : pipe->module()->modules())
     split += std::dynamic_pointer_cast<tp::TensorParallelModule>(m) != nullptr;
   std::cout << "gpt rank " << acc.process_index() << " stage " << pipe->stage() << " tp " << t
-            << " split layers " << split << std::endl;
+            << " split layers " << split << " schedule " << tp::to_string(pipe->schedule())
+            << " virtual stages " << pipe->virtual_stages() << std::endl;
   // SGD with momentum (as the tensor-parallel tests: Adam would amplify rounding near zero).
   auto sgd = torch::optim::SGDOptions(0.5).momentum(0.9).weight_decay(0.01);
   torch::optim::SGD dense_opt(dense->parameters(), sgd);

@@ -85,7 +85,9 @@ std::vector<std::string> plan_command(const std::string& dir, std::vector<std::s
 
 TEST(Plan, PredictedPeaksMatchTheRunsAndTheWinnersConfigLaunches) {
   TempDir dir;
-  auto r = run_command(plan_command(dir.str(), {"--measure_all", "--timed_steps", "4"}), {}, 900);
+  auto r = run_command(plan_command(dir.str(), {"--measure_all", "--timed_steps", "4",
+                                               "--pp_virtual_stages", "1,2"}),
+                       {}, 900);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   nlohmann::json j;
   std::ifstream(dir.str() + "/runs/plan.json") >> j;
@@ -99,7 +101,8 @@ TEST(Plan, PredictedPeaksMatchTheRunsAndTheWinnersConfigLaunches) {
     ASSERT_TRUE(m["ok"].get<bool>()) << l["name"] << ": " << m["error"];
     ++measured;
     kinds.insert(std::to_string(l["zero_stage"].get<int>()) + "/" +
-                 std::to_string(l["tp"].get<int>()) + "/" + std::to_string(l["pp"].get<int>()));
+                 std::to_string(l["tp"].get<int>()) + "/" + std::to_string(l["pp"].get<int>()) +
+                 (l["virtual_stages"].get<int>() > 1 ? " v" + std::to_string(l["virtual_stages"].get<int>()) : ""));
     const double pt = l["predicted"]["tensor_peak"], mt = m["tensor_peak"];
     EXPECT_NEAR(pt / mt, 1.0, 0.10)
         << l["name"] << ": tensors predicted " << pt << ", measured " << mt;
@@ -114,8 +117,10 @@ TEST(Plan, PredictedPeaksMatchTheRunsAndTheWinnersConfigLaunches) {
       EXPECT_EQ(l["predicted"]["parameters"], m["parameters"]) << l["name"];
     }
   }
-  // dp 2 under every ZeRO stage, tp 2 and pp 2: every kind of layout was run.
-  EXPECT_EQ(kinds, (std::set<std::string>{"0/1/1", "1/1/1", "2/1/1", "3/1/1", "0/2/1", "0/1/2"}));
+  // dp 2 under every ZeRO stage, tp 2, pp 2 and pp 2 interleaved (2 stages per rank): every
+  // kind of layout was run (the interleaved ones measured 1-5% above their predictions here).
+  EXPECT_EQ(kinds, (std::set<std::string>{"0/1/1", "1/1/1", "2/1/1", "3/1/1", "0/2/1", "0/1/2",
+                                          "0/1/2 v2"}));
   EXPECT_GE(measured, 10);
   EXPECT_NE(r.output.find("best: "), std::string::npos) << r.output;
 

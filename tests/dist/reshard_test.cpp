@@ -95,6 +95,19 @@ TEST(Reshard, TensorParallelResumesOnZero3OverThreeRanks) {
                              "dp 3 (3 processes, zero-3)");
 }
 
+// Interleaved stages: rank 0 holds the embedding and block 1, rank 1 block 0 and the head; the
+// checkpoint records the stages per rank beside the mesh, so that a pipeline of one stage per
+// rank (same mesh, other entries per rank) reshards it as it would another mesh; and on data
+// parallel.
+TEST(Reshard, InterleavedPipelineResumesOnZeroBubbleAndOnDataParallel) {
+  const Layout interleaved{2, {"--pp_size", "2", "--pp_schedule", "interleaved_1f1b",
+                               "--pp_virtual_stages", "2"}};
+  const Layout zero_bubble{2, {"--pp_size", "2", "--pp_schedule", "zero_bubble"}};
+  const std::string saved_on = "pp 2 (2 processes, ddp, 2 pipeline stages per rank)";
+  expect_resume_equals_dense(interleaved, zero_bubble, saved_on, "pp 2 (2 processes, ddp)");
+  expect_resume_equals_dense(interleaved, kDp2, saved_on, "dp 2 (2 processes, ddp)");
+}
+
 TEST(Reshard, PipelineResumesOnDataParallel) {
   expect_resume_equals_dense(kPp2, kDp2, "pp 2 (2 processes, ddp)", "dp 2 (2 processes, ddp)");
 }

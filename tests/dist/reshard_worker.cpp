@@ -88,7 +88,8 @@ int run(const Args& a) {
     auto loss_fn = [tpg](const at::Tensor& y, const at::Tensor& target) {
       return examples::gpt_sequential_loss(y, target, tpg);
     };
-    const auto options = tp::PipelineOptions().schedule(tp::ScheduleKind::k1F1B).microbatches(2);
+    // The schedule: 1F1B, or the launcher's (--pp_schedule, --pp_virtual_stages).
+    const auto options = tp::PipelineOptions().microbatches(2);
     pipe = tp_size > 1 ? acc.prepare_pipeline(net, loss_fn, options,
                                               examples::gpt_sequential_tensor_parallel_plan())
                        : acc.prepare_pipeline(net, loss_fn, options);

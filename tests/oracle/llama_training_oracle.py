@@ -70,6 +70,13 @@ def main():
         ("pipeline 2 x data parallel 2 on 4", 4, ["--pp_size", "2"], GLOBAL_BATCH // 2),
         ("pipeline 2 x tensor parallel 2 on 4", 4, ["--pp_size", "2", "--tp_size", "2"],
          GLOBAL_BATCH),
+        # The launcher's other schedules: 2 stages per rank (interleaved), and the backward split
+        # into input and weight gradients (zero bubble).
+        ("pipeline 2, interleaved 1F1B with 2 stages per rank", 2,
+         ["--pp_size", "2", "--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"],
+         GLOBAL_BATCH),
+        ("pipeline 2, zero bubble", 2, ["--pp_size", "2", "--pp_schedule", "zero_bubble"],
+         GLOBAL_BATCH),
     ]
     for name, config, runs in (("qwen3", dense, layouts), ("qwen3_moe", moe, layouts + pipelines),
                                ("qwen3 untied", untied, pipelines),

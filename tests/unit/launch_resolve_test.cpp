@@ -443,3 +443,35 @@ TEST(LaunchResolve, ActivationCheckpointingKey) {
   });
   EXPECT_TRUE(contains(err, "activation_checkpointing")) << err;
 }
+
+// parallelism_config.pp_schedule and pp_virtual_stages (tandem's own keys, --pp_schedule and
+// --pp_virtual_stages) reach the ranks as TANDEM_PP_SCHEDULE (its canonical name) and
+// TANDEM_PP_VIRTUAL_STAGES; absent, nothing is exported; an unknown schedule and a count below 1
+// are refused naming the key.
+TEST(LaunchResolve, PipelineScheduleKeys) {
+  auto c = parse_config(
+      "distributed_type: MULTI_CPU\nnum_processes: 4\nuse_cpu: true\n"
+      "parallelism_config:\n  pp_size: 2\n  pp_schedule: interleaved_1f1b\n  pp_virtual_stages: 2\n",
+      "inline.yaml");
+  auto env = program_environment(resolve_launch(c, {}, cpu_machine()));
+  EXPECT_EQ(env.at("TANDEM_PP_SIZE"), "2");
+  EXPECT_EQ(env.at("TANDEM_PP_SCHEDULE"), "Interleaved1F1B");
+  EXPECT_EQ(env.at("TANDEM_PP_VIRTUAL_STAGES"), "2");
+  env = program_environment(resolve_launch(
+      LaunchConfig(),
+      {{"num_processes", "2"}, {"parallelism_config.pp_size", "2"},
+       {"parallelism_config.pp_schedule", "zero_bubble"}},
+      cpu_machine()));
+  EXPECT_EQ(env.at("TANDEM_PP_SCHEDULE"), "ZeroBubble");
+  EXPECT_EQ(env.count("TANDEM_PP_VIRTUAL_STAGES"), 0u);
+  env = program_environment(resolve_launch(
+      LaunchConfig(), {{"num_processes", "2"}, {"parallelism_config.pp_size", "2"}}, cpu_machine()));
+  EXPECT_EQ(env.count("TANDEM_PP_SCHEDULE"), 0u);
+  auto err = error_of([] {
+    parse_config("parallelism_config:\n  pp_schedule: ZBVZeroBubble\n", "bad.yaml");
+  });
+  EXPECT_TRUE(contains(err, "unknown pipeline schedule 'ZBVZeroBubble'")) << err;
+  EXPECT_TRUE(contains(err, "bad.yaml")) << err;
+  err = error_of([] { parse_config("parallelism_config:\n  pp_virtual_stages: 0\n", "bad.yaml"); });
+  EXPECT_TRUE(contains(err, "pp_virtual_stages")) << err;
+}

@@ -27,8 +27,8 @@ std::string listing(const std::vector<std::vector<PipelineAction>>& actions) {
 }  // namespace
 
 // Every (schedule, stages 1-4, micro-batches 1-8): m < p is refused with the advice; the others
-// run to completion under rendezvous sends in 2 (m + p - 1) unit steps, each stage busy 2m of
-// them, so the bubble is (p - 1) / (m + p - 1) for both schedules; 1F1B holds at most p - s
+// run to completion under rendezvous sends in 3 (m + p - 1) unit steps (a forward 1, a backward
+// 2), each stage busy 3m of them, so the bubble is (p - 1) / (m + p - 1) for both schedules; 1F1B holds at most p - s
 // micro-batches on stage s (exactly min(p - s, m)), GPipe all m.
 TEST(PipelineSchedule, EveryCombinationRunsWithTheExpectedBubble) {
   int ran = 0, refused = 0;
@@ -69,9 +69,9 @@ TEST(PipelineSchedule, EveryCombinationRunsWithTheExpectedBubble) {
         const auto sim = tp::simulate_schedule(actions);
         ASSERT_TRUE(sim.error.empty()) << what << ": " << sim.error << "\n" << listing(actions);
         EXPECT_FALSE(sim.deadlock);
-        EXPECT_EQ(sim.time_steps, 2 * (m + p - 1)) << what << "\n" << listing(actions);
+        EXPECT_EQ(sim.time_steps, 3 * (m + p - 1)) << what << "\n" << listing(actions);
         for (int s = 0; s < p; ++s) {
-          EXPECT_EQ(sim.busy[s], 2 * m) << what;
+          EXPECT_EQ(sim.busy[s], 3 * m) << what;
           if (kind == ScheduleKind::k1F1B) {
             EXPECT_LE(sim.max_in_flight[s], p - s) << what << " stage " << s;
             EXPECT_EQ(sim.max_in_flight[s], std::min(p - s, m)) << what << " stage " << s;
@@ -86,6 +86,116 @@ TEST(PipelineSchedule, EveryCombinationRunsWithTheExpectedBubble) {
   }
   EXPECT_EQ(ran, 2 * (8 + 7 + 6 + 5));
   EXPECT_EQ(refused, 2 * (0 + 1 + 2 + 3));
+}
+
+// Interleaved 1F1B over p = 2-4 ranks with v = 2-3 stages each and m = p, 2p, 3p micro-batches:
+// every rank runs each of its stages' forwards and backwards once, in (p - 1) / (v m + p - 1)
+// idle share (Megatron's formula: the bubble shrinks by v), deadlock-free under rendezvous sends.
+// Micro-batches that are not a multiple of p, and virtual stages under another schedule, are
+// refused with the fix.
+TEST(PipelineSchedule, InterleavedShrinksTheBubbleByTheVirtualStages) {
+  int ran = 0;
+  for (int p = 2; p <= 4; ++p)
+    for (int v = 2; v <= 3; ++v)
+      for (int m = p; m <= 3 * p; m += p) {
+        const std::string what =
+            "p=" + std::to_string(p) + " v=" + std::to_string(v) + " m=" + std::to_string(m);
+        const auto actions = tp::pipeline_schedule(ScheduleKind::kInterleaved1F1B, p, m, v);
+        ASSERT_EQ(actions.size(), static_cast<size_t>(p)) << what;
+        for (int r = 0; r < p; ++r)
+          for (int c = 0; c < v; ++c) {
+            const auto count = [&](K k) {
+              return std::count_if(actions[r].begin(), actions[r].end(),
+                                   [&](const PipelineAction& a) { return a.kind == k && a.chunk == c; });
+            };
+            const int g = c * p + r;
+            EXPECT_EQ(count(K::kForward), m) << what;
+            EXPECT_EQ(count(K::kBackward), m) << what;
+            EXPECT_EQ(count(K::kSendActivation), g < p * v - 1 ? m : 0) << what << " stage " << g;
+            EXPECT_EQ(count(K::kRecvGradient), g < p * v - 1 ? m : 0) << what << " stage " << g;
+            EXPECT_EQ(count(K::kRecvActivation), g > 0 ? m : 0) << what << " stage " << g;
+          }
+        const auto sim = tp::simulate_schedule(actions, v);
+        ASSERT_TRUE(sim.error.empty()) << what << ": " << sim.error << "\n" << listing(actions);
+        EXPECT_EQ(sim.time_steps, 3 * (v * m + p - 1)) << what << "\n" << listing(actions);
+        EXPECT_NEAR(sim.bubble_fraction, double(p - 1) / (v * m + p - 1), 1e-12) << what;
+        const auto plain = tp::simulate_schedule(tp::pipeline_schedule(ScheduleKind::k1F1B, p, m));
+        EXPECT_LT(sim.bubble_fraction, plain.bubble_fraction) << what;
+        ++ran;
+      }
+  EXPECT_EQ(ran, 3 * 2 * 3);
+  try {
+    tp::pipeline_schedule(ScheduleKind::kInterleaved1F1B, 4, 6, 2);
+    ADD_FAILURE() << "6 micro-batches over 4 ranks were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("not a multiple of 4: use 8 (or 4) micro-batches"),
+              std::string::npos) << e.what();
+  }
+  try {
+    tp::pipeline_schedule(ScheduleKind::k1F1B, 2, 4, 2);
+    ADD_FAILURE() << "virtual stages under 1F1B were accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("use the interleaved_1f1b schedule"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(tp::pipeline_schedule(ScheduleKind::kInterleaved1F1B, 2, 4, 0), std::invalid_argument);
+}
+
+// Zero bubble over p = 1-4 stages and m = p to 12 micro-batches: each micro-batch's input
+// gradient (I) and weight gradient (W) run once per stage, I before W; no stage holds more
+// micro-batches between F and W than 1F1B does (p - s); the run takes 3m + 2 (p - 1) unit steps
+// against 1F1B's 3 (m + p - 1): (p - 1) weight gradients of each stage fill the bubble.
+TEST(PipelineSchedule, ZeroBubbleFillsTheBubbleWithWeightGradients) {
+  int ran = 0;
+  for (int p = 1; p <= 4; ++p)
+    for (int m = p; m <= 12; ++m) {
+      const std::string what = "p=" + std::to_string(p) + " m=" + std::to_string(m);
+      const auto actions = tp::pipeline_schedule(ScheduleKind::kZeroBubble, p, m);
+      for (int s = 0; s < p; ++s) {
+        const auto count = [&](K k) {
+          return std::count_if(actions[s].begin(), actions[s].end(),
+                               [k](const PipelineAction& a) { return a.kind == k; });
+        };
+        EXPECT_EQ(count(K::kForward), m) << what;
+        EXPECT_EQ(count(K::kBackward), 0) << what;
+        EXPECT_EQ(count(K::kBackwardInput), m) << what;
+        EXPECT_EQ(count(K::kBackwardWeight), m) << what;
+        EXPECT_EQ(count(K::kSendGradient), s > 0 ? m : 0) << what;
+      }
+      const auto sim = tp::simulate_schedule(actions);
+      ASSERT_TRUE(sim.error.empty()) << what << ": " << sim.error << "\n" << listing(actions);
+      EXPECT_EQ(sim.time_steps, 3 * m + 2 * (p - 1)) << what << "\n" << listing(actions);
+      for (int s = 0; s < p; ++s) {
+        EXPECT_EQ(sim.busy[s], 3 * m) << what;
+        EXPECT_LE(sim.max_in_flight[s], p - s) << what << " stage " << s;
+      }
+      EXPECT_NEAR(sim.bubble_fraction, 2.0 * (p - 1) / (3 * m + 2 * (p - 1)), 1e-12) << what;
+      ++ran;
+    }
+  EXPECT_EQ(ran, 12 + 11 + 10 + 9);
+  // A W before its I is found by the simulator.
+  auto sim = tp::simulate_schedule({{{K::kForward, 0}, {K::kBackwardWeight, 0}, {K::kBackwardInput, 0}}});
+  EXPECT_NE(sim.error.find("before its input gradient"), std::string::npos) << sim.error;
+  sim = tp::simulate_schedule({{{K::kForward, 0}, {K::kBackwardInput, 0}}});
+  EXPECT_NE(sim.error.find("never runs the weight gradient of micro-batch 0"), std::string::npos)
+      << sim.error;
+}
+
+// Schedule names as the launcher and config files give them.
+TEST(PipelineSchedule, NamesParseAndUnknownOnesAreRefused) {
+  EXPECT_EQ(tp::schedule_from_name("GPipe", "x"), ScheduleKind::kGPipe);
+  EXPECT_EQ(tp::schedule_from_name("1f1b", "x"), ScheduleKind::k1F1B);
+  EXPECT_EQ(tp::schedule_from_name("Interleaved1F1B", "x"), ScheduleKind::kInterleaved1F1B);
+  EXPECT_EQ(tp::schedule_from_name("interleaved_1f1b", "x"), ScheduleKind::kInterleaved1F1B);
+  EXPECT_EQ(tp::schedule_from_name("zero_bubble", "x"), ScheduleKind::kZeroBubble);
+  EXPECT_EQ(tp::schedule_from_name("ZBH1", "x"), ScheduleKind::kZeroBubble);
+  try {
+    tp::schedule_from_name("ZBVZeroBubble", "--pp_schedule");
+    ADD_FAILURE() << "ZBV was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--pp_schedule: unknown pipeline schedule 'ZBVZeroBubble'"),
+              std::string::npos) << e.what();
+  }
 }
 
 // The 1F1B lists of 2 stages and 2 micro-batches, spelled out: stage 0 warms up with one forward;
@@ -181,4 +291,45 @@ TEST(Pipeline, OneStageEqualsPlainTrainingAndRefusesIndivisibleBatches) {
               std::string::npos)
         << e.what();
   }
+}
+
+// The zero-bubble split on one stage: the weight pass accumulates through the parameters' own
+// accumulators, as backward() does: a Linear used twice (Module::parameters() lists its tensors
+// twice) gets its gradient once, summed over both uses and the micro-batches, and a parameter's
+// hook runs. Equal to the 1F1B pipeline bitwise, and to plain training.
+TEST(Pipeline, ZeroBubbleOnOneStageEqualsBackwardWithSharedLayersAndHooks) {
+  auto mse = [](const at::Tensor& y, const at::Tensor& t) { return torch::mse_loss(y, t); };
+  std::vector<std::vector<at::Tensor>> grads;
+  std::vector<int> hook_calls;
+  for (auto kind : {ScheduleKind::k1F1B, ScheduleKind::kZeroBubble}) {
+    torch::manual_seed(5);
+    torch::nn::Linear shared(6, 6);
+    torch::nn::Sequential model(shared, torch::nn::Tanh(), shared);
+    ASSERT_EQ(model->parameters().size(), 4u);  // the shared weight and bias listed twice
+    int calls = 0;
+    shared->weight.register_hook([&calls](const at::Tensor& g) {
+      ++calls;
+      return g;
+    });
+    tp::Pipeline pipe(model, tandem::ProcessGroup::single(), mse,
+                      tp::PipelineOptions().schedule(kind).microbatches(3));
+    torch::manual_seed(6);
+    auto x = torch::randn({9, 6}), y = torch::randn({9, 6});
+    pipe.step(x, y);
+    grads.push_back({shared->weight.grad().clone(), shared->bias.grad().clone()});
+    hook_calls.push_back(calls);
+    // Plain training on the whole batch.
+    torch::manual_seed(5);
+    torch::nn::Linear ref(6, 6);
+    torch::nn::Sequential plain(ref, torch::nn::Tanh(), ref);
+    torch::mse_loss(plain->forward(x), y).backward();
+    EXPECT_TRUE(torch::allclose(shared->weight.grad(), ref->weight.grad(), 1e-5, 1e-7))
+        << tp::to_string(kind);
+    EXPECT_TRUE(torch::allclose(shared->bias.grad(), ref->bias.grad(), 1e-5, 1e-7))
+        << tp::to_string(kind);
+  }
+  EXPECT_TRUE(grads[0][0].equal(grads[1][0]));
+  EXPECT_TRUE(grads[0][1].equal(grads[1][1]));
+  EXPECT_EQ(hook_calls[0], 3);  // once per micro-batch
+  EXPECT_EQ(hook_calls[1], 3);
 }

@@ -13,6 +13,7 @@
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/config/config.h"
 #include "tandem/track/memory_estimate.h"
+#include "tandem/parallel/pipeline.h"
 #include "tandem/trials/plan.h"
 
 namespace tt = tandem::trials;
@@ -68,6 +69,64 @@ TEST(PlanModel, RankParametersFollowTheSplits) {
   EXPECT_EQ(pp[0].in_flight, 2);  // 1F1B: min(m, pp - stage)
   EXPECT_EQ(pp[1].in_flight, 1);
   EXPECT_NEAR(pp[0].activation_share + pp[1].activation_share, 1.0, 1e-12);
+}
+
+// Interleaved stages: with 2 stages per rank over 2 ranks the 6 children (embeddings, 4 blocks,
+// head) become 4 stages, rank 0 holding children 0 and 3 (the embeddings and block 2), rank 1
+// children 1-2 and 4-5; each rank's micro-batches in flight are those the schedule's simulator
+// finds (its warm-up plus one), of stages 1/v of its share. Every layout's flags and config name
+// the schedule.
+TEST(PlanModel, InterleavedStagesFollowTheSchedule) {
+  const int64_t h = 256, v = 256, c = 64;
+  const auto m = tt::gpt_plan_model(4, h, 4, v, c);
+  const int64_t block = 12 * h * h + 13 * h;
+  tt::Layout l;
+  l.pp = 2;
+  l.virtual_stages = 2;
+  l.microbatches = 4;
+  const auto r = tt::rank_parameters(m, l);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].parameters, v * h + c * h + block);
+  EXPECT_EQ(r[1].parameters, 3 * block + 2 * h + v * h);  // the head keeps a tied copy
+  const auto sim = tandem::parallel::simulate_schedule(tandem::parallel::pipeline_schedule(
+      tandem::parallel::ScheduleKind::kInterleaved1F1B, 2, 4, 2));
+  ASSERT_TRUE(sim.error.empty()) << sim.error;
+  for (int s = 0; s < 2; ++s) EXPECT_EQ(r[s].in_flight, sim.max_in_flight[s]) << "rank " << s;
+  EXPECT_NEAR(2 * (r[0].activation_share + r[1].activation_share), 1.0, 1e-12);
+  EXPECT_EQ(l.name(), "dp1 pp2 v2 mb1 m4");
+  const auto flags = tt::launch_flags(l, machine(2), "");
+  const std::vector<std::string> tail{"--pp_size", "2", "--pp_schedule", "interleaved_1f1b",
+                                      "--pp_virtual_stages", "2"};
+  EXPECT_NE(std::search(flags.begin(), flags.end(), tail.begin(), tail.end()), flags.end());
+  auto cfg = tandem::config::parse_config(
+      tandem::config::to_yaml(tt::layout_config(l, machine(2), "")), "plan.yaml");
+  EXPECT_EQ(cfg.parallelism_config.at("pp_schedule"), "Interleaved1F1B");
+  EXPECT_EQ(cfg.parallelism_config.at("pp_virtual_stages"), "2");
+  // Enumerated only when asked, and only where the schedule runs: m a multiple of pp, pp x v
+  // children at most.
+  tt::PlanSearch search;
+  search.global_batch = 4;
+  auto count_v = [&](int want) {
+    std::vector<std::string> excluded;
+    int n = 0;
+    for (const auto& x : tt::enumerate_layouts(m, machine(2), search, &excluded))
+      n += x.pp == 2 && x.virtual_stages == want;
+    return n;
+  };
+  EXPECT_EQ(count_v(2), 0);
+  search.virtual_stages = {1, 2};
+  EXPECT_GT(count_v(2), 0);
+  EXPECT_GT(count_v(1), 0);
+  std::vector<std::string> excluded;
+  for (const auto& x : tt::enumerate_layouts(m, machine(2), search, &excluded))
+    if (x.virtual_stages == 2) EXPECT_EQ(x.microbatches % 2, 0) << x.name();
+  search.virtual_stages = {4};  // 8 stages of 6 children
+  excluded.clear();
+  for (const auto& x : tt::enumerate_layouts(m, machine(2), search, &excluded))
+    EXPECT_NE(x.pp, 2) << x.name();
+  bool said = false;
+  for (const auto& e : excluded) said |= e.find("interleaved 1F1B needs") != std::string::npos;
+  EXPECT_TRUE(said);
 }
 
 TEST(PlanModel, SafetensorsHeaderGivesBlocksAndTies) {

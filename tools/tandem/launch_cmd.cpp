@@ -168,6 +168,10 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
   value("tp_size", "parallelism_config.parallelism_config_tp_size",
         "Tensor-parallel ranks (within one machine)", mesh);
   value("pp_size", "parallelism_config.pp_size", "Pipeline stages", mesh);
+  value("pp_schedule", "parallelism_config.pp_schedule",
+        "Pipeline schedule: gpipe, 1f1b (default), interleaved_1f1b or zero_bubble", mesh);
+  value("pp_virtual_stages", "parallelism_config.pp_virtual_stages",
+        "Pipeline stages per rank (interleaved_1f1b; default 1)", mesh);
   value("dp_replicate_size", "parallelism_config.parallelism_config_dp_replicate_size",
         "Data-parallel replicas (derived when unset)", mesh);
   value("dp_shard_size", "parallelism_config.parallelism_config_dp_shard_size",

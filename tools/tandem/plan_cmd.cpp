@@ -63,6 +63,12 @@ PlanCommand::PlanCommand(CLI::App& app) {
   sub_->add_flag(both("no_activation_checkpointing"), no_checkpointing_,
                  "Leave activation checkpointing out of the search")
       ->group(run);
+  sub_->add_option(both("pp_virtual_stages"), virtual_stages_,
+                   "Pipeline stages per rank to try, e.g. 1,2 (above 1: interleaved 1F1B; "
+                   "default 1)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->group(run);
   sub_->add_option(both("offload_dir"), offload_dir_,
                    "Search ZeRO's optimizer state on disk in this directory")
       ->group(run);
@@ -177,6 +183,7 @@ int PlanCommand::run(const std::string& tandem_exe) const {
     o.search.max_micro_batch = max_micro_batch_;
     o.search.offload_dir = offload_dir_;
     o.search.search_checkpointing = !no_checkpointing_;
+    if (!virtual_stages_.empty()) o.search.virtual_stages = virtual_stages_;
     if (!command_.empty()) {
       o.program = command_[0];
       o.args.assign(command_.begin() + 1, command_.end());

@@ -29,6 +29,7 @@ class PlanCommand {
   int64_t global_batch_ = 8, max_micro_batch_ = 0, probe_steps_ = 3, timed_steps_ = 6;
   double run_timeout_ = 600;
   bool measure_all_ = false, no_checkpointing_ = false, cpu_ = false;
+  std::vector<int> virtual_stages_;  // --pp_virtual_stages 1,2
 };
 
 }  // namespace tandem::cli

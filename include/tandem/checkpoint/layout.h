@@ -68,11 +68,15 @@ struct SavedRunLayout {
   std::string strategy;  // "ddp", "zero-2", ... ("" when unknown)
   int world = 0;
   bool recorded = false;  // written by a run that records its layout
-  /// "dp 2 x tp 2 (4 processes, zero-3)".
+  /// Pipeline stages per rank (interleaved schedules); the layout records it when above 1.
+  int pp_virtual_stages = 1;
+  /// "dp 2 x tp 2 (4 processes, zero-3)"; "pp 2 (2 processes, ddp, 2 pipeline stages per
+  /// rank)".
   std::string describe() const;
 };
-/// The "layout" value, a JSON document.
-std::string run_layout_json(const std::string& mesh, const std::string& strategy);
+/// The "layout" value, a JSON document ("pp_virtual_stages" only when above 1).
+std::string run_layout_json(const std::string& mesh, const std::string& strategy,
+                            int pp_virtual_stages = 1);
 /// The "mesh" value, a JSON document.
 std::string mesh_json(const std::string& mesh);
 /// Reads "layout" (or "mesh"), refusing a value that is not what run_layout_json wrote.

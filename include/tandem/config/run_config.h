@@ -64,6 +64,11 @@ struct RunConfig {
   /// a ZeRO stage, and dp_replicate above 1 with one (hybrid sharding), are refused.
   comm::MeshShape mesh_shape;
   bool activation_checkpointing = false;
+  /// TANDEM_PP_SCHEDULE as parallel::to_string spells it ("1F1B", ...); empty: unset (the
+  /// program's PipelineOptions, else 1F1B). Checked by parallel::schedule_from_name.
+  std::string pp_schedule;
+  /// TANDEM_PP_VIRTUAL_STAGES: stages per pipeline rank; 0: unset.
+  int pp_virtual_stages = 0;
   /// Note [Resident memory and large blocks]: tandem's host allocator serves large CPU blocks
   /// (AcceleratorOptions::host_allocator, else TANDEM_HOST_ALLOCATOR; default true, false in a
   /// build with AddressSanitizer, which checks tensors only where malloc hands them out), keeping

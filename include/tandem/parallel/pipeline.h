@@ -1,6 +1,7 @@
-// Pipeline parallel: a model split into consecutive stages, one per rank of a pipeline group;
-// micro-batches flow forward and their gradients backward over point-to-point messages in the
-// order a schedule (GPipe or 1F1B) gives. Note [Pipeline schedules] in pipeline_schedule.cpp.
+// Pipeline parallel: a model split into consecutive stages, one (or v, interleaved) per rank of a
+// pipeline group; micro-batches flow forward and their gradients backward over point-to-point
+// messages in the order a schedule (GPipe, 1F1B, interleaved 1F1B or zero bubble) gives.
+// Note [Pipeline schedules] in pipeline_schedule.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,8 +12,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "tandem/parallel/schedule_kind.h"
 
 namespace tandem {
 class ProcessGroup;
@@ -20,36 +24,43 @@ class ProcessGroup;
 
 namespace tandem::parallel {
 
-/// The order in which a stage runs its micro-batches' forwards and backwards.
-///   kGPipe: every forward, then every backward (a stage holds all m micro-batches' activations).
-///   k1F1B:  p - 1 - stage forwards, then one forward and one backward in turn, then the
-///           remaining backwards (stage s holds at most p - s micro-batches' activations).
-/// With forwards and backwards of equal cost both idle the same fraction of the time,
-/// (p - 1) / (m + p - 1) for p stages and m micro-batches; 1F1B needs less memory.
-enum class ScheduleKind { kGPipe, k1F1B };
-
-/// One step of a stage's work. Transfers are between neighbouring stages: activations go to
-/// stage + 1, gradients to stage - 1.
+/// One step of a rank's work. Transfers are between neighbouring stages of the whole pipeline:
+/// activations go to the next stage (on rank + 1, or from the last rank to rank 0's next chunk),
+/// gradients to the previous one. `chunk` is the rank's local stage (0 to v - 1; always 0
+/// without virtual stages): for a transfer, the chunk that sends or receives it on this rank.
 struct PipelineAction {
-  enum Kind { kForward, kBackward, kSendActivation, kRecvActivation, kSendGradient, kRecvGradient };
+  enum Kind {
+    kForward,
+    kBackward,
+    kSendActivation,
+    kRecvActivation,
+    kSendGradient,
+    kRecvGradient,
+    kBackwardInput,   // zero bubble: the gradient of the stage's input only
+    kBackwardWeight,  // zero bubble: the gradients of the stage's parameters
+  };
   Kind kind;
   int microbatch;
+  int chunk = 0;
   bool operator==(const PipelineAction& o) const {
-    return kind == o.kind && microbatch == o.microbatch;
+    return kind == o.kind && microbatch == o.microbatch && chunk == o.chunk;
   }
 };
 
-/// "F3", "B3", "sendA3", "recvA3", "sendG3", "recvG3".
+/// "F3", "B3", "I3", "W3", "sendA3", "recvA3", "sendG3", "recvG3"; chunk c > 0 as "F3.c".
 std::string to_string(const PipelineAction& action);
-std::string to_string(ScheduleKind kind);
 
-/// Every stage's actions (index = stage = rank in the pipeline group) for `microbatches`
-/// micro-batches over `stages` stages. Derived from one global order of events, so that blocking
-/// (even rendezvous) sends and receives never wait on each other in a cycle. Throws
-/// std::invalid_argument for stages < 1 or microbatches < stages (the pipeline would be idle
-/// most of the time: use at least `stages` micro-batches).
-std::vector<std::vector<PipelineAction>> pipeline_schedule(ScheduleKind kind, int stages,
-                                                           int microbatches);
+
+/// Every rank's actions (index = rank in the pipeline group) for `microbatches` micro-batches
+/// over `ranks` ranks holding `virtual_stages` stages each. Derived from one global order of
+/// events, so that blocking (even rendezvous) sends and receives never wait on each other in a
+/// cycle. Throws tandem::Refused for ranks < 1, microbatches < ranks (the pipeline would be idle
+/// most of the time: use at least `ranks` micro-batches), virtual_stages < 1, virtual stages
+/// with a schedule other than kInterleaved1F1B, or an interleaved schedule whose micro-batches
+/// are not a multiple of the ranks.
+std::vector<std::vector<PipelineAction>> pipeline_schedule(ScheduleKind kind, int ranks,
+                                                           int microbatches,
+                                                           int virtual_stages = 1);
 
 /// What running a schedule gives, from simulate_schedule().
 struct ScheduleSimulation {
@@ -57,22 +68,28 @@ struct ScheduleSimulation {
   /// Why the schedule cannot run (a deadlock, a micro-batch used before it arrived, ...); empty
   /// when it runs.
   std::string error;
-  /// Time steps until the last stage finished (forward and backward take 1 each).
+  /// Time steps until the last rank finished (a forward, an input gradient and a weight
+  /// gradient take 1 each, a whole backward 2).
   int64_t time_steps = 0;
-  /// Time steps each stage computed (forwards + backwards).
+  /// Time steps each rank computed.
   std::vector<int64_t> busy;
-  /// Most micro-batches whose forward ran but whose backward did not, per stage.
+  /// Most micro-batches (over the rank's chunks) whose forward ran but whose backward (or
+  /// weight gradient) did not, per rank.
   std::vector<int> max_in_flight;
   /// Idle share of stages x time_steps: 1 - sum(busy) / (stages * time_steps).
   double bubble_fraction = 0;
 };
 
-/// Runs every stage's action list as the runtime does: forwards and backwards take one time
-/// step, a send and its receive (same direction and micro-batch) happen together, at the later
-/// of the two ranks' clocks (rendezvous: a send waits for its receive, and a receive for its
-/// send; a schedule that runs like this also runs with buffered sends). Checks that every stage
-/// runs each micro-batch's forward and backward once, in a valid order, on data that arrived.
-ScheduleSimulation simulate_schedule(const std::vector<std::vector<PipelineAction>>& actions);
+/// Runs every rank's action list as the runtime does. Order: a send and its receive (same
+/// direction, micro-batch and stage) complete together, when both ranks stand at them
+/// (rendezvous: a send waits for its receive, and a receive for its send; a schedule that runs
+/// like this also runs with buffered sends). Time: computations take their time steps, and the
+/// receiver of a transfer can start on it once its sender made it, the sender going on at once.
+/// Checks that every stage runs each micro-batch's forward and backward (or input and weight
+/// gradients) once, in a valid order, on data that arrived. `virtual_stages`: the chunks per
+/// rank (at least those the lists name).
+ScheduleSimulation simulate_schedule(const std::vector<std::vector<PipelineAction>>& actions,
+                                     int virtual_stages = 1);
 
 /// Options of a Pipeline.
 ///
@@ -80,9 +97,13 @@ ScheduleSimulation simulate_schedule(const std::vector<std::vector<PipelineActio
 ///   auto pipe = tandem::parallel::Pipeline(stage_module, pp_group, loss_fn,
 ///       tandem::parallel::PipelineOptions().schedule(ScheduleKind::k1F1B).microbatches(8));
 struct PipelineOptions {
-  TORCH_ARG(ScheduleKind, schedule) = ScheduleKind::k1F1B;
+  /// Unset: the run's pp_schedule (tandem launch --pp_schedule), else 1F1B (kInterleaved1F1B
+  /// when virtual stages are set).
+  TORCH_ARG(std::optional<ScheduleKind>, schedule) = std::nullopt;
   /// Micro-batches per step: at least the number of stages; they must divide the batch.
   TORCH_ARG(int, microbatches) = 4;
+  /// Stages per rank (interleaved 1F1B); unset: the run's pp_virtual_stages, else 1.
+  TORCH_ARG(std::optional<int>, virtual_stages) = std::nullopt;
 };
 
 /// This rank's stage of a pipeline: its module, the pipeline group (group rank = stage) and,
@@ -117,33 +138,63 @@ class Pipeline {
   Pipeline(std::shared_ptr<torch::nn::Module> module, Forward forward,
            std::shared_ptr<ProcessGroup> pp, Loss loss, PipelineOptions options = {},
            std::shared_ptr<ProcessGroup> dp = nullptr);
+  /// A rank's v stages (virtual stages, Note [Interleaved stages]): `module` holds all their
+  /// parameters (for the optimizer, the gradient reduction and checkpoints); `chunks[c]` is the
+  /// forward of the model's stage c * p + rank and `chunk_modules[c]` its module. The schedule
+  /// defaults to kInterleaved1F1B when v > 1; options.virtual_stages, when set, must be v.
+  Pipeline(std::shared_ptr<torch::nn::Module> module,
+           std::vector<std::shared_ptr<torch::nn::Module>> chunk_modules,
+           std::vector<Forward> chunks, std::shared_ptr<ProcessGroup> pp, Loss loss,
+           PipelineOptions options = {}, std::shared_ptr<ProcessGroup> dp = nullptr);
 
   /// One training step's forwards and backwards; `input` is used on the first stage, `target`
   /// on the last (other stages may pass undefined tensors). Returns the mean loss over the
-  /// micro-batches (and over the data-parallel group), on every rank.
+  /// micro-batches (and over the data-parallel group), on every rank. After it threw, transfers
+  /// may still be in flight: do not step this Pipeline again.
   double step(const at::Tensor& input, const at::Tensor& target);
 
+  /// This rank in the pipeline group; with virtual stages it holds stages rank, rank + p, ...
   int stage() const;
+  /// Ranks in the pipeline group (p).
   int stages() const;
+  /// Stages each rank holds (v; 1 without virtual stages).
+  int virtual_stages() const { return static_cast<int>(forwards_.size()); }
+  ScheduleKind schedule() const { return kind_; }
+  /// Rank 0 holds the model's first stage and rank p - 1 its last, with or without virtual
+  /// stages: the first takes the input, the last the target.
   bool is_first() const { return stage() == 0; }
   bool is_last() const { return stage() == stages() - 1; }
   const std::vector<PipelineAction>& actions() const { return actions_; }
   std::shared_ptr<torch::nn::Module> module() const { return module_; }
+
+  /// Where this rank's last step() went: `schedule_s` from its start to the end of its last
+  /// action (before the gradient averaging and the loss broadcast), `compute_s` of it in
+  /// forwards, losses and backwards (host clock: on a GPU, the time to launch them). 1 - compute_s / schedule_s is the rank's idle share: the
+  /// measured bubble (with the transfers' own time), which bench/sections/55-pipeline-schedules.sh
+  /// sets beside each schedule's formula.
+  struct StepTimes {
+    double schedule_s = 0;
+    double compute_s = 0;
+  };
+  StepTimes last_step_times() const { return times_; }
 
  private:
   void check_microbatches(const at::Tensor& t, const char* what) const;
   void reduce_gradients();
 
   std::shared_ptr<torch::nn::Module> module_;
-  Forward forward_;
+  std::vector<std::shared_ptr<torch::nn::Module>> chunk_modules_;
+  std::vector<Forward> forwards_;
   std::shared_ptr<ProcessGroup> pp_, dp_;
   Loss loss_;
   PipelineOptions options_;
+  ScheduleKind kind_ = ScheduleKind::k1F1B;
   std::vector<PipelineAction> actions_;
-  // The shape and dtype of the activations this stage receives (learnt from the previous stage
-  // in the first step) and sends (fixed by the first step).
-  std::vector<int64_t> recv_shape_, send_shape_;
-  int64_t recv_dtype_ = -1, send_dtype_ = -1;
+  // Per chunk: the shape and dtype of the activations it receives (learnt from the previous
+  // stage in the first step) and sends (fixed by the first step).
+  std::vector<std::vector<int64_t>> recv_shape_, send_shape_;
+  std::vector<int64_t> recv_dtype_, send_dtype_;
+  StepTimes times_;
 };
 
 /// The consecutive children of `model` that form stage `stage` of `stages`, as a new Sequential

@@ -57,6 +57,11 @@ class Topology {
   int world_size() const;
   /// tp or pp above 1: ranks hold different parameters (their shards, their stage).
   bool model_parallel() const { return pp() > 1 || tp() > 1; }
+  /// Pipeline stages per rank of the prepared pipeline (prepare_pipeline sets it; 1 without
+  /// interleaving): part of the layout a checkpoint records, since it decides which of the
+  /// model's entries each pp rank holds.
+  int pp_virtual_stages() const { return pp_virtual_stages_; }
+  void set_pp_virtual_stages(int v) { pp_virtual_stages_ = v; }
   const comm::MeshShape& shape() const { return shape_; }
 
   /// The world group.
@@ -110,6 +115,7 @@ class Topology {
  private:
   comm::MeshShape shape_;
   comm::DeviceMesh mesh_;
+  int pp_virtual_stages_ = 1;
 };
 
 /// Note [Clipping under model parallel]: clips the gradients of `tensors` (the parameters whose

@@ -81,12 +81,15 @@ struct Layout {
   int64_t accumulation = 1;
   /// Pipeline micro-batches per step (1 without a pipeline).
   int64_t microbatches = 1;
+  /// Pipeline stages per rank: 1, or v > 1 for interleaved 1F1B (--pp_schedule
+  /// interleaved_1f1b --pp_virtual_stages v).
+  int virtual_stages = 1;
   /// ZeRO's optimizer state: "" in memory, "nvme" in files, "cpu" in host memory (GPU only).
   std::string offload;
   /// Sequences per data-parallel rank per micro-step: what the program's loader batches
   /// (micro_batch x microbatches).
   int64_t batch_per_rank() const { return micro_batch * microbatches; }
-  /// "dp2 zero1 mb4 ga2", "dp1 tp2 pp2 mb2 m4 ckpt", ...
+  /// "dp2 zero1 mb4 ga2", "dp1 tp2 pp2 mb2 m4 ckpt", "dp1 pp2 v2 mb1 m4", ...
   std::string name() const;
   bool operator==(const Layout& o) const;
 };
@@ -102,6 +105,10 @@ struct PlanSearch {
   /// Where the optimizer state may go on disk ("": offload is not searched).
   std::string offload_dir;
   bool search_checkpointing = true;
+  /// Pipeline stages per rank tried for each pipeline (1: one stage per rank, 1F1B; v > 1:
+  /// interleaved 1F1B, where the micro-batches are a multiple of pp and the model has pp v
+  /// children). `tandem plan --pp_virtual_stages 1,2`.
+  std::vector<int> virtual_stages{1};
 };
 
 /// Every layout the rules allow, each once, with why the others are out in `excluded` (one
