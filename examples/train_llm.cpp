@@ -1,7 +1,8 @@
 // Pretraining or fine-tuning a Llama-family model (llama, mistral, qwen2, qwen3: tandem/models/llama.h)
 // under every layout tandem launch gives it: data parallel, ZeRO 1-3 (FSDP), tensor parallel
 // (--tp_size), pipeline parallel (--pp_size, --microbatches; Note [Llama pipeline stages]),
-// their combinations, activation checkpointing, mixed precision, accumulation.
+// context parallel (--cp_size: every sequence split over the cp ranks, ring attention), their
+// combinations, activation checkpointing, mixed precision, accumulation.
 //
 //   train_llm                                   a small byte-level Llama on this project's text
 //   train_llm --text book.txt                   ... on a file's bytes
@@ -9,6 +10,7 @@
 //   train_llm --model Qwen3-0.6B --data train.jsonl --save out/   fine-tune a save_pretrained folder
 //   tandem launch --num_processes 4 --cpu --use_fsdp --tp_size 2 build/examples/train_llm ...
 //   tandem launch --num_processes 4 --cpu --pp_size 2 --tp_size 2 build/examples/train_llm --config c.json
+//   tandem launch --num_processes 4 --cpu --cp_size 2 build/examples/train_llm --seq_len 512
 //
 // Data: token ids in a flat binary file (uint16 or uint32, as llm.c and nanoGPT write them; cut
 // into windows of --seq_len), or JSONL lines {"input_ids": [...], "labels": [...]} (labels
@@ -331,7 +333,7 @@ int main(int argc, char** argv) {
     // A mixture of experts leaves the experts no token chose without a gradient in a step.
     if (cfg.num_experts > 0) options.find_unused_parameters(true);
     tandem::Accelerator acc(options);
-    const int tp = acc.topology().tp(), pp = acc.topology().pp();
+    const int tp = acc.topology().tp(), pp = acc.topology().pp(), cp = acc.topology().cp();
     const int dp = acc.data_parallel_group().size();
     models::check_llama_tensor_parallel(cfg, tp);
     if (pp > 1) {
@@ -422,6 +424,12 @@ int main(int argc, char** argv) {
       model = acc.prepare(model);
       if (!model_dir.empty() && !whole) acc.load_model(*model, model_dir, load_options);
       trained = model.ptr();
+      // Note [Context parallel]: prepare handed the model the cp group.
+      if (const auto& cp = model->context_parallel)
+        acc.print("context parallel: cp " + std::to_string(cp->size()) + " (" +
+                  tandem::parallel::to_string(cp->comm()) + "), " +
+                  std::to_string(seq_len / cp->size()) + " of every " + std::to_string(seq_len) +
+                  " positions per rank");
     }
     // A tied head is one tensor under two names: the optimizer lists it once. Under LoRA only
     // the adapters train; under a pipeline, this stage's parameters.
@@ -458,8 +466,8 @@ int main(int argc, char** argv) {
       }
     }
     acc.print(cfg.model_type, "with", cfg.parameter_count(), "parameters,", examples_count,
-              "examples of", seq_len, "tokens;", acc.num_processes(), "processes (dp", dp, "x tp",
-              tp, "x pp", std::to_string(pp) + ");", flops_per_token / 1e6, "MFLOPs per token; peak",
+              "examples of", seq_len, "tokens;", acc.num_processes(), "processes (dp", dp, "x cp", cp,
+              "x tp", tp, "x pp", std::to_string(pp) + ");", flops_per_token / 1e6, "MFLOPs per token; peak",
               peak_tflops > 0 ? std::to_string(peak_tflops) + " TFLOP/s from " + peak_source
                               : std::string("unknown for this GPU (give --peak_tflops)"));
 

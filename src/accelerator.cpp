@@ -22,6 +22,7 @@
 #include "tandem/config/run_config.h"
 #include "tandem/host_allocator.h"
 #include "tandem/parallel/activation_checkpoint.h"
+#include "tandem/parallel/context_parallel.h"
 #include "tandem/parallel/tensor_parallel.h"
 #include "tandem/runtime.h"
 
@@ -112,9 +113,12 @@ Accelerator::Accelerator(AcceleratorOptions options)
   // Note [A topology always built]: every run, sizes of 1 included; its groups say where each
   // kind of work runs.
   topology_ = std::make_unique<parallel::Topology>(pg_, shape, state_.local_world_size);
+  context_parallel_ = std::make_shared<parallel::ContextParallel>(
+      topology_->context_parallel(),
+      parallel::context_parallel_comm_from_name(run.cp_comm, "cp_comm_strategy"));
   activation_checkpointing_ = run.activation_checkpointing;
   parallel::StrategyContext ctx;
-  ctx.pg = topology_->data_parallel();
+  ctx.pg = topology_->replicas();  // Note [Context parallel]: dp x cp
   ctx.shard_pg = topology_->sharding();
   ctx.replicate_pg = topology_->group("dp_replicate");
   ctx.device = device_;
@@ -328,7 +332,7 @@ void Accelerator::apply_transforms(torch::nn::Module& model, const Transforms& t
           model, config_.sharding ? config_.sharding->transformer_layer_cls_to_wrap()
                                   : std::vector<std::string>{});
   }
-  parallel::broadcast_module_state(model, *topology_->data_parallel(), true, true);
+  parallel::broadcast_module_state(model, *topology_->replicas(), true, true);
   if (t.strategy) t.strategy(model);
 }
 
@@ -338,6 +342,20 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
   for (const auto& m : models_)
     TANDEM_CHECK(m.get() != model.get(), state_.prefix(),
                 " prepare: this model was already prepared; prepare each model once");
+  // Note [Context parallel]: the model splits its sequences itself, or cannot run under cp.
+  if (context_parallel_->size() > 1) {
+    auto* splits = dynamic_cast<parallel::ContextParallelModel*>(model.get());
+    if (!splits)
+      throw ::tandem::Refused(
+          state_.prefix() + " prepare: this run has cp_size " +
+          std::to_string(context_parallel_->size()) +
+          " (tandem launch --cp_size, or parallelism_config cp_size), but the model (" +
+          model->name() + ") does not split its sequences over the context-parallel ranks: "
+          "every rank would compute whole sequences. Use a model that implements "
+          "tandem::parallel::ContextParallelModel (tandem::models::LlamaForCausalLM does), or "
+          "run without --cp_size");
+    splits->set_context_parallel(context_parallel_);
+  }
   Transforms steps;
   steps.checkpoint_blocks = true;
   steps.strategy = [this, &model](torch::nn::Module&) { strategy_->prepare_model(model); };
@@ -438,7 +456,7 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
         "activation checkpointing off");
   // The refusals above come before any group is used: every rank refuses alike, none waits.
   auto pp = topology_->group("pp");
-  auto dp = topology_->data_parallel();
+  auto dp = topology_->replicas();
   const int v = options.virtual_stages().value_or(1), p = pp->size(), r = pp->rank();
   topology_->set_pp_virtual_stages(v);
   // Note [Interleaved stages]: with v stages per rank the model is split into p v stages of
@@ -726,7 +744,7 @@ void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer)
   stepped_in_boundary_.push_back(&optimizer);
   if (options_.broadcast_buffers())
     for (auto& m : models_)
-      parallel::broadcast_module_state(*m, *topology_->data_parallel(), false, true);
+      parallel::broadcast_module_state(*m, *topology_->replicas(), false, true);
   // Periodic checkpoints, once every optimizer of the step has stepped (the last prepared one).
   // Note [Checkpoints inside the optimizer step]: taken here, inside the step.
   if (optimizers_.empty() || optimizers_.back().get() != &optimizer) return;

@@ -56,6 +56,7 @@ namespace tandem {
 
 namespace parallel {
 struct TensorParallelPlan;
+class ContextParallel;
 }
 namespace checkpoint {
 struct StatePart;
@@ -147,6 +148,12 @@ class Accelerator {
   /// The group that data parallel runs over (the topology's "dp": every rank without tensor or
   /// pipeline parallel). Gradients are averaged, loaders sharded and metrics gathered over it.
   ProcessGroup& data_parallel_group() { return *topology_->data_parallel(); }
+  /// Note [Context parallel]: the run's context-parallel group and its split of sequences
+  /// (of size 1 without --cp_size). prepare hands it to a parallel::ContextParallelModel; a
+  /// model of one's own can split its batches and attention with it.
+  std::shared_ptr<const parallel::ContextParallel> context_parallel() const {
+    return context_parallel_;
+  }
   int gradient_accumulation_steps() const { return accumulation_steps_; }
 
   // ---- build -----------------------------------------------------------------------------------
@@ -565,6 +572,7 @@ class Accelerator {
   c10::Device device_ = c10::Device(c10::kCPU);
   std::shared_ptr<ProcessGroup> pg_;
   std::unique_ptr<parallel::Topology> topology_;  // Note [A topology always built]
+  std::shared_ptr<parallel::ContextParallel> context_parallel_;  // Note [Context parallel]
   bool tp_applied_ = false;                 // parallelize() or prepare_pipeline(plan) ran
   bool pipeline_prepared_ = false;          // prepare_pipeline() ran
   bool split_checked_ = false;              // check_model_split() passed once

@@ -199,7 +199,7 @@ std::string short_mesh(const std::string& mesh) {
     if (n > 1) out += (out.empty() ? "" : " x ") + name + " " + std::to_string(n);
   };
   for (const auto& [name, n] : dims) {
-    if (name == "dp") continue;  // dp_replicate x dp_shard, said once
+    if (name == "dp" || name == "dp_cp" || name == "dp_shard_cp") continue;  // said once
     if (name == "dp_replicate" && hybrid) add(name, n);
     else if (name == "dp_shard" && hybrid) add(name, n);
     else if (name == "dp_replicate") add("dp", replicate * shard);

@@ -120,6 +120,10 @@ DeviceMesh make_device_mesh(std::shared_ptr<ProcessGroup> world, const MeshShape
   const auto resolved = shape.resolve(world->size(), local_world_size);
   DeviceMesh mesh(std::move(world), resolved.dims(), local_world_size);
   mesh.flatten({"dp_replicate", "dp_shard"}, "dp");
+  if (resolved.cp > 1) {  // Note [Context parallel]: the cp ranks hold the same parameters
+    mesh.flatten({"dp_replicate", "dp_shard", "cp"}, "dp_cp");
+    mesh.flatten({"dp_shard", "cp"}, "dp_shard_cp");
+  }
   return mesh;
 }
 

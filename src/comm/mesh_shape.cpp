@@ -136,11 +136,12 @@ MeshShape MeshShape::resolve(int world, int local_world_size, bool shard_data) c
   MeshShape r = *this;
   if (r.pp == 0) r.pp = 1;
   if (r.tp == 0) r.tp = 1;
+  if (r.cp == 0) r.cp = 1;
   auto derive = [&](int given, const char* name) {
-    const int fixed = r.pp * r.tp * given;
+    const int fixed = r.pp * r.tp * r.cp * given;
     if (fixed < 1 || world % fixed != 0)
       throw ::tandem::Refused("parallelism sizes " + to_string() + ": " + std::to_string(world) +
-                                  " processes are not a multiple of pp x tp x the dp size given (" +
+                                  " processes are not a multiple of pp x cp x tp x the dp size given (" +
                                   std::to_string(fixed) + "), so " + name +
                                   " cannot be derived; set sizes whose product is " +
                                   std::to_string(world));
@@ -165,14 +166,16 @@ MeshShape MeshShape::resolve(int world, int local_world_size, bool shard_data) c
 
 MeshDims MeshShape::dims() const {
   auto one = [](int v) { return v == 0 ? 1 : v; };
-  return {{"pp", one(pp)}, {"dp_replicate", one(dp_replicate)}, {"dp_shard", one(dp_shard)},
-          {"tp", one(tp)}};
+  MeshDims d{{"pp", one(pp)}, {"dp_replicate", one(dp_replicate)}, {"dp_shard", one(dp_shard)}};
+  if (cp > 1) d.emplace_back("cp", cp);
+  d.emplace_back("tp", one(tp));
+  return d;
 }
 
 std::string MeshShape::to_string() const {
   auto s = [](int v) { return v == 0 ? std::string("unset") : std::to_string(v); };
   return "pp " + s(pp) + " x dp_replicate " + s(dp_replicate) + " x dp_shard " + s(dp_shard) +
-         " x tp " + s(tp);
+         (cp > 1 ? " x cp " + s(cp) : std::string()) + " x tp " + s(tp);
 }
 
 }  // namespace tandem::comm

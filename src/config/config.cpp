@@ -6,6 +6,7 @@
 
 #include "tandem/comm/mesh.h"
 #include "tandem/config/run_env.h"
+#include "tandem/parallel/cp_comm.h"
 #include "tandem/parallel/schedule_kind.h"
 #include "tandem/parallel/sharding_options.h"
 
@@ -273,14 +274,14 @@ void set_deepspeed(LaunchConfig& c, const std::string& key, const std::string& v
 }
 
 // parallelism_config: Accelerate's parallelism_config_<name> keys (the prefix may be left out,
-// as Accelerate's launcher adds it), plus tandem's pp_size, pp_schedule and pp_virtual_stages. Context parallel is not run: a
-// cp_size above 1 is refused rather than ignored.
+// as Accelerate's launcher adds it), plus tandem's pp_size, pp_schedule and pp_virtual_stages;
+// cp_size and cp_comm_strategy (Note [Context parallel]).
 void set_parallelism(LaunchConfig& c, std::string key, const std::string& value,
                      const std::string& origin) {
   const std::string prefix = "parallelism_config_";
   if (key.rfind(prefix, 0) == 0) key = key.substr(prefix.size());
   if (key == "dp_replicate_size" || key == "dp_shard_size" || key == "tp_size" ||
-      key == "pp_size") {
+      key == "cp_size" || key == "pp_size") {
     const int v = parse_int(origin, value, 1, 1 << 20, "a size >= 1");
     c.parallelism_config[key == "pp_size" ? key : prefix + key] = std::to_string(v);
   } else if (key == "pp_schedule") {
@@ -288,11 +289,10 @@ void set_parallelism(LaunchConfig& c, std::string key, const std::string& value,
   } else if (key == "pp_virtual_stages") {
     c.parallelism_config[key] =
         std::to_string(parse_int(origin, value, 1, 1 << 10, "a number of stages per rank >= 1"));
-  } else if (key == "cp_size") {
-    if (parse_int(origin, value, 1, 1 << 20, "a size >= 1") != 1)
-      bad(origin, value, "1: tandem has no context parallel; split the sequence with tensor "
-                         "parallel's sequence-parallel regions or leave cp_size at 1");
-  } else if (key == "cp_comm_strategy" || key == "sp_size" || key == "sp_backend") {
+  } else if (key == "cp_comm_strategy") {
+    c.parallelism_config[prefix + key] =
+        parallel::to_string(parallel::context_parallel_comm_from_name(trim(value), origin));
+  } else if (key == "sp_size" || key == "sp_backend") {
     note_ignored(c, "parallelism_config." + prefix + key + ": " + trim(value));
   } else {
     throw ::tandem::Refused(origin + ": unknown parallelism_config key '" + key +
@@ -641,7 +641,7 @@ void validate(const LaunchConfig& c) {
                                   std::to_string(c.num_processes) + " processes on " +
                                   std::to_string(c.num_machines) + " machine" +
                                   (c.num_machines == 1 ? "" : "s") + ": " + e.what() +
-                                  " (--tp_size, --pp_size, --dp_replicate_size, --dp_shard_size)");
+                                  " (--tp_size, --cp_size, --pp_size, --dp_replicate_size, --dp_shard_size)");
     }
   }
   // Note [Pipelines and ZeRO]: refused before any rank starts, naming both settings as given.
@@ -704,6 +704,7 @@ comm::MeshShape mesh_shape(const LaunchConfig& c) {
   s.dp_replicate = get("parallelism_config_dp_replicate_size");
   s.dp_shard = get("parallelism_config_dp_shard_size");
   s.tp = get("parallelism_config_tp_size");
+  s.cp = get("parallelism_config_cp_size");
   return s;
 }
 

@@ -179,6 +179,7 @@ comm::MeshShape mesh_shape_of(const Reader& env) {
   s.dp_replicate = mesh_size(env, var::kDpReplicateSize);
   s.dp_shard = mesh_size(env, var::kDpShardSize);
   s.tp = mesh_size(env, var::kTpSize);
+  s.cp = mesh_size(env, var::kCpSize);
   return s;
 }
 

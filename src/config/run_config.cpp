@@ -11,6 +11,7 @@
 #include "tandem/accelerator_options.h"
 #include "tandem/preemption.h"
 #include "tandem/parallel/comm_hook.h"
+#include "tandem/parallel/cp_comm.h"
 #include "tandem/parallel/schedule_kind.h"
 
 namespace tandem::config {
@@ -148,6 +149,13 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
         " (tandem launch --pp_size, or AcceleratorOptions().parallelism) with ZeRO (--use_deepspeed "
         "--zero_stage, --use_fsdp, or AcceleratorOptions().sharding); the pipeline averages each "
         "stage's gradients itself. Drop one of the two (ZeRO combines with --tp_size)");
+  // Note [Context parallel]: the pipeline's stages pass whole sequences between them, and its
+  // gradient averaging knows no cp; refused before any group is built.
+  if (c.mesh_shape.pp > 1 && c.mesh_shape.cp > 1)
+    throw ::tandem::Refused(
+        prefix + "context parallel (cp_size " + std::to_string(c.mesh_shape.cp) +
+        ") does not combine with pipeline parallel (pp_size " + std::to_string(c.mesh_shape.pp) +
+        ") in tandem yet; drop one of the two (cp combines with dp, ZeRO and --tp_size)");
   with_prefix([&] {
     c.activation_checkpointing =
         options.activation_checkpointing().value_or(activation_checkpointing_of(map, env));
@@ -164,6 +172,15 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
           " is set (tandem launch --pp_schedule/--pp_virtual_stages, or parallelism_config), but "
           "this run has no pipeline dimension: set pp_size above 1 (--pp_size), or leave the "
           "pipeline settings out");
+    // Note [Context parallel].
+    if (auto name = env.get(var::kCpComm)) {
+      c.cp_comm = parallel::to_string(parallel::context_parallel_comm_from_name(
+          *name, env_value_origin(var::kCpComm, *name)));
+      if (c.mesh_shape.cp <= 1)
+        throw ::tandem::Refused("cp_comm_strategy is set (tandem launch --cp_comm_strategy, or "
+                                "parallelism_config), but this run has no context-parallel "
+                                "dimension: set cp_size above 1 (--cp_size), or leave it out");
+    }
     c.host_allocator = options.host_allocator().value_or(
         env.boolean(var::kHostAllocator).value_or(!kAddressSanitizer));
     c.host_cache_mb =
@@ -218,6 +235,8 @@ std::string describe(const RunConfig& c) {
      << yes(c.gradient_as_bucket_view) << ", bucket_cap_mb: " << c.bucket_cap_mb
      << ", first_bucket_cap_mb: " << c.first_bucket_cap_mb << "\n";
   os << "  mesh: " << c.mesh_shape.to_string() << "\n";
+  if (c.mesh_shape.cp > 1)
+    os << "  context parallel: keys/values by " << c.cp_comm << "\n";
   os << "  activation_checkpointing: " << yes(c.activation_checkpointing) << "\n";
   if (!c.pp_schedule.empty() || c.pp_virtual_stages > 0)
     os << "  pipeline: " << (c.pp_schedule.empty() ? "the program's schedule" : c.pp_schedule)

@@ -276,7 +276,8 @@ EnvMap program_environment(const ResolvedLaunch& r) {
   // shape that does not fit the job before any rank started.
   for (const auto& [k, v] : mesh_shape_environment(config::mesh_shape(c))) env[k] = v;
   for (const auto& [key, name] : {std::pair{"pp_schedule", var::kPpSchedule},
-                                  std::pair{"pp_virtual_stages", var::kPpVirtualStages}})
+                                  std::pair{"pp_virtual_stages", var::kPpVirtualStages},
+                                  std::pair{"parallelism_config_cp_comm_strategy", var::kCpComm}})
     if (auto it = c.parallelism_config.find(key); it != c.parallelism_config.end())
       env[name] = it->second;
   if (c.mixed_precision == "fp8") {
@@ -351,6 +352,7 @@ EnvMap mesh_shape_environment(const comm::MeshShape& shape) {
   if (shape.dp_replicate) env[config::var::kDpReplicateSize] = std::to_string(shape.dp_replicate);
   if (shape.dp_shard) env[config::var::kDpShardSize] = std::to_string(shape.dp_shard);
   if (shape.tp) env[config::var::kTpSize] = std::to_string(shape.tp);
+  if (shape.cp) env[config::var::kCpSize] = std::to_string(shape.cp);
   return env;
 }
 

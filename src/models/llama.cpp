@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tandem/checkpoint/model_io.h"
+#include "tandem/comm/process_group.h"
 #include "tandem/error.h"
 #include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/tensor_parallel.h"
@@ -129,9 +130,11 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
   q = q.transpose(1, 2);
   k = k.transpose(1, 2);
   v = v.transpose(1, 2);
-  // Rotary embeddings of positions past_length .. past_length + T - 1, in x's dtype.
-  auto pos = torch::arange(past_length, past_length + T,
-                           torch::TensorOptions().dtype(torch::kFloat).device(x.device()));
+  // Rotary embeddings of positions past_length .. past_length + T - 1 (under context parallel:
+  // this rank's chunks of the whole sequence), in x's dtype.
+  auto pos = cp ? cp->positions(T * cp->size(), x.device()).to(torch::kFloat)
+                : torch::arange(past_length, past_length + T,
+                                torch::TensorOptions().dtype(torch::kFloat).device(x.device()));
   auto freqs = pos.unsqueeze(1) * inv_freq.to(x.device()).unsqueeze(0);
   auto emb = torch::cat({freqs, freqs}, -1);
   auto cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
@@ -145,6 +148,15 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
     past_k = k;
     past_v = v;
     past_length += T;
+  }
+  if (cp) {  // Note [Context parallel]: the key/value heads travel unexpanded
+    TANDEM_CHECK(!use_cache, "LlamaAttention: the key/value cache does not run under context "
+                 "parallel; generate without cp_size");
+    TANDEM_CHECK(dropout == 0.0 || !is_training(), "LlamaAttention: attention_dropout ", dropout,
+                 " does not run under context parallel; set attention_dropout to 0 in "
+                 "config.json or train without cp_size");
+    auto y = cp->attention(q, k, v, /*causal=*/true, window);
+    return o_proj(y.transpose(1, 2).reshape({B, T, H * head_dim}));
   }
   if (H != KV) {  // grouped-query attention: each key/value head serves H / KV query heads
     const auto S = k.size(2), groups = H / KV;
@@ -261,10 +273,51 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c) : config(c) {
   lm_head = register_module("lm_head", LlamaHead(w));
 }
 
-at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& ids) { return lm_head(model(ids)); }
+at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& ids) {
+  if (context_parallel)  // this rank's chunks, then the whole logits (Note [Context parallel])
+    return context_parallel->unshard(lm_head(model(context_parallel->shard(ids, 1))), 1);
+  return lm_head(model(ids));
+}
+
+void LlamaForCausalLMImpl::set_context_parallel(
+    std::shared_ptr<const tandem::parallel::ContextParallel> cp) {
+  if (cp && cp->size() == 1) cp = nullptr;
+  context_parallel = cp;
+  for (auto& layer : model->layers) layer->self_attn->cp = cp;
+}
+
+namespace {
+
+// Note [Context parallel]: the causal-LM loss of the whole batch from this rank's chunks: the
+// labels shifted over the whole sequence first, this rank's sum of token losses scaled so that
+// the average over cp is the whole batch's mean; its value is that mean on every cp rank.
+at::Tensor context_parallel_loss(const tandem::parallel::ContextParallel& cp,
+                                 const at::Tensor& logits, const at::Tensor& labels) {
+  TANDEM_CHECK(labels.dim() == 2, "LlamaForCausalLM::loss: labels [B, T] expected, got ",
+               labels.sizes());
+  const auto T = labels.size(1), V = logits.size(2);
+  auto shifted = torch::cat({labels.narrow(1, 1, T - 1),
+                             torch::full({labels.size(0), 1}, -100, labels.options())},
+                            1).to(logits.device());
+  const double counted = (shifted != -100).sum().item<double>();
+  auto local = cp.shard(shifted, 1).reshape({-1});
+  auto sum = torch::nn::functional::cross_entropy(
+      logits.to(torch::kFloat).reshape({-1, V}), local,
+      torch::nn::functional::CrossEntropyFuncOptions().ignore_index(-100).reduction(torch::kSum));
+  auto whole = sum.detach().clone().reshape({1});
+  cp.group()->allreduce(whole, ReduceOp::kSum);
+  auto scaled = sum * (static_cast<double>(cp.size()) / counted);
+  auto value = whole.reshape({}) / counted;
+  return scaled + (value - scaled).detach();
+}
+
+}  // namespace
 
 at::Tensor LlamaForCausalLMImpl::loss(const at::Tensor& ids, const at::Tensor& labels) {
-  auto l = causal_lm_loss(forward(ids), labels);
+  auto l = context_parallel
+               ? context_parallel_loss(*context_parallel,
+                                       lm_head(model(context_parallel->shard(ids, 1))), labels)
+               : causal_lm_loss(forward(ids), labels);
   if (config.num_experts > 0 && config.output_router_logits) {
     if (l.requires_grad())
       for (auto& layer : model->layers)

@@ -47,10 +47,10 @@ struct Layout {
   // model, which their first rank writes (gathered, under ZeRO-3).
   std::string model_file(size_t i) const {
     if (!per_rank()) return layout::model_file(i);
-    return layout::model_part_file(i, topology.data_parallel()->global_rank(0));
+    return layout::model_part_file(i, topology.replicas()->global_rank(0));
   }
   bool writes_model(const StateWriter& w) const {
-    return per_rank() ? topology.data_parallel()->rank() == 0 : w.is_main();
+    return per_rank() ? topology.replicas()->rank() == 0 : w.is_main();
   }
   // This rank's whole optimizer i (add kTensors or kJson) and its masters.
   std::string optimizer_stem(size_t i) const {

@@ -48,8 +48,14 @@ std::string Topology::shape_string() const {
 }
 
 std::string Topology::summary() const {
-  return "pp " + std::to_string(pp()) + " x dp " + std::to_string(dp()) + " x tp " +
+  return "pp " + std::to_string(pp()) + " x dp " + std::to_string(dp()) +
+         (cp() > 1 ? " x cp " + std::to_string(cp()) : std::string()) + " x tp " +
          std::to_string(tp());
+}
+
+std::shared_ptr<ProcessGroup> Topology::context_parallel() const {
+  // Without cp, this rank alone: the tp group of a tp-1 run, a group of one.
+  return mesh_.has("cp") ? group("cp") : ProcessGroup::single();
 }
 
 double Topology::total_norm(std::array<double, 2> parts, double norm_type) const {
@@ -71,7 +77,7 @@ std::vector<std::pair<std::string, at::Tensor>> Topology::gather_model_state(
   return gather_model_parallel_state(local, tensor_parallel_splits(model),
                                      tp() > 1 ? group("tp").get() : nullptr,
                                      pp() > 1 ? group("pp").get() : nullptr,
-                                     data_parallel()->rank() == 0);
+                                     replicas()->rank() == 0);
 }
 
 // Note [Tensor-parallel shards in checkpoints]: a model.mp<r> file of a tensor-parallel run says

@@ -10,9 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "../common/checks.h"
 #include "../common/launch.h"
 
+using tandem::testing::Checks;
 using tandem::testing::count_of;
+using tandem::testing::parse_checks;
 using tandem::testing::launch;
 using tandem::testing::LaunchOptions;
 using tandem::testing::run_command;
@@ -25,29 +28,6 @@ const std::string kWorker = TP_WORKER;
 // One thread per rank, 180 s per job; `flags` go to the launcher.
 LaunchOptions with_flags(std::vector<std::string> flags = {}) {
   return LaunchOptions().flags(std::move(flags)).timeout_s(180);
-}
-
-// "check <name> <value>" lines: the largest value of each name, and how many ranks printed it.
-struct Checks {
-  std::map<std::string, double> worst;
-  std::map<std::string, int> count;
-};
-
-Checks parse_checks(const std::string& output) {
-  Checks c;
-  std::istringstream in(output);
-  std::string line;
-  while (std::getline(in, line)) {
-    // The launcher prefixes each rank's lines with "[rank r] ".
-    if (line.rfind("[rank ", 0) == 0) line = line.substr(line.find("] ") + 2);
-    if (line.rfind("check ", 0) != 0) continue;
-    const auto last = line.rfind(' ');
-    const std::string name = line.substr(6, last - 6);
-    const double v = std::stod(line.substr(last + 1));
-    c.worst[name] = std::max(c.worst.count(name) ? c.worst[name] : 0.0, v);
-    ++c.count[name];
-  }
-  return c;
 }
 
 // The numbers printed after `key` (one line per rank), e.g. numbers_after(out, "train ") for

@@ -15,7 +15,11 @@ Qwen3-MoE of 32 experts (top 1), some chosen on one replica only, on dp 2 and pp
 the mixtures, train_llm's tokens per expert of every step (over every rank) are the reference's
 (PyTorch's routers' top-k choices, counted by hooks).
 
-Usage: llama_training_oracle.py TRAIN_LLM TANDEM_CLI WORK_DIR
+With a fourth argument `context_parallel`, the same against the layouts that split every
+sequence (Note [Context parallel]): cp 2 (by the ring and by allgather), cp 4, dp 2 x cp 2,
+ZeRO-3 over dp_shard x cp, and cp 2 x tp 2, for the Qwen3 and the Qwen3-MoE.
+
+Usage: llama_training_oracle.py TRAIN_LLM TANDEM_CLI WORK_DIR [context_parallel]
 """
 import os
 import re
@@ -78,6 +82,24 @@ def main():
         ("pipeline 2, zero bubble", 2, ["--pp_size", "2", "--pp_schedule", "zero_bubble"],
          GLOBAL_BATCH),
     ]
+    # Every sequence (16 tokens) split over the cp ranks: 2 chunks of 4 per rank on cp 2, of 2 on
+    # cp 4; loaders shard over dp only, so a cp group reads one batch.
+    contexts = [
+        ("context parallel 2", 2, ["--cp_size", "2"], GLOBAL_BATCH),
+        ("context parallel 2 by allgather", 2,
+         ["--cp_size", "2", "--cp_comm_strategy", "allgather"], GLOBAL_BATCH),
+        ("context parallel 4", 4, ["--cp_size", "4"], GLOBAL_BATCH),
+        ("data parallel 2 x context parallel 2 on 4", 4, ["--cp_size", "2"], GLOBAL_BATCH // 2),
+        ("FSDP over dp_shard 2 x cp 2 on 4", 4, ["--use_fsdp", "--cp_size", "2"],
+         GLOBAL_BATCH // 2),
+        ("context parallel 2 x tensor parallel 2 on 4", 4, ["--cp_size", "2", "--tp_size", "2"],
+         GLOBAL_BATCH),
+    ]
+    if len(sys.argv) > 4 and sys.argv[4] == "context_parallel":
+        for name, config, runs in (("qwen3", dense, contexts), ("qwen3_moe", moe, contexts)):
+            check(train_llm, cli, fresh_dir(os.path.join(root, name.replace(" ", "_"))), name,
+                  config, runs)
+        return
     for name, config, runs in (("qwen3", dense, layouts), ("qwen3_moe", moe, layouts + pipelines),
                                ("qwen3 untied", untied, pipelines),
                                ("qwen3_moe 32 experts", sparse,
@@ -111,6 +133,12 @@ def check(train_llm, cli, work, family, config, layouts, against_pytorch=True):
              "--batch_size", str(batch), "--steps", str(STEPS), "--lr", str(LR),
              "--warmup_steps", "1", "--min_lr_ratio", "0.1", "--weight_decay", str(WD),
              "--clip", str(CLIP), "--log_every", "1", "--save", out_dir])
+        if "--cp_size" in flags:  # the model itself splits its sequences, not only the mesh
+            cp = flags[flags.index("--cp_size") + 1]
+            said = f"context parallel: cp {cp} ("
+            if said not in out or f"{SEQ // int(cp)} of every {SEQ} positions per rank" not in out:
+                fail(f"{family}, {name}: train_llm does not say its model splits every "
+                     f"sequence over cp {cp}:\n{out}")
         logged = [float(x) for x in re.findall(r"step \d+ loss \S+ lr \S+ grad_norm (\S+)", out)]
         if len(logged) != STEPS:
             fail(f"{family}, {name}: {len(logged)} grad_norm reports, expected {STEPS}:\n{out}")

@@ -115,10 +115,18 @@ TEST(MeshShapeTest, DefaultsAndDerivation) {
   const auto both = error_of([] { MeshShape().dp_replicate_size(2).dp_shard_size(2).resolve(8); });
   EXPECT_TRUE(contains(both, "has 4 ranks but the job has 8")) << both;
   const auto underivable = error_of([] { MeshShape().tp_size(3).resolve(8); });
-  EXPECT_TRUE(contains(underivable, "not a multiple of pp x tp")) << underivable;
+  EXPECT_TRUE(contains(underivable, "not a multiple of pp x cp x tp")) << underivable;
   const auto machine = error_of([] { MeshShape().tp_size(4).resolve(8, 2); });
   EXPECT_TRUE(contains(machine, "within a machine")) << machine;
   EXPECT_EQ(MeshShape().tp_size(2).to_string(), "pp unset x dp_replicate unset x dp_shard unset x tp 2");
+  // Context parallel: counted in the derivation, a dimension between dp_shard and tp only when
+  // above 1 (every other mesh, and the layout checkpoints record, as before).
+  auto cp = MeshShape().cp_size(2).tp_size(2).resolve(8, 8);
+  EXPECT_EQ(cp.dp_replicate, 2);
+  EXPECT_EQ(cp.dims(), (MeshDims{{"pp", 1}, {"dp_replicate", 2}, {"dp_shard", 1}, {"cp", 2}, {"tp", 2}}));
+  EXPECT_EQ(MeshShape().cp_size(1).resolve(2).dims().size(), 4u);
+  EXPECT_EQ(MeshShape().cp_size(2).to_string(),
+            "pp unset x dp_replicate unset x dp_shard unset x cp 2 x tp unset");
 }
 
 TEST(MeshShapeTest, EnvironmentRoundTrip) {

@@ -50,12 +50,36 @@ TEST(ParallelismConfig, AccelerateKeysAndPpSize) {
   EXPECT_TRUE(contains(tandem::config::to_yaml(c), "parallelism_config_tp_size: 2"));
 }
 
+// Note [Context parallel]: Accelerate's cp_size and cp_comm_strategy reach the ranks as
+// TANDEM_CP_SIZE and TANDEM_CP_COMM_STRATEGY; cp counts in the mesh's derivation.
+TEST(ParallelismConfig, ContextParallelKeys) {
+  auto c = parse_config(kBase + "parallelism_config:\n  parallelism_config_cp_size: 2\n"
+                                "  cp_comm_strategy: allgather\n");
+  EXPECT_EQ(c.parallelism_config.at("parallelism_config_cp_size"), "2");
+  EXPECT_EQ(tandem::config::mesh_shape(c).cp, 2);
+  tandem::config::validate(c);
+  auto env = tandem::launch::program_environment(
+      tandem::launch::resolve_launch(c, {}, cpu_machine()));
+  EXPECT_EQ(env.at("TANDEM_CP_SIZE"), "2");
+  EXPECT_EQ(env.at("TANDEM_CP_COMM_STRATEGY"), "allgather");
+  auto again = parse_config(tandem::config::to_yaml(c));
+  EXPECT_EQ(again.parallelism_config, c.parallelism_config);
+  // 4 processes, cp 2: dp 2 derived; cp 3 does not divide them.
+  auto shape = tandem::config::mesh_shape(c).resolve(4);
+  EXPECT_EQ(shape.dp_replicate, 2);
+  auto e = error_of([] {
+    tandem::config::validate(parse_config(kBase + "parallelism_config:\n  cp_size: 3\n"));
+  });
+  EXPECT_TRUE(contains(e, "not a multiple of pp x cp x tp")) << e;
+}
+
 TEST(ParallelismConfig, BadValuesAndKeys) {
   auto e = error_of([] { parse_config(kBase + "parallelism_config:\n  parallelism_config_tp_size: 0\n"); });
   EXPECT_TRUE(contains(e, "parallelism_config.parallelism_config_tp_size")) << e;
   EXPECT_TRUE(contains(e, "a size >= 1")) << e;
-  e = error_of([] { parse_config(kBase + "parallelism_config:\n  parallelism_config_cp_size: 2\n"); });
-  EXPECT_TRUE(contains(e, "no context parallel")) << e;
+  e = error_of([] { parse_config(kBase + "parallelism_config:\n  cp_comm_strategy: ulysses\n"); });
+  EXPECT_TRUE(contains(e, "cp_comm_strategy 'ulysses'")) << e;
+  EXPECT_TRUE(contains(e, "alltoall")) << e;
   e = error_of([] { parse_config(kBase + "parallelism_config:\n  tensor_size: 2\n"); });
   EXPECT_TRUE(contains(e, "unknown parallelism_config key 'tensor_size'")) << e;
   EXPECT_TRUE(contains(e, "parallelism_config_tp_size")) << e;
@@ -66,7 +90,7 @@ TEST(ParallelismConfig, ValidateRefusesAShapeThatDoesNotFitTheJob) {
   auto e = error_of([&] { tandem::config::validate(c); });
   EXPECT_TRUE(contains(e, "parallelism_config (config file <config>), 4 processes on 1 machine"))
       << e;
-  EXPECT_TRUE(contains(e, "not a multiple of pp x tp")) << e;
+  EXPECT_TRUE(contains(e, "not a multiple of pp x cp x tp")) << e;
   auto both = parse_config(kBase + "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
                                    "  parallelism_config_dp_shard_size: 1\n  pp_size: 1\n"
                                    "  parallelism_config_tp_size: 1\n");

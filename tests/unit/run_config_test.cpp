@@ -301,6 +301,7 @@ EnvMap context_of(const std::string& name) {
                          var::kZero3InitFlag, var::kZero3Save16bitModel, var::kReduceScatter})
     if (name == ds) env[var::kDistributedType] = "DEEPSPEED";
   if (name == var::kPpSchedule || name == var::kPpVirtualStages) env[var::kPpSize] = "2";
+  if (name == var::kCpComm) env[var::kCpSize] = "2";
   if (name == var::kOffloadOptimizerNvmePath) {
     env[var::kDistributedType] = "DEEPSPEED";
     env[var::kOffloadOptimizerDevice] = "nvme";

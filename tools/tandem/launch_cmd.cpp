@@ -167,6 +167,10 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
   const std::string mesh = "Device mesh (parallelism_config)";
   value("tp_size", "parallelism_config.parallelism_config_tp_size",
         "Tensor-parallel ranks (within one machine)", mesh);
+  value("cp_size", "parallelism_config.parallelism_config_cp_size",
+        "Context-parallel ranks: every sequence split over them (ring attention)", mesh);
+  value("cp_comm_strategy", "parallelism_config.parallelism_config_cp_comm_strategy",
+        "Context parallel keys/values: alltoall (ring, default) or allgather", mesh);
   value("pp_size", "parallelism_config.pp_size", "Pipeline stages", mesh);
   value("pp_schedule", "parallelism_config.pp_schedule",
         "Pipeline schedule: gpipe, 1f1b (default), interleaved_1f1b or zero_bubble", mesh);

@@ -43,9 +43,10 @@ std::vector<int> coordinates_of(int rank, const std::vector<int>& shape);
 void validate_mesh_shape(int world, const MeshDims& dims, int local_world_size = 0);
 
 /// The mesh sizes under Accelerate's `parallelism_config` names (dp_replicate_size,
-/// dp_shard_size, tp_size) plus tandem's pp_size. 0 means not set.
+/// dp_shard_size, cp_size, tp_size) plus tandem's pp_size. 0 means not set.
 ///
-/// Resolution against a world size (resolve): tp and pp default to 1. When neither dp size is
+/// Resolution against a world size (resolve): tp, cp and pp default to 1, and count with tp
+/// wherever the derivation below names it (the data-parallel ranks are world / (pp * cp * tp)). When neither dp size is
 /// set, the data-parallel ranks replicate (dp_replicate = world / (pp * tp), dp_shard = 1: plain
 /// data parallel), or, when the run shards (`shard_data`: a ZeRO stage), they shard
 /// (dp_shard = world / (pp * tp), dp_replicate = 1). When exactly one is set, the
@@ -60,22 +61,27 @@ struct MeshShape {
   int dp_replicate = 0;
   int dp_shard = 0;
   int tp = 0;
+  int cp = 0;  ///< context parallel: every sequence split over cp ranks (Note [Context parallel])
 
   MeshShape& pp_size(int v) { pp = v; return *this; }
   MeshShape& dp_replicate_size(int v) { dp_replicate = v; return *this; }
   MeshShape& dp_shard_size(int v) { dp_shard = v; return *this; }
   MeshShape& tp_size(int v) { tp = v; return *this; }
+  MeshShape& cp_size(int v) { cp = v; return *this; }
 
   /// True when no size is set (a plain data-parallel job).
-  bool empty() const { return pp == 0 && dp_replicate == 0 && dp_shard == 0 && tp == 0; }
+  bool empty() const {
+    return pp == 0 && dp_replicate == 0 && dp_shard == 0 && tp == 0 && cp == 0;
+  }
   /// Every size filled in for `world` ranks (see above), then validate_mesh_shape(world, dims(),
   /// local_world_size). Throws std::invalid_argument when a derived size does not divide.
   MeshShape resolve(int world, int local_world_size = 0, bool shard_data = false) const;
-  /// {"pp", pp}, {"dp_replicate", dp_replicate}, {"dp_shard", dp_shard}, {"tp", tp}: torchtitan's
-  /// order, tp innermost so that a tensor-parallel group is consecutive ranks on one machine.
-  /// Unset sizes count as 1.
+  /// {"pp", pp}, {"dp_replicate", dp_replicate}, {"dp_shard", dp_shard}, {"cp", cp}, {"tp", tp}:
+  /// torchtitan's order, tp innermost so that a tensor-parallel group is consecutive ranks on one
+  /// machine. Unset sizes count as 1; "cp" is there only when above 1 (the mesh of every other
+  /// run, and the layout its checkpoints record, stay as they were).
   MeshDims dims() const;
-  /// "pp 1 x dp_replicate 2 x dp_shard 1 x tp 2".
+  /// "pp 1 x dp_replicate 2 x dp_shard 1 x tp 2" (" x cp 2" before tp when set).
   std::string to_string() const;
 };
 
@@ -128,8 +134,10 @@ class DeviceMesh {
   std::vector<Dim> dims_;
 };
 
-/// The mesh of a MeshShape resolved for `world`: dimensions pp, dp_replicate, dp_shard, tp, and
-/// "dp" flattened over dp_replicate and dp_shard (what gradients are averaged over).
+/// The mesh of a MeshShape resolved for `world`: dimensions pp, dp_replicate, dp_shard, (cp,) tp,
+/// and "dp" flattened over dp_replicate and dp_shard (the ranks that hold different samples);
+/// with cp above 1 also "dp_cp" (dp x cp: what gradients are averaged over) and "dp_shard_cp"
+/// (dp_shard x cp: what ZeRO shards over), Note [Context parallel].
 DeviceMesh make_device_mesh(std::shared_ptr<ProcessGroup> world, const MeshShape& shape,
                             int local_world_size = 0);
 

@@ -69,6 +69,9 @@ struct RunConfig {
   std::string pp_schedule;
   /// TANDEM_PP_VIRTUAL_STAGES: stages per pipeline rank; 0: unset.
   int pp_virtual_stages = 0;
+  /// TANDEM_CP_COMM_STRATEGY: how context parallel moves keys and values ("alltoall": the ring,
+  /// the default; "allgather"). Checked by parallel::context_parallel_comm_from_name.
+  std::string cp_comm = "alltoall";
   /// Note [Resident memory and large blocks]: tandem's host allocator serves large CPU blocks
   /// (AcceleratorOptions::host_allocator, else TANDEM_HOST_ALLOCATOR; default true, false in a
   /// build with AddressSanitizer, which checks tensors only where malloc hands them out), keeping

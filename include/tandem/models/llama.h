@@ -33,6 +33,7 @@
 
 #include "tandem/nn/layers.h"
 #include "tandem/nn/module.h"
+#include "tandem/parallel/context_parallel.h"
 
 namespace tandem::parallel {
 struct TensorParallelPlan;
@@ -131,6 +132,9 @@ struct LlamaAttentionImpl : torch::nn::Module {
   at::Tensor past_k, past_v;
   int64_t past_length = 0;
   tandem::nn::AttentionKernel kernel = tandem::nn::AttentionKernel::kAuto;
+  /// Context parallel (LlamaForCausalLM::set_context_parallel): x holds this rank's chunks of
+  /// each sequence, RoPE takes their positions and attention runs over the cp group.
+  std::shared_ptr<const tandem::parallel::ContextParallel> cp;
 };
 TANDEM_MODULE(LlamaAttention);
 
@@ -204,7 +208,12 @@ TANDEM_MODULE(LlamaHead);
 /// logits [B, T, vocab]. Built with transformers' initialisation (normal(0, initializer_range)
 /// matrices and embeddings, zero biases, unit norms), module by module, so that Accelerator::build
 /// can shard each layer as it is made.
-struct LlamaForCausalLMImpl : torch::nn::Module {
+///
+/// Context parallel (tandem launch --cp_size; Note [Context parallel]): prepare hands the model
+/// the cp group, and forward and loss go on taking whole sequences [B, T] (T a multiple of
+/// 2 cp): each rank embeds and computes its two chunks of every sequence, attention runs over
+/// the group, loss is the whole batch's on every cp rank and forward gathers the whole logits.
+struct LlamaForCausalLMImpl : torch::nn::Module, tandem::parallel::ContextParallelModel {
   explicit LlamaForCausalLMImpl(const LlamaConfig& c);
   at::Tensor forward(const at::Tensor& ids);
   /// transformers' causal-LM loss: the mean cross entropy of the logits at positions 0..T-2
@@ -226,7 +235,11 @@ struct LlamaForCausalLMImpl : torch::nn::Module {
   /// Turns the key/value cache on or off and empties it.
   void use_cache(bool on);
   void set_attention(tandem::nn::AttentionKernel kernel);
+  /// Splits every sequence over `cp` from now on (nullptr: whole sequences again). Refused for
+  /// attention dropout in training and under the key/value cache (generation).
+  void set_context_parallel(std::shared_ptr<const tandem::parallel::ContextParallel> cp) override;
   LlamaConfig config;
+  std::shared_ptr<const tandem::parallel::ContextParallel> context_parallel;
   LlamaModel model{nullptr};
   LlamaHead lm_head{nullptr};
 };

@@ -51,6 +51,8 @@ class Topology {
 
   int pp() const { return shape_.pp; }
   int tp() const { return shape_.tp; }
+  /// Context parallel: the ranks that split each sequence (Note [Context parallel]).
+  int cp() const { return shape_.cp > 1 ? shape_.cp : 1; }
   int dp_replicate() const { return shape_.dp_replicate; }
   int dp_shard() const { return shape_.dp_shard; }
   int dp() const { return shape_.dp_replicate * shape_.dp_shard; }
@@ -71,10 +73,17 @@ class Topology {
   std::shared_ptr<ProcessGroup> group(const std::string& dim) const { return mesh_[dim]; }
   /// This rank's coordinate along `dim`.
   int coordinate(const std::string& dim) const { return mesh_.coordinate(dim); }
-  /// The group gradients are averaged and loaders sharded over ("dp").
+  /// The group loaders are sharded over ("dp"): the ranks that hold different samples.
   std::shared_ptr<ProcessGroup> data_parallel() const { return group("dp"); }
-  /// The group ZeRO shards the training state over ("dp_shard").
-  std::shared_ptr<ProcessGroup> sharding() const { return group("dp_shard"); }
+  /// The group gradients are averaged over and the weights broadcast over: every rank holding
+  /// the same parameters ("dp", and its context-parallel ranks with them: "dp_cp").
+  std::shared_ptr<ProcessGroup> replicas() const { return group(cp() > 1 ? "dp_cp" : "dp"); }
+  /// The group ZeRO shards the training state over ("dp_shard"; "dp_shard_cp" with cp).
+  std::shared_ptr<ProcessGroup> sharding() const {
+    return group(cp() > 1 ? "dp_shard_cp" : "dp_shard");
+  }
+  /// The context-parallel group ("cp"; this rank alone without cp).
+  std::shared_ptr<ProcessGroup> context_parallel() const;
   /// Note [Collectives on a mesh]: gather, gather_for_metrics, reduce and pad_across_processes
   /// run over the data-parallel ranks ("dp"), which hold different samples; the ranks of one tp
   /// group hold the same values, so counting them would count each sample tp times.
@@ -87,7 +96,7 @@ class Topology {
   /// "pp 1 x dp_replicate 2 x dp_shard 1 x tp 2 x dp 2": every dimension with its size (the
   /// flattened "dp" last).
   std::string shape_string() const;
-  /// "pp 1 x dp 2 x tp 2", for the layout line.
+  /// "pp 1 x dp 2 x tp 2" (" x cp 2" before tp with context parallel), for the layout line.
   std::string summary() const;
 
   /// Note [Clipping under model parallel]: the whole model's gradient norm from this rank's

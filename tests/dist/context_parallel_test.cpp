@@ -1,0 +1,85 @@
+// Context parallel over real processes (Note [Context parallel]): ring and allgather attention
+// equal dense attention with its gradients for cp 2 and 4, causal, windowed and not; the
+// load-balanced split, its positions and unshard's gradient; a sequence that does not split is
+// refused; and the launcher's --cp_size reaches the Accelerator, which refuses a model that
+// cannot split its sequences and a pipeline beside cp.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "../common/checks.h"
+#include "../common/launch.h"
+
+using tandem::testing::count_of;
+using tandem::testing::launch;
+using tandem::testing::LaunchOptions;
+using tandem::testing::parse_checks;
+
+namespace {
+
+const std::string kWorker = CONTEXT_PARALLEL_WORKER;
+const std::string kTrainGpt = TRAIN_GPT;
+
+LaunchOptions with_flags(std::vector<std::string> flags = {}) {
+  return LaunchOptions().flags(std::move(flags)).timeout_s(180);
+}
+
+}  // namespace
+
+class ContextParallelAttention : public ::testing::TestWithParam<int> {};
+
+// Every rank's output and q/k/v gradients against the matching part of dense float64 attention
+// (4 query heads over 2 key/value heads, 8 positions per rank): within 1e-5, on every rank, for
+// both ways of moving the keys and values and each mask.
+TEST_P(ContextParallelAttention, EqualsDenseAttentionWithItsGradients) {
+  const int n = GetParam();
+  auto r = launch(n, kWorker, {"attention"}, with_flags());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto c = parse_checks(r.output);
+  EXPECT_EQ(c.worst.size(), 2u * 3u * 4u) << r.output;
+  for (const auto& [name, worst] : c.worst) {
+    EXPECT_LE(worst, 1e-5) << name << "\n" << r.output;
+    EXPECT_EQ(c.count[name], n) << name;
+  }
+  for (const char* name : {"alltoall causal dq", "alltoall window dk", "allgather full dv"})
+    EXPECT_EQ(c.count[name], n) << name << "\n" << r.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ContextParallelAttention, ::testing::Values(2, 4),
+                         [](const auto& info) { return "cp" + std::to_string(info.param); });
+
+// Rank r holds chunks r and 2n-1-r and their positions; unshard gives the whole tensor back and
+// each rank n times its own part of the gradient; 2n + 1 tokens are refused with the rule.
+TEST(ContextParallel, ShardsLoadBalancedChunksAndRefusesAnUnevenSequence) {
+  auto r = launch(3, kWorker, {"shard"}, with_flags());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto c = parse_checks(r.output);
+  for (const char* name : {"shard", "positions", "unshard", "unshard gradient"}) {
+    EXPECT_EQ(c.count[name], 3) << name << "\n" << r.output;
+    EXPECT_EQ(c.worst[name], 0.0) << name << "\n" << r.output;
+  }
+  auto bad = launch(2, kWorker, {"refuse"}, with_flags());
+  ASSERT_EQ(bad.exit_code, 0) << bad.output;
+  EXPECT_EQ(count_of(bad.output, "a sequence of 5 tokens cannot be split over cp_size 2"), 2)
+      << bad.output;
+  EXPECT_EQ(count_of(bad.output, "multiple of 2 x cp_size = 4"), 2) << bad.output;
+}
+
+// --cp_size reaches every rank; a model that does not split its sequences (the example GPT) is
+// refused by prepare, naming cp_size and the interface; cp beside a pipeline is refused before
+// the job's groups are built; cp_comm_strategy without cp is refused.
+TEST(ContextParallel, TheLauncherRefusesWhatCannotSplitItsSequences) {
+  auto gpt = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--cp_size", "2"}));
+  EXPECT_NE(gpt.exit_code, 0) << gpt.output;
+  EXPECT_GE(count_of(gpt.output, "this run has cp_size 2"), 1) << gpt.output;
+  EXPECT_GE(count_of(gpt.output, "tandem::parallel::ContextParallelModel"), 1) << gpt.output;
+  auto pp = launch(4, kTrainGpt, {"--steps", "1"},
+                   with_flags({"--cp_size", "2", "--pp_size", "2"}));
+  EXPECT_NE(pp.exit_code, 0) << pp.output;
+  EXPECT_GE(count_of(pp.output, "does not combine with pipeline parallel"), 1) << pp.output;
+  auto comm = launch(2, kTrainGpt, {"--steps", "1"},
+                     with_flags({"--cp_comm_strategy", "allgather"}));
+  EXPECT_NE(comm.exit_code, 0) << comm.output;
+  EXPECT_GE(count_of(comm.output, "cp_comm_strategy is set"), 1) << comm.output;
+}
