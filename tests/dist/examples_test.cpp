@@ -323,8 +323,8 @@ TEST(Examples, GenerateLlmUnderTheLauncher) {
 
 // train_llm's checkpoints: --checkpoint_every 2 (asynchronous) of 4 steps; its step-2 checkpoint
 // alone, resumed with --resume, ends bitwise where the uninterrupted run ended, and resumed on
-// tensor parallel 2 (another layout: resharded) within float rounding of it; the flags without
-// what they need are refused.
+// tensor parallel 2 (another layout: resharded) within float rounding of it, and to and from ZeRO-3
+// x context parallel 2; the flags without what they need are refused.
 TEST(Examples, TrainLlmResumesFromItsCheckpoints) {
   const auto dir = tandem::testing::temp_path("examples", "llm_ckpt");
   std::filesystem::remove_all(dir);
@@ -370,6 +370,38 @@ TEST(Examples, TrainLlmResumesFromItsCheckpoints) {
     auto w = want.tensor(name), g = got.tensor(name);
     EXPECT_LE((w - g).abs().max().item<double>(), 1e-5 * w.abs().max().item<double>()) << name;
   }
+  // Note [Context parallel]: to and from ZeRO-3 over dp_shard x cp (every sequence split over
+  // 2 ranks, the global batch the same): the step-2 checkpoint of one process resumed there, and
+  // that layout's own step-2 checkpoint resumed on one process, each within float rounding of
+  // the uninterrupted run (and that layout's own uninterrupted run too).
+  // Within 1% of the distance 4 AdamW steps can move an element (4 x lr 3e-3): AdamW gives an
+  // element whose gradient is near zero a step of rounding's sign (seen: 2e-5); a checkpoint
+  // restored wrong (moments, step, schedule, data position) moves elements by whole steps.
+  auto near_a = [&](const std::string& out) {
+    tandem::checkpoint::SafetensorsFile w(dir + "/out_a/model.safetensors"),
+        g(dir + "/" + out + "/model.safetensors");
+    for (const auto& name : w.names())
+      EXPECT_LE((w.tensor(name) - g.tensor(name)).abs().max().item<double>(), 1e-2 * 4 * 3e-3)
+          << out << ": " << name;
+  };
+  auto to_cp = resume_from_step_2("d", 2, {"--use_fsdp", "--cp_size", "2"});
+  EXPECT_EQ(count_of(to_cp.output, "context parallel: cp 2"), 1) << to_cp.output;
+  near_a("out_d");
+  auto on_cp = launch(2, kTrainLlm,
+                      with({"--checkpoint_every", "2", "--project_dir", dir + "/e", "--save",
+                            dir + "/out_e"}),
+                      with_flags({"--use_fsdp", "--cp_size", "2"}));
+  ASSERT_EQ(on_cp.exit_code, 0) << on_cp.output;
+  near_a("out_e");
+  std::filesystem::create_directories(dir + "/f/checkpoints");
+  std::filesystem::copy(dir + "/e/checkpoints/checkpoint_0", dir + "/f/checkpoints/checkpoint_0",
+                        std::filesystem::copy_options::recursive);
+  auto from_cp = launch(1, kTrainLlm,
+                        with({"--resume", "--project_dir", dir + "/f", "--save", dir + "/out_f"}),
+                        with_flags());
+  ASSERT_EQ(from_cp.exit_code, 0) << from_cp.output;
+  EXPECT_EQ(count_of(from_cp.output, "at step 2"), 1) << from_cp.output;
+  near_a("out_f");
   auto refused = [&](std::vector<std::string> extra, const std::string& words) {
     auto r = launch(1, kTrainLlm, with(std::move(extra)), with_flags());
     EXPECT_NE(r.exit_code, 0) << r.output;
