@@ -178,6 +178,7 @@ PlanModel safetensors_plan_model(const std::string& path, int64_t heads) {
 
 std::string Layout::name() const {
   std::string s = "dp" + std::to_string(dp);
+  if (cp > 1) s += " cp" + std::to_string(cp);
   if (tp > 1) s += " tp" + std::to_string(tp);
   if (pp > 1) s += " pp" + std::to_string(pp);
   if (pp > 1 && virtual_stages > 1) s += " v" + std::to_string(virtual_stages);
@@ -194,7 +195,7 @@ bool Layout::operator==(const Layout& o) const {
   return dp == o.dp && tp == o.tp && pp == o.pp && zero_stage == o.zero_stage &&
          activation_checkpointing == o.activation_checkpointing && micro_batch == o.micro_batch &&
          accumulation == o.accumulation && microbatches == o.microbatches && offload == o.offload &&
-         virtual_stages == o.virtual_stages;
+         virtual_stages == o.virtual_stages && cp == o.cp;
 }
 
 namespace {
@@ -222,13 +223,22 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
   std::map<std::string, std::set<std::string>> why;  // rule -> the shapes it removed
   auto out_by = [&](const std::string& rule, const std::string& what) { why[rule].insert(what); };
   std::vector<Layout> layouts;
+  for (int cp : search.context_parallel)
   for (int tp = 1; tp <= n; ++tp) {
-    if (n % tp) continue;
-    for (int pp = 1; pp * tp <= n; ++pp) {
-      if ((n / tp) % pp) continue;
-      const int dp = n / tp / pp;
-      const std::string shape =
-          "tp" + std::to_string(tp) + " pp" + std::to_string(pp) + " dp" + std::to_string(dp);
+    if (cp < 1 || n % (tp * cp)) continue;
+    for (int pp = 1; pp * tp * cp <= n; ++pp) {
+      if ((n / tp / cp) % pp) continue;
+      const int dp = n / tp / pp / cp;
+      const std::string shape = "tp" + std::to_string(tp) + " pp" + std::to_string(pp) + " dp" +
+                                std::to_string(dp) + (cp > 1 ? " cp" + std::to_string(cp) : "");
+      if (cp > 1 && pp > 1) {
+        out_by("context parallel does not combine with a pipeline in tandem", shape);
+        continue;
+      }
+      if (cp > 1 && (model.context <= 0 || model.context % (2 * cp))) {
+        out_by("context parallel needs a context that is a multiple of 2 x cp", shape);
+        continue;
+      }
       if (tp > 1) {
         if (tp > machine.processes_per_machine()) {
           out_by("tensor parallel stays within a machine (" +
@@ -301,6 +311,7 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
                 if (search.max_micro_batch > 0 && mb > search.max_micro_batch) continue;
                 Layout l;
                 l.dp = dp;
+                l.cp = cp;
                 l.tp = tp;
                 l.pp = pp;
                 l.virtual_stages = v;
@@ -391,6 +402,9 @@ std::vector<RankParameters> rank_parameters(const PlanModel& model, const Layout
     // Under 1F1B the stage holds min(m, pp - s) micro-batches; interleaved, up to its warm-up
     // plus one of its stages' micro-batches, each about 1/v of the rank's activations.
     r.activation_share = pp > 1 ? weight / total_weight / v : 1.0;
+    // Note [Context parallel]: each rank holds 1/cp of every sequence's activations (attention
+    // runs block by block: no rank holds the whole sequence's scores).
+    r.activation_share /= std::max(1, layout.cp);
     r.in_flight = pp == 1  ? 1
                   : v == 1 ? std::min<int64_t>(layout.microbatches, pp - s)
                            : std::min<int64_t>(layout.microbatches * v,
@@ -441,7 +455,7 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
                                 const ProbeFigures& probe) {
   MemoryPrediction best;
   bool first = true;
-  const double w = layout.dp;
+  const double w = static_cast<double>(layout.dp) * std::max(1, layout.cp);  // dp x cp replicas
   const double per_sample = layout.activation_checkpointing ? probe.checkpointed_per_sample
                                                             : probe.activations_per_sample;
   const double tp_factor =
@@ -483,7 +497,7 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
     p.workspace = probe.workspace;
     p.tensor_peak =
         p.workspace + p.model_states + std::max(p.buffers, p.forward_buffers + p.activations);
-    const double world = static_cast<double>(layout.dp) * layout.tp * layout.pp;
+    const double world = w * layout.tp * layout.pp;
     p.rss_peak =
         probe.baseline_rss + p.tensor_peak + probe.rss_overhead + probe.rss_per_peer * (world - 1);
     p.stage = r.stage;
@@ -502,6 +516,7 @@ double layout_cost(const Layout& l) {
     c *= (vm + l.pp - 1) / vm;
   }
   c *= 1.0 + 0.15 * (l.tp - 1);  // two all-reduces per block, forward and backward
+  c *= 1.0 + 0.1 * (std::max(1, l.cp) - 1);  // keys and values around the ring, every layer
   c *= 1.0 + 0.02 * l.zero_stage + (l.zero_stage == 3 ? 0.1 : 0.0);
   if (!l.offload.empty()) c *= 1.5;
   c *= 1.0 + 0.5 / static_cast<double>(l.micro_batch);  // small matrices, per-step overheads
@@ -521,6 +536,7 @@ std::vector<std::string> launch_flags(const Layout& l, const PlanMachine& machin
     if (!l.offload.empty()) f.insert(f.end(), {"--offload_optimizer_device", l.offload});
     if (l.offload == "nvme") f.insert(f.end(), {"--offload_optimizer_nvme_path", offload_dir});
   }
+  if (l.cp > 1) f.insert(f.end(), {"--cp_size", std::to_string(l.cp)});
   if (l.tp > 1) f.insert(f.end(), {"--tp_size", std::to_string(l.tp)});
   if (l.pp > 1) f.insert(f.end(), {"--pp_size", std::to_string(l.pp)});
   if (l.pp > 1 && l.virtual_stages > 1)
@@ -552,6 +568,7 @@ config::LaunchConfig layout_config(const Layout& l, const PlanMachine& machine,
     if (l.offload == "nvme") set("deepspeed_config.offload_optimizer_nvme_path", offload_dir);
   }
   if (l.accumulation > 1) set("gradient_accumulation_steps", std::to_string(l.accumulation));
+  if (l.cp > 1) set("parallelism_config.parallelism_config_cp_size", std::to_string(l.cp));
   if (l.tp > 1) set("parallelism_config.parallelism_config_tp_size", std::to_string(l.tp));
   if (l.pp > 1) set("parallelism_config.pp_size", std::to_string(l.pp));
   if (l.pp > 1 && l.virtual_stages > 1) {

@@ -509,6 +509,7 @@ std::string plan_to_json(const PlanResult& res, const PlannerOptions& o) {
                         {"accumulation", p.layout.accumulation},
                         {"microbatches", p.layout.microbatches},
                         {"virtual_stages", p.layout.virtual_stages},
+                        {"cp", p.layout.cp},
                         {"offload", p.layout.offload},
                         {"fits", p.fits},
                         {"winner", res.winner && *res.winner == i},

@@ -353,3 +353,54 @@ TEST(Predict, OrderGuessPrefersFewerCosts) {
   EXPECT_LT(tt::layout_cost(plain), tt::layout_cost(ckpt));
   EXPECT_LT(tt::layout_cost(plain), tt::layout_cost(small));
 }
+
+// Note [Context parallel]: enumerated only when asked (--cp_size 1,2), never beside a pipeline
+// or with a context that does not split into 2 cp chunks; a cp layout's activations are 1/cp of
+// its data-parallel twin's, ZeRO shards over dp x cp, and it becomes --cp_size and
+// parallelism_config_cp_size.
+TEST(Predict, ContextParallelSplitsActivationsAndShardsOverDpTimesCp) {
+  const auto m = tt::gpt_plan_model(4, 512, 4, 256, 64);
+  tt::PlanSearch search;
+  search.global_batch = 4;
+  auto with_cp = [&](int cp, std::vector<std::string>* excluded) {
+    int n = 0;
+    for (const auto& x : tt::enumerate_layouts(m, machine(4), search, excluded)) {
+      n += x.cp == cp;
+      if (x.cp > 1) EXPECT_EQ(x.pp, 1) << x.name();
+      EXPECT_EQ(x.dp * x.cp * x.tp * x.pp, 4) << x.name();
+    }
+    return n;
+  };
+  EXPECT_EQ(with_cp(2, nullptr), 0);
+  search.context_parallel = {1, 2};
+  std::vector<std::string> excluded;
+  EXPECT_GT(with_cp(2, &excluded), 0);
+  EXPECT_GT(with_cp(1, nullptr), 0);
+  bool said = false;
+  for (const auto& e : excluded) said |= e.find("context parallel does not combine") != std::string::npos;
+  EXPECT_TRUE(said);
+  const auto odd = tt::gpt_plan_model(4, 512, 4, 256, 66);  // 66 is not a multiple of 2 x 2
+  excluded.clear();
+  for (const auto& x : tt::enumerate_layouts(odd, machine(4), search, &excluded))
+    EXPECT_EQ(x.cp, 1) << x.name();
+  said = false;
+  for (const auto& e : excluded) said |= e.find("multiple of 2 x cp") != std::string::npos;
+  EXPECT_TRUE(said);
+  tt::ProbeFigures f;
+  f.activations_per_sample = 1e6;
+  tt::Layout dp;
+  dp.dp = 4;
+  dp.zero_stage = 3;
+  tt::Layout cp = dp;
+  cp.dp = 2;
+  cp.cp = 2;
+  const auto pd = tt::predict_memory(m, dp, f), pc = tt::predict_memory(m, cp, f);
+  EXPECT_DOUBLE_EQ(pc.activations, pd.activations / 2);
+  EXPECT_DOUBLE_EQ(pc.model_states, pd.model_states);  // shards over dp x cp = 4 either way
+  EXPECT_EQ(cp.name(), "dp2 cp2 zero3 mb1");
+  const auto flags = tt::launch_flags(cp, machine(4), "");
+  EXPECT_NE(std::find(flags.begin(), flags.end(), "--cp_size"), flags.end());
+  auto cfg = tandem::config::parse_config(
+      tandem::config::to_yaml(tt::layout_config(cp, machine(4), "")), "plan.yaml");
+  EXPECT_EQ(cfg.parallelism_config.at("parallelism_config_cp_size"), "2");
+}

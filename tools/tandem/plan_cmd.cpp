@@ -69,6 +69,13 @@ PlanCommand::PlanCommand(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::PositiveNumber)
       ->group(run);
+  sub_->add_option(both("cp_size"), context_parallel_,
+                   "Context-parallel sizes to try, e.g. 1,2 (above 1: every sequence split over "
+                   "that many ranks; the program's model must split its sequences, as train_llm's "
+                   "does; default 1)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->group(run);
   sub_->add_option(both("offload_dir"), offload_dir_,
                    "Search ZeRO's optimizer state on disk in this directory")
       ->group(run);
@@ -184,6 +191,7 @@ int PlanCommand::run(const std::string& tandem_exe) const {
     o.search.offload_dir = offload_dir_;
     o.search.search_checkpointing = !no_checkpointing_;
     if (!virtual_stages_.empty()) o.search.virtual_stages = virtual_stages_;
+    if (!context_parallel_.empty()) o.search.context_parallel = context_parallel_;
     if (!command_.empty()) {
       o.program = command_[0];
       o.args.assign(command_.begin() + 1, command_.end());

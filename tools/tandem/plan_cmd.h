@@ -30,6 +30,7 @@ class PlanCommand {
   double run_timeout_ = 600;
   bool measure_all_ = false, no_checkpointing_ = false, cpu_ = false;
   std::vector<int> virtual_stages_;  // --pp_virtual_stages 1,2
+  std::vector<int> context_parallel_;  // --cp_size 1,2
 };
 
 }  // namespace tandem::cli

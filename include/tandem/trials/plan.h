@@ -73,6 +73,8 @@ struct PlanMachine {
 /// One layout.
 struct Layout {
   int dp = 1, tp = 1, pp = 1;
+  /// Context parallel: every sequence split over cp ranks (dp x cp x tp x pp = processes).
+  int cp = 1;
   int zero_stage = 0;
   bool activation_checkpointing = false;
   /// Sequences per data-parallel rank in one forward (a pipeline's micro-batch).
@@ -89,7 +91,7 @@ struct Layout {
   /// Sequences per data-parallel rank per micro-step: what the program's loader batches
   /// (micro_batch x microbatches).
   int64_t batch_per_rank() const { return micro_batch * microbatches; }
-  /// "dp2 zero1 mb4 ga2", "dp1 tp2 pp2 mb2 m4 ckpt", "dp1 pp2 v2 mb1 m4", ...
+  /// "dp2 zero1 mb4 ga2", "dp1 tp2 pp2 mb2 m4 ckpt", "dp1 pp2 v2 mb1 m4", "dp2 cp2 mb1", ...
   std::string name() const;
   bool operator==(const Layout& o) const;
 };
@@ -109,6 +111,10 @@ struct PlanSearch {
   /// interleaved 1F1B, where the micro-batches are a multiple of pp and the model has pp v
   /// children). `tandem plan --pp_virtual_stages 1,2`.
   std::vector<int> virtual_stages{1};
+  /// Context-parallel sizes tried (1: none; c > 1 splits every sequence over c ranks, for a
+  /// program whose model splits its sequences, such as train_llm; not with a pipeline, and the
+  /// context a multiple of 2 c). `tandem plan --cp_size 1,2`.
+  std::vector<int> context_parallel{1};
 };
 
 /// Every layout the rules allow, each once, with why the others are out in `excluded` (one
