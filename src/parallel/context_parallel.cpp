@@ -29,8 +29,8 @@
 // and values in turn, merged by the online softmax (flash attention's running maximum, here the
 // running log-sum-exp per query): out = sum_j exp(lse_j - lse) out_j. Ring: the block moves to
 // the next rank (send to r + 1, receive from r - 1) while the current one is computed, so
-// after n steps every query has seen every key (with the load-balanced chunks no block is wholly
-// masked: each rank's late chunk sees every earlier one). Backward recomputes each block's probabilities from the saved lse
+// after n steps every query has seen every key. Causal, an off-diagonal block is half masked,
+// and only its other half is computed (part_of). Backward recomputes each block's probabilities from the saved lse
 // (P = exp(S - lse)), with D = rowsum(dO * O): dV_j = P^T dO, dS = P (dO V_j^T - D),
 // dQ += dS K_j / sqrt(d), dK_j = dS^T Q / sqrt(d); the gradients of a block travel around the
 // ring with it and reach its owner after n steps. Allgather: every block gathered first, the
@@ -132,6 +132,20 @@ class Blocks {
   std::vector<std::vector<at::Tensor>> gathered_;
 };
 
+// The part of a block that the causal mask leaves: rank r's queries (chunks r and 2n-1-r)
+// against rank src's keys (chunks src and 2n-1-src). From an earlier rank (src < r) every query
+// sees the keys' first chunk and none of their second; from a later one only the queries'
+// second chunk sees any key, and sees them all; from itself, both halves under the mask. So an
+// off-diagonal block costs half a block's products, as Megatron's load-balanced ring computes it.
+struct Part {
+  int64_t q0, qn, k0, kn;
+};
+Part part_of(int r, int src, int64_t L, bool causal) {
+  if (!causal || src == r) return {0, L, 0, L};
+  if (src < r) return {0, L, 0, L / 2};
+  return {L / 2, L / 2, 0, L};
+}
+
 class RingAttention : public torch::autograd::Function<RingAttention> {
  public:
   // `window` < 0: none. The ContextParallel outlives the graph (its model holds it).
@@ -152,19 +166,23 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     for (int s = 0; s < n; ++s) {
       const auto& kv = blocks.at_step(s);
       const int src = ((r - s) % n + n) % n;
-      auto kpos = positions_of(src, n, L, q.device());
-      auto kb = expand_heads(kv[0].to(torch::kFloat), H), vb = expand_heads(kv[1].to(torch::kFloat), H);
-      auto scores = torch::matmul(qf, kb.transpose(-2, -1)) * scale;
-      scores = scores.masked_fill(masked_of(qpos, kpos, causal, window),
+      const auto part = part_of(r, src, L, causal);
+      auto kpos = positions_of(src, n, L, q.device()).narrow(0, part.k0, part.kn);
+      auto kb = expand_heads(kv[0].narrow(2, part.k0, part.kn).to(torch::kFloat), H),
+           vb = expand_heads(kv[1].narrow(2, part.k0, part.kn).to(torch::kFloat), H);
+      auto qs = qf.narrow(2, part.q0, part.qn);
+      auto scores = torch::matmul(qs, kb.transpose(-2, -1)) * scale;
+      scores = scores.masked_fill(masked_of(qpos.narrow(0, part.q0, part.qn), kpos, causal, window),
                                   -std::numeric_limits<float>::infinity());
       auto block_lse = torch::logsumexp(scores, -1);
       auto block_out = torch::matmul(torch::exp(scores - safe(block_lse).unsqueeze(-1)), vb);
-      auto most = torch::maximum(lse, block_lse);
-      auto merged = safe(most) + torch::log(torch::exp(lse - safe(most)) +
+      auto rows_lse = lse.narrow(2, part.q0, part.qn), rows_out = out.narrow(2, part.q0, part.qn);
+      auto most = torch::maximum(rows_lse, block_lse);
+      auto merged = safe(most) + torch::log(torch::exp(rows_lse - safe(most)) +
                                             torch::exp(block_lse - safe(most)));
-      out = out * torch::exp(lse - safe(merged)).unsqueeze(-1) +
-            block_out * torch::exp(block_lse - safe(merged)).unsqueeze(-1);
-      lse = merged;
+      rows_out.copy_(rows_out * torch::exp(rows_lse - safe(merged)).unsqueeze(-1) +
+                     block_out * torch::exp(block_lse - safe(merged)).unsqueeze(-1));
+      rows_lse.copy_(merged);
     }
     ctx->saved_data["cp"] = reinterpret_cast<int64_t>(group);
     ctx->saved_data["causal"] = causal;
@@ -205,20 +223,24 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
       const auto& kv = blocks.at_step(s);
       const int src = ((r - s) % n + n) % n;
       if (gathered) acc = fresh();
-      auto kpos = positions_of(src, n, L, q.device());
       {
-        auto kb = expand_heads(kv[0].to(torch::kFloat), H), vb = expand_heads(kv[1].to(torch::kFloat), H);
-        auto scores = torch::matmul(qf, kb.transpose(-2, -1)) * scale;
-        scores = scores.masked_fill(masked_of(qpos, kpos, causal, window),
-                                    -std::numeric_limits<float>::infinity());
-        auto p = torch::exp(scores - safe(lse).unsqueeze(-1));
-        auto dv = torch::matmul(p.transpose(-2, -1), dout);
-        auto dp = torch::matmul(dout, vb.transpose(-2, -1));
-        auto ds = p * (dp - delta);
-        dq.add_(torch::matmul(ds, kb), scale);
-        auto dk = torch::matmul(ds.transpose(-2, -1), qf) * scale;
-        acc[0].add_(sum_heads(dk, KV));
-        acc[1].add_(sum_heads(dv, KV));
+        const auto part = part_of(r, src, L, causal);
+        auto kpos = positions_of(src, n, L, q.device()).narrow(0, part.k0, part.kn);
+        auto kb = expand_heads(kv[0].narrow(2, part.k0, part.kn).to(torch::kFloat), H),
+             vb = expand_heads(kv[1].narrow(2, part.k0, part.kn).to(torch::kFloat), H);
+        auto qs = qf.narrow(2, part.q0, part.qn), douts = dout.narrow(2, part.q0, part.qn);
+        auto scores = torch::matmul(qs, kb.transpose(-2, -1)) * scale;
+        scores = scores.masked_fill(
+            masked_of(qpos.narrow(0, part.q0, part.qn), kpos, causal, window),
+            -std::numeric_limits<float>::infinity());
+        auto p = torch::exp(scores - safe(lse.narrow(2, part.q0, part.qn)).unsqueeze(-1));
+        auto dv = torch::matmul(p.transpose(-2, -1), douts);
+        auto dp = torch::matmul(douts, vb.transpose(-2, -1));
+        auto ds = p * (dp - delta.narrow(2, part.q0, part.qn));
+        dq.narrow(2, part.q0, part.qn).add_(torch::matmul(ds, kb), scale);
+        auto dk = torch::matmul(ds.transpose(-2, -1), qs) * scale;
+        acc[0].narrow(2, part.k0, part.kn).add_(sum_heads(dk, KV));
+        acc[1].narrow(2, part.k0, part.kn).add_(sum_heads(dv, KV));
       }
       if (gathered) {
         per_rank[static_cast<size_t>(src)] = acc;
