@@ -140,6 +140,8 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
   auto cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
   q = q * cos + rotate_half(q) * sin;
   k = k * cos + rotate_half(k) * sin;
+  TANDEM_CHECK(!(cp && use_cache), "LlamaAttention: the key/value cache does not run under "
+               "context parallel; generate without cp_size");
   if (use_cache) {
     if (past_k.defined()) {
       k = torch::cat({past_k, k}, 2);
@@ -150,8 +152,6 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x) {
     past_length += T;
   }
   if (cp) {  // Note [Context parallel]: the key/value heads travel unexpanded
-    TANDEM_CHECK(!use_cache, "LlamaAttention: the key/value cache does not run under context "
-                 "parallel; generate without cp_size");
     TANDEM_CHECK(dropout == 0.0 || !is_training(), "LlamaAttention: attention_dropout ", dropout,
                  " does not run under context parallel; set attention_dropout to 0 in "
                  "config.json or train without cp_size");
@@ -282,6 +282,13 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& ids) {
 void LlamaForCausalLMImpl::set_context_parallel(
     std::shared_ptr<const tandem::parallel::ContextParallel> cp) {
   if (cp && cp->size() == 1) cp = nullptr;
+  // The load-balancing loss is not linear in the tokens: each rank's chunks alone would give
+  // another gradient than the whole sequence's.
+  if (cp && config.num_experts > 0 && config.output_router_logits)
+    throw Refused("LlamaForCausalLM: the config's output_router_logits adds the load-balancing "
+                  "loss, which context parallel would compute over each rank's chunks of the "
+                  "sequences rather than the whole batch; set output_router_logits to false in "
+                  "config.json, or train without cp_size");
   context_parallel = cp;
   for (auto& layer : model->layers) layer->self_attn->cp = cp;
 }

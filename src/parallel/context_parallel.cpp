@@ -89,6 +89,12 @@ at::Tensor safe(const at::Tensor& lse) {  // -inf (a query that saw no key yet) 
 
 // The blocks of keys and values from every rank, in the order this rank computes them
 // (rank r - s at step s), as a generator over steps: ring or all at once.
+// Two ranks send to and receive from the same peer: NCCL runs a pair's operations on one stream
+// in the order posted, so both posting their sends first would each wait for the other's
+// receive once a block outgrows NCCL's buffers. The odd rank receives first (Gloo matches by
+// tag and needs no order; more than two ranks send and receive over different pairs).
+bool receives_first(int rank, int n) { return n == 2 && rank % 2 == 1; }
+
 class Blocks {
  public:
   Blocks(const ContextParallel& cp, std::vector<at::Tensor> mine)
@@ -118,8 +124,19 @@ class Blocks {
       const int to = (r_ + 1) % n_, from = (r_ - 1 + n_) % n_;
       next_.clear();
       for (const auto& t : current_) next_.push_back(at::empty_like(t));
-      works_.push_back(cp_.group()->send_async(current_, to, kBlockTag, "context parallel keys/values"));
-      works_.push_back(cp_.group()->recv_async(next_, from, kBlockTag, "context parallel keys/values"));
+      auto send = [&] {
+        works_.push_back(cp_.group()->send_async(current_, to, kBlockTag, "context parallel keys/values"));
+      };
+      auto recv = [&] {
+        works_.push_back(cp_.group()->recv_async(next_, from, kBlockTag, "context parallel keys/values"));
+      };
+      if (receives_first(r_, n_)) {
+        recv();
+        send();
+      } else {
+        send();
+        recv();
+      }
     }
     return current_;
   }
@@ -246,9 +263,14 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
         per_rank[static_cast<size_t>(src)] = acc;
       } else if (n > 1) {  // hand the gradients on with the block (the owner gets them at s = n - 1)
         std::vector<at::Tensor> next = fresh();
-        auto sent = cp.group()->send_async(acc, to, kGradientTag, "context parallel gradients");
-        cp.group()->recv(next, from, kGradientTag, "context parallel gradients");
-        sent.wait();
+        if (receives_first(r, n)) {
+          cp.group()->recv(next, from, kGradientTag, "context parallel gradients");
+          cp.group()->send(acc, to, kGradientTag, "context parallel gradients");
+        } else {
+          auto sent = cp.group()->send_async(acc, to, kGradientTag, "context parallel gradients");
+          cp.group()->recv(next, from, kGradientTag, "context parallel gradients");
+          sent.wait();
+        }
         acc = std::move(next);
       }
     }

@@ -272,7 +272,7 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
       }
       const int64_t per_rank = search.global_batch / dp;
       std::vector<int> stages{0};
-      if (dp > 1 && pp == 1)
+      if (dp * cp > 1 && pp == 1)  // ZeRO shards over dp x cp
         stages = {0, 1, 2, 3};
       else if (dp > 1)
         out_by("ZeRO stages do not combine with a pipeline in tandem", shape);

@@ -3,10 +3,10 @@
 // holds a whole sequence's activations (Note [Context parallel]).
 //
 // Example (what LlamaForCausalLM does under --cp_size, through ContextParallelModel):
-//   tandem::parallel::ContextParallel cp(acc.topology().context_parallel());
-//   auto local = cp.shard(ids, 1);                 // this rank's 2 chunks of every sequence
-//   auto pos = cp.positions(ids.size(1), device);  // their positions, for RoPE
-//   auto y = cp.attention(q, k, v, /*causal=*/true, std::nullopt);
+//   auto cp = acc.context_parallel();               // the run's, owned by the Accelerator
+//   auto local = cp->shard(ids, 1);                 // this rank's 2 chunks of every sequence
+//   auto pos = cp->positions(ids.size(1), device);  // their positions, for RoPE
+//   auto y = cp->attention(q, k, v, /*causal=*/true, std::nullopt);
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -55,6 +55,8 @@ class ContextParallel {
   /// the positions up to its own; `window`: and to fewer than `window` positions back
   /// (Mistral's sliding window). Returns [B, H, L, D]; differentiable in q, k and v, with the
   /// backward passing the keys' and values' gradients around the group. Accumulates in float32.
+  /// The graph refers to this object: it must outlive the backward (the Accelerator's and a
+  /// model's shared_ptr keep it).
   at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                        std::optional<int64_t> window) const;
 

@@ -40,7 +40,7 @@ class Strategy;
 ///   tandem::parallel::Topology topo(pg, tandem::comm::MeshShape().tp_size(2).resolve(4), 4);
 ///   topo.tp();                  // 2
 ///   topo.group("tp")->size();   // 2
-///   topo.data_parallel();       // what gradients are averaged over
+///   topo.replicas();            // what gradients are averaged over (dp, with cp: dp x cp)
 class Topology {
  public:
   /// Builds the groups of `shape` (resolved: comm::MeshShape::resolve) over `world`. Collective:

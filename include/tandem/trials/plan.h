@@ -121,7 +121,7 @@ struct PlanSearch {
 /// line per rule that removed some): dp x tp x pp = processes; tp divides the heads, the MLP
 /// width and the vocabulary, and stays within a machine; a pipeline has at most as many stages
 /// as the model has children (blocks + 2) and no ZeRO stage (tandem refuses the pair) and no
-/// accumulation, with at least pp micro-batches; ZeRO stages 1-3 only where dp > 1; the global
+/// accumulation, with at least pp micro-batches; ZeRO stages 1-3 only where dp x cp > 1; the global
 /// batch divisible by dp, the micro-batch dividing each rank's share; offload only with a ZeRO
 /// stage (and a directory, on the CPU).
 std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine& machine,
