@@ -163,6 +163,32 @@ Part part_of(int r, int src, int64_t L, bool causal) {
   return {L / 2, L / 2, 0, L};
 }
 
+// One step's scores: this rank's queries (float32, with their positions) against rank src's
+// keys, narrowed to the part the mask leaves, scaled and masked; forward and backward alike.
+struct Block {
+  Part part;
+  at::Tensor qs, kb, vb, scores;
+};
+Block block_of(const at::Tensor& qf, const at::Tensor& qpos, const std::vector<at::Tensor>& kv,
+               int r, int src, int n, double scale, bool causal, std::optional<int64_t> window) {
+  const auto H = qf.size(1), L = qf.size(2);
+  Block b;
+  b.part = part_of(r, src, L, causal);
+  const auto& p = b.part;
+  auto kpos = positions_of(src, n, L, qf.device()).narrow(0, p.k0, p.kn);
+  b.kb = expand_heads(kv[0].narrow(2, p.k0, p.kn).to(torch::kFloat), H);
+  b.vb = expand_heads(kv[1].narrow(2, p.k0, p.kn).to(torch::kFloat), H);
+  b.qs = qf.narrow(2, p.q0, p.qn);
+  b.scores = (torch::matmul(b.qs, b.kb.transpose(-2, -1)) * scale)
+                 .masked_fill(masked_of(qpos.narrow(0, p.q0, p.qn), kpos, causal, window),
+                              -std::numeric_limits<float>::infinity());
+  return b;
+}
+
+std::optional<int64_t> window_of(int64_t window_or_none) {
+  return window_or_none >= 0 ? std::optional<int64_t>(window_or_none) : std::nullopt;
+}
+
 class RingAttention : public torch::autograd::Function<RingAttention> {
  public:
   // `window` < 0: none. The ContextParallel outlives the graph (its model holds it).
@@ -170,8 +196,7 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
                             const at::Tensor& k, const at::Tensor& v, const ContextParallel* group,
                             bool causal, int64_t window_or_none) {
     const auto& cp = *group;
-    const std::optional<int64_t> window =
-        window_or_none >= 0 ? std::optional<int64_t>(window_or_none) : std::nullopt;
+    const auto window = window_of(window_or_none);
     const int n = cp.size(), r = cp.rank();
     const auto H = q.size(1), L = q.size(2), D = q.size(3);
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
@@ -183,16 +208,10 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     for (int s = 0; s < n; ++s) {
       const auto& kv = blocks.at_step(s);
       const int src = ((r - s) % n + n) % n;
-      const auto part = part_of(r, src, L, causal);
-      auto kpos = positions_of(src, n, L, q.device()).narrow(0, part.k0, part.kn);
-      auto kb = expand_heads(kv[0].narrow(2, part.k0, part.kn).to(torch::kFloat), H),
-           vb = expand_heads(kv[1].narrow(2, part.k0, part.kn).to(torch::kFloat), H);
-      auto qs = qf.narrow(2, part.q0, part.qn);
-      auto scores = torch::matmul(qs, kb.transpose(-2, -1)) * scale;
-      scores = scores.masked_fill(masked_of(qpos.narrow(0, part.q0, part.qn), kpos, causal, window),
-                                  -std::numeric_limits<float>::infinity());
-      auto block_lse = torch::logsumexp(scores, -1);
-      auto block_out = torch::matmul(torch::exp(scores - safe(block_lse).unsqueeze(-1)), vb);
+      const auto b = block_of(qf, qpos, kv, r, src, n, scale, causal, window);
+      const auto& part = b.part;
+      auto block_lse = torch::logsumexp(b.scores, -1);
+      auto block_out = torch::matmul(torch::exp(b.scores - safe(block_lse).unsqueeze(-1)), b.vb);
       auto rows_lse = lse.narrow(2, part.q0, part.qn), rows_out = out.narrow(2, part.q0, part.qn);
       auto most = torch::maximum(rows_lse, block_lse);
       auto merged = safe(most) + torch::log(torch::exp(rows_lse - safe(most)) +
@@ -213,12 +232,11 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
     const auto& cp = *reinterpret_cast<const ContextParallel*>(ctx->saved_data["cp"].toInt());
     const bool causal = ctx->saved_data["causal"].toBool();
     const auto window_or_none = ctx->saved_data["window"].toInt();
-    const std::optional<int64_t> window =
-        window_or_none >= 0 ? std::optional<int64_t>(window_or_none) : std::nullopt;
+    const auto window = window_of(window_or_none);
     const int n = cp.size(), r = cp.rank();
     auto saved = ctx->get_saved_variables();
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const auto H = q.size(1), KV = k.size(1), L = q.size(2), D = q.size(3);
+    const auto KV = k.size(1), L = q.size(2), D = q.size(3);
     const double scale = 1.0 / std::sqrt(static_cast<double>(D));
     auto qf = q.to(torch::kFloat);
     auto dout = grads[0].to(torch::kFloat);
@@ -241,21 +259,15 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
       const int src = ((r - s) % n + n) % n;
       if (gathered) acc = fresh();
       {
-        const auto part = part_of(r, src, L, causal);
-        auto kpos = positions_of(src, n, L, q.device()).narrow(0, part.k0, part.kn);
-        auto kb = expand_heads(kv[0].narrow(2, part.k0, part.kn).to(torch::kFloat), H),
-             vb = expand_heads(kv[1].narrow(2, part.k0, part.kn).to(torch::kFloat), H);
-        auto qs = qf.narrow(2, part.q0, part.qn), douts = dout.narrow(2, part.q0, part.qn);
-        auto scores = torch::matmul(qs, kb.transpose(-2, -1)) * scale;
-        scores = scores.masked_fill(
-            masked_of(qpos.narrow(0, part.q0, part.qn), kpos, causal, window),
-            -std::numeric_limits<float>::infinity());
-        auto p = torch::exp(scores - safe(lse.narrow(2, part.q0, part.qn)).unsqueeze(-1));
+        const auto b = block_of(qf, qpos, kv, r, src, n, scale, causal, window);
+        const auto& part = b.part;
+        auto douts = dout.narrow(2, part.q0, part.qn);
+        auto p = torch::exp(b.scores - safe(lse.narrow(2, part.q0, part.qn)).unsqueeze(-1));
         auto dv = torch::matmul(p.transpose(-2, -1), douts);
-        auto dp = torch::matmul(douts, vb.transpose(-2, -1));
+        auto dp = torch::matmul(douts, b.vb.transpose(-2, -1));
         auto ds = p * (dp - delta.narrow(2, part.q0, part.qn));
-        dq.narrow(2, part.q0, part.qn).add_(torch::matmul(ds, kb), scale);
-        auto dk = torch::matmul(ds.transpose(-2, -1), qs) * scale;
+        dq.narrow(2, part.q0, part.qn).add_(torch::matmul(ds, b.kb), scale);
+        auto dk = torch::matmul(ds.transpose(-2, -1), b.qs) * scale;
         acc[0].narrow(2, part.k0, part.kn).add_(sum_heads(dk, KV));
         acc[1].narrow(2, part.k0, part.kn).add_(sum_heads(dv, KV));
       }
