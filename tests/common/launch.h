@@ -3,7 +3,13 @@
 // `tandem` binary (tandem_dist_tests in tests/CMakeLists.txt does).
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
 #include <map>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -79,6 +85,126 @@ inline std::vector<std::string> launch_command(int n, const std::string& program
 inline RunResult launch(int n, const std::string& program, const std::vector<std::string>& args = {},
                         const LaunchOptions& options = {}) {
   return run_command(launch_command(n, program, args, options), options.env(), options.timeout_s());
+}
+
+/// One job of `launch_jobs`: the worker's arguments and the launch options it would have had
+/// alone (flags, environment, timeout).
+struct Job {
+  std::vector<std::string> args;
+  LaunchOptions options;
+};
+
+namespace detail {
+
+// Variables that say where a rank is in this launch, not how it is configured: the one real
+// launch of `launch_jobs` sets them, never a job.
+inline bool identifies_the_launch(const std::string& key) {
+  static const char* const kKeys[] = {"RANK",       "LOCAL_RANK",  "WORLD_SIZE",
+                                      "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                                      "MASTER_ADDR", "MASTER_PORT", "TANDEM_RESTART_COUNT",
+                                      "TANDEM_LAUNCHER", "TANDEM_ERROR_FILE"};
+  for (const char* k : kKeys)
+    if (key == k) return true;
+  return key.rfind("TORCHELASTIC_", 0) == 0;
+}
+
+// The variables `tandem launch --dry_run` gives rank 0 for these options, less the launch's own.
+inline std::map<std::string, std::string> launcher_env(int n, const std::string& program,
+                                                       const LaunchOptions& options) {
+  auto argv = launch_command(n, program, {}, options);
+  argv.insert(argv.begin() + 2, "--dry_run");
+  auto r = run_command(argv, options.env(), 60);
+  if (r.exit_code != 0)
+    throw std::runtime_error("tandem launch --dry_run refused a job's flags:\n" + r.output);
+  std::map<std::string, std::string> env;
+  bool rank0 = false;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("rank ", 0) == 0) rank0 = line.rfind("rank 0 ", 0) == 0;
+    if (!rank0 || line.rfind("    ", 0) != 0) continue;
+    const auto eq = line.find('=');
+    if (eq == std::string::npos) continue;
+    const std::string key = line.substr(4, eq - 4);
+    if (!identifies_the_launch(key)) env[key] = line.substr(eq + 1);
+  }
+  return env;
+}
+
+}  // namespace detail
+
+/// Runs several jobs of `program` on the same `n` ranks in ONE launch: one set of rank processes
+/// instead of one per job (starting LibTorch is most of a short job's time, several times that
+/// under AddressSanitizer). Each job gets exactly the variables `tandem launch` would have given
+/// its ranks for its flags (asked of `tandem launch --dry_run`) and its own environment; the
+/// program runs the jobs one after another through `tandem::testing::main_with_jobs`
+/// (tests/common/jobs_main.h), which sets them before each and prints where each job starts and
+/// how it ended. Returns one result per job: its exit code (the worst over the ranks) and the
+/// lines its ranks printed (with the launcher's own lines). After a failed job the job stops;
+/// the jobs it did not reach have exit code -1 and the launch's output.
+/// Every job must have the same threads_per_process; the timeout is the jobs' sum.
+inline std::vector<RunResult> launch_jobs(int n, const std::string& program,
+                                          const std::vector<Job>& jobs) {
+  std::vector<RunResult> results(jobs.size());
+  if (jobs.empty()) return results;
+  const LaunchOptions base = LaunchOptions().threads_per_process(jobs[0].options.threads_per_process());
+  const auto base_env = detail::launcher_env(n, program, base);
+  const std::string file = temp_path("jobs", std::to_string(reinterpret_cast<uintptr_t>(&jobs)));
+  double timeout = 0;
+  {
+    std::ofstream out(file);
+    for (const auto& job : jobs) {
+      if (job.options.threads_per_process() != base.threads_per_process())
+        throw std::invalid_argument("launch_jobs: every job needs the same threads_per_process");
+      timeout += job.options.timeout_s();
+      auto env = detail::launcher_env(n, program, job.options);
+      for (const auto& [k, v] : job.options.env()) env[k] = v;
+      out << "job\n";
+      for (const auto& [k, v] : base_env)
+        if (!env.count(k)) out << "unset " << k << "\n";
+      for (const auto& [k, v] : env) out << "env " << k << "=" << v << "\n";
+      for (const auto& a : job.args) out << "arg " << a << "\n";
+    }
+  }
+  auto all = run_command(launch_command(n, program, {"--jobs", file}, base), {}, timeout);
+  std::remove(file.c_str());
+  // Each rank's lines go to the job it last announced ("[rank r] tandem-job i"); lines without a
+  // rank (the launcher's) to every job from the current one on.
+  std::vector<int> job_of(n, 0);
+  std::vector<std::vector<int>> exits(jobs.size());
+  std::istringstream lines(all.output);
+  for (std::string line; std::getline(lines, line);) {
+    int rank = -1, i = -1, code = 0;
+    char tail = 0;
+    if (std::sscanf(line.c_str(), "[rank %d] tandem-job %d%c", &rank, &i, &tail) == 2 &&
+        rank >= 0 && rank < n && i >= 0 && i < static_cast<int>(jobs.size())) {
+      job_of[rank] = i;
+      continue;
+    }
+    if (std::sscanf(line.c_str(), "[rank %d] tandem-job-exit %d %d", &rank, &i, &code) == 3 &&
+        rank >= 0 && rank < n && i >= 0 && i < static_cast<int>(jobs.size())) {
+      exits[i].push_back(code);
+      continue;
+    }
+    if (std::sscanf(line.c_str(), "[rank %d]", &rank) == 1 && rank >= 0 && rank < n) {
+      results[job_of[rank]].output += line + "\n";
+    } else {
+      const int from = *std::min_element(job_of.begin(), job_of.end());
+      for (size_t j = from; j < jobs.size(); ++j) results[j].output += line + "\n";
+    }
+  }
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    auto& r = results[j];
+    r.seconds = all.seconds;
+    if (static_cast<int>(exits[j].size()) == n) {
+      r.exit_code = *std::max_element(exits[j].begin(), exits[j].end());
+    } else {
+      // Not every rank ended this job: it failed with the launch (or was never reached).
+      const bool earlier_failed = j > 0 && results[j - 1].exit_code != 0;
+      r.exit_code = earlier_failed || all.exit_code == 0 ? -1 : all.exit_code;
+      r.timed_out = all.timed_out;
+    }
+  }
+  return results;
 }
 
 }  // namespace tandem::testing

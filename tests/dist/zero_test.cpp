@@ -63,6 +63,45 @@ std::vector<float> train(int n, int stage, const std::string& reduce_scatter = "
   return v;
 }
 
+// One training of `train_all`: the arguments `train` takes.
+struct TrainRun {
+  int stage;
+  std::string reduce_scatter = "alltoall";
+  std::vector<std::string> extra = {};
+  std::string precision = "no";
+};
+
+// The runs, on `n` ranks, in one launch (tandem::testing::launch_jobs: one set of rank processes
+// for all), each checked as `train` checks it; their parameters in order.
+std::vector<std::vector<float>> train_all(int n, const std::vector<TrainRun>& runs) {
+  std::vector<tandem::testing::Job> jobs;
+  std::vector<std::string> outs, whats;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const auto& run = runs[i];
+    outs.push_back(temp_path("params-" + std::to_string(n) + "-" + std::to_string(i) + ".bin"));
+    std::vector<std::string> args{"train", "--out", outs.back()};
+    args.insert(args.end(), run.extra.begin(), run.extra.end());
+    jobs.push_back({args, zero_flags(run.stage, run.reduce_scatter, run.precision)});
+    std::string what = "stage " + std::to_string(run.stage) + ", " + run.precision + ", " +
+                       run.reduce_scatter;
+    for (const auto& a : args) what += " " + a;
+    whats.push_back(what);
+  }
+  const auto results = tandem::testing::launch_jobs(n, kWorker, jobs);
+  std::vector<std::vector<float>> params;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const auto& r = results[i];
+    EXPECT_EQ(r.exit_code, 0) << whats[i] << "\n" << r.output;
+    const std::string name =
+        runs[i].stage > 0 ? "zero-" + std::to_string(runs[i].stage) : "ddp";
+    EXPECT_EQ(count_of(r.output, "strategy " + name + " trained to step 10"), n)
+        << whats[i] << "\n" << r.output;
+    params.push_back(read_floats(outs[i]));
+    std::remove(outs[i].c_str());
+  }
+  return params;
+}
+
 }  // namespace
 
 class ZeroEqualsDataParallel : public ::testing::TestWithParam<int> {};
@@ -78,23 +117,29 @@ class ZeroEqualsDataParallel : public ::testing::TestWithParam<int> {};
 TEST_P(ZeroEqualsDataParallel, AfterTenStepsWithAccumulationAndClipping) {
   const int n = GetParam();
   const std::vector<std::string> exact{"--clip", "0", "--one_group"};
-  const auto ddp_exact = train(n, -1, "alltoall", exact);
+  const std::vector<std::pair<int, std::string>> clipped{
+      {1, "allreduce"}, {2, "allreduce"}, {2, "alltoall"}, {3, "alltoall"}};
+  std::vector<TrainRun> runs{{-1, "alltoall", exact}, {1, "allreduce", exact},
+                        {2, "allreduce", exact}, {3, "allreduce", exact},
+                        {-1},                    {-1, "alltoall", {"--clip", "0"}}};
+  for (const auto& [stage, algo] : clipped) runs.push_back({stage, algo});
+  const auto p = train_all(n, runs);
+  const auto& ddp_exact = p[0];
   ASSERT_GT(ddp_exact.size(), 200u);
-  EXPECT_EQ(max_rel_diff(train(n, 1, "allreduce", exact), ddp_exact), 0.0) << "stage 1 on " << n;
-  EXPECT_EQ(max_rel_diff(train(n, 2, "allreduce", exact), ddp_exact), 0.0) << "stage 2 on " << n;
+  EXPECT_EQ(max_rel_diff(p[1], ddp_exact), 0.0) << "stage 1 on " << n;
+  EXPECT_EQ(max_rel_diff(p[2], ddp_exact), 0.0) << "stage 2 on " << n;
   // Stage 3's units are modules, not data parallel's buckets: the same sums on 2 ranks only.
-  const auto z3 = train(n, 3, "allreduce", exact);
+  const auto& z3 = p[3];
   if (n == 2) {
     EXPECT_EQ(max_rel_diff(z3, ddp_exact), 0.0) << "stage 3 on 2";
   }
   EXPECT_LE(max_rel_diff(z3, ddp_exact), 1e-6) << "stage 3 on " << n;
-  const auto ddp = train(n, -1);
-  const auto ddp_unclipped = train(n, -1, "alltoall", {"--clip", "0"});
+  const auto& ddp = p[4];
+  const auto& ddp_unclipped = p[5];
   EXPECT_GT(max_rel_diff(ddp, ddp_unclipped), 1e-3) << "the clipping binds";
-  for (const auto& [stage, algo] : std::vector<std::pair<int, std::string>>{
-           {1, "allreduce"}, {2, "allreduce"}, {2, "alltoall"}, {3, "alltoall"}}) {
-    EXPECT_LE(max_rel_diff(train(n, stage, algo), ddp), 1e-6)
-        << "stage " << stage << " " << algo << " on " << n;
+  for (size_t i = 0; i < clipped.size(); ++i) {
+    EXPECT_LE(max_rel_diff(p[6 + i], ddp), 1e-6)
+        << "stage " << clipped[i].first << " " << clipped[i].second << " on " << n;
   }
 }
 
@@ -112,18 +157,25 @@ TEST(Zero, HalfWeightsAndMasterWeightsEqualDataParallel) {
   const std::vector<std::string> masters{"--clip", "0", "--one_group", "--master_weights"};
   const std::vector<std::string> plain{"--clip", "0", "--one_group"};
   const std::vector<std::string> scaled{"--master_weights", "--loss_scaling"};
-  const auto ddp_masters = train(2, -1, "allreduce", masters, mode);
-  const auto ddp_plain = train(2, -1, "allreduce", plain, mode);
-  const auto ddp_scaled = train(2, -1, "allreduce", scaled, mode);
+  std::vector<TrainRun> runs{{-1, "allreduce", masters, mode},
+                        {-1, "allreduce", plain, mode},
+                        {-1, "allreduce", scaled, mode}};
+  for (int stage : {1, 2, 3}) {
+    runs.push_back({stage, "allreduce", masters, mode});
+    runs.push_back({stage, "allreduce", plain, mode});
+    runs.push_back({stage, "alltoall", scaled, mode});
+  }
+  const auto p = train_all(2, runs);
+  const auto& ddp_masters = p[0];
+  const auto& ddp_plain = p[1];
+  const auto& ddp_scaled = p[2];
   ASSERT_GT(ddp_masters.size(), 200u);
   EXPECT_GT(max_rel_diff(ddp_masters, ddp_plain), 0.0) << "masters change the result";
   for (int stage : {1, 2, 3}) {
-    EXPECT_EQ(max_rel_diff(train(2, stage, "allreduce", masters, mode), ddp_masters), 0.0)
-        << "master weights, stage " << stage;
-    EXPECT_LE(max_rel_diff(train(2, stage, "allreduce", plain, mode), ddp_plain), 1.0 / 128)
-        << "bf16 weights, stage " << stage;
-    EXPECT_LE(max_rel_diff(train(2, stage, "alltoall", scaled, mode), ddp_scaled), 1.0 / 128)
-        << "loss scaling, stage " << stage;
+    const size_t at = 3 * static_cast<size_t>(stage);
+    EXPECT_EQ(max_rel_diff(p[at], ddp_masters), 0.0) << "master weights, stage " << stage;
+    EXPECT_LE(max_rel_diff(p[at + 1], ddp_plain), 1.0 / 128) << "bf16 weights, stage " << stage;
+    EXPECT_LE(max_rel_diff(p[at + 2], ddp_scaled), 1.0 / 128) << "loss scaling, stage " << stage;
   }
 }
 

@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 #include <iostream>
 
+#include "../common/jobs_main.h"
 #include "../../examples/common/gpt.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/tandem.h"
@@ -390,7 +391,7 @@ int mismatch(const Args& a) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_worker(int argc, char** argv) {
   CLI::App app("zero_worker");
   Args a;
   app.add_option("mode", a.mode);
@@ -421,3 +422,5 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+int main(int argc, char** argv) { return tandem::testing::main_with_jobs(argc, argv, run_worker); }
