@@ -69,6 +69,7 @@ struct TrainRun {
   std::string reduce_scatter = "alltoall";
   std::vector<std::string> extra = {};
   std::string precision = "no";
+  std::vector<std::string> launch_flags = {};
 };
 
 // The runs, on `n` ranks, in one launch (tandem::testing::launch_jobs: one set of rank processes
@@ -81,7 +82,8 @@ std::vector<std::vector<float>> train_all(int n, const std::vector<TrainRun>& ru
     outs.push_back(temp_path("params-" + std::to_string(n) + "-" + std::to_string(i) + ".bin"));
     std::vector<std::string> args{"train", "--out", outs.back()};
     args.insert(args.end(), run.extra.begin(), run.extra.end());
-    jobs.push_back({args, zero_flags(run.stage, run.reduce_scatter, run.precision)});
+    jobs.push_back(
+        {args, zero_flags(run.stage, run.reduce_scatter, run.precision, run.launch_flags)});
     std::string what = "stage " + std::to_string(run.stage) + ", " + run.precision + ", " +
                        run.reduce_scatter;
     for (const auto& a : args) what += " " + a;
@@ -191,15 +193,23 @@ TEST(Zero, MismatchedModelsFailFastNamingBothLayouts) {
 // ends where the uninterrupted 4-rank run ends (the rest of the difference: the sums of 2 or 3
 // ranks instead of 4).
 TEST(Zero, ShardedCheckpointResumesOnAnotherNumberOfRanks) {
+  std::vector<std::string> dirs;
+  std::vector<TrainRun> on4, on2, on3;
   for (int stage : {1, 2, 3}) {
-    const auto dir = temp_path("ckpt-" + std::to_string(stage));
-    const auto full = train(4, stage, "alltoall", {"--save_at", "5", "--save_dir", dir});
-    for (int n : {2, 3, 4}) {
-      const auto resumed = train(n, stage, "alltoall", {"--resume", dir});
-      EXPECT_LE(max_rel_diff(resumed, full), n == 4 ? 0.0 : 1e-5)
-          << "stage " << stage << ", saved on 4 ranks, resumed on " << n;
-    }
-    std::system(("rm -rf " + dir).c_str());
+    dirs.push_back(temp_path("ckpt-" + std::to_string(stage)));
+    on4.push_back({stage, "alltoall", {"--save_at", "5", "--save_dir", dirs.back()}});
+    on4.push_back({stage, "alltoall", {"--resume", dirs.back()}});
+    on2.push_back({stage, "alltoall", {"--resume", dirs.back()}});
+    on3.push_back({stage, "alltoall", {"--resume", dirs.back()}});
+  }
+  const auto p4 = train_all(4, on4), p2 = train_all(2, on2), p3 = train_all(3, on3);
+  for (int i = 0; i < 3; ++i) {
+    const auto& full = p4[2 * i];
+    const int stage = i + 1;
+    EXPECT_EQ(max_rel_diff(p4[2 * i + 1], full), 0.0) << "stage " << stage << ", resumed on 4";
+    EXPECT_LE(max_rel_diff(p2[i], full), 1e-5) << "stage " << stage << ", resumed on 2";
+    EXPECT_LE(max_rel_diff(p3[i], full), 1e-5) << "stage " << stage << ", resumed on 3";
+    std::system(("rm -rf " + dirs[i]).c_str());
   }
 }
 
@@ -208,44 +218,58 @@ TEST(Zero, ShardedCheckpointResumesOnAnotherNumberOfRanks) {
 // bit and on 2 ranks without replicas.
 TEST(Zero, HybridShardingEqualsDataParallelAndItsCheckpointResumes) {
   const std::vector<std::string> hybrid{"--dp_replicate_size", "2"};
-  const auto ddp = train(4, -1);
+  std::vector<TrainRun> on4{{-1}}, on2;
+  std::vector<std::string> dirs;
   for (int stage : {2, 3}) {
-    const auto dir = temp_path("hybrid-ckpt-" + std::to_string(stage));
-    const auto full =
-        train(4, stage, "alltoall", {"--save_at", "5", "--save_dir", dir}, "no", hybrid);
+    dirs.push_back(temp_path("hybrid-ckpt-" + std::to_string(stage)));
+    on4.push_back({stage, "alltoall", {"--save_at", "5", "--save_dir", dirs.back()}, "no", hybrid});
+    on4.push_back({stage, "alltoall", {"--resume", dirs.back()}, "no", hybrid});
+    on2.push_back({stage, "alltoall", {"--resume", dirs.back()}});
+  }
+  const auto p4 = train_all(4, on4), p2 = train_all(2, on2);
+  const auto& ddp = p4[0];
+  for (int i = 0; i < 2; ++i) {
+    const int stage = i + 2;
+    const auto& full = p4[1 + 2 * i];
     EXPECT_LE(max_rel_diff(full, ddp), 1e-6) << "stage " << stage;
     int shards = 0;
     for (int r = 0; r < 4; ++r)
-      shards += std::ifstream(dir + "/optimizer.rank" + std::to_string(r) + ".json").good();
+      shards += std::ifstream(dirs[i] + "/optimizer.rank" + std::to_string(r) + ".json").good();
     EXPECT_EQ(shards, 2) << "one replica's shards";
-    EXPECT_EQ(max_rel_diff(train(4, stage, "alltoall", {"--resume", dir}, "no", hybrid), full), 0.0)
-        << "stage " << stage << " resumed hybrid";
-    EXPECT_LE(max_rel_diff(train(2, stage, "alltoall", {"--resume", dir}), full), 1e-5)
-        << "stage " << stage << " resumed on 2 ranks";
-    std::system(("rm -rf " + dir).c_str());
+    EXPECT_EQ(max_rel_diff(p4[2 + 2 * i], full), 0.0) << "stage " << stage << " resumed hybrid";
+    EXPECT_LE(max_rel_diff(p2[i], full), 1e-5) << "stage " << stage << " resumed on 2 ranks";
+    std::system(("rm -rf " + dirs[i]).c_str());
   }
 }
 
 // Note [Optimizer state on disk]: with the optimizer state in files (offload_optimizer_device
 // nvme), every stage trains bit for bit as with it in memory (three parameter groups, a unit
 // no loss uses, accumulation and clipping); a checkpoint saved from the files resumes bit for
-// bit; and the files are gone when the run ends.
+// bit; and the files are gone when the run ends (each run keeps them in a folder of its own).
 TEST(Zero, OptimizerStateOnDiskTrainsBitwiseAsInMemory) {
   const auto dir = temp_path("nvme");
-  std::filesystem::create_directories(dir);
-  const std::vector<std::string> nvme{"--offload_optimizer_device", "nvme",
-                                      "--offload_optimizer_nvme_path", dir};
+  auto nvme = [&](const std::string& sub) {
+    std::filesystem::create_directories(dir + "/" + sub);
+    return std::vector<std::string>{"--offload_optimizer_device", "nvme",
+                                    "--offload_optimizer_nvme_path", dir + "/" + sub};
+  };
+  std::vector<TrainRun> runs;
   for (int stage : {1, 2, 3}) {
-    const auto memory = train(2, stage);
-    EXPECT_EQ(max_rel_diff(train(2, stage, "alltoall", {}, "no", nvme), memory), 0.0)
-        << "stage " << stage;
-    EXPECT_TRUE(std::filesystem::is_empty(dir)) << "the state files outlived the run";
+    runs.push_back({stage});
+    runs.push_back({stage, "alltoall", {}, "no", nvme(std::to_string(stage))});
   }
   const auto ckpt = temp_path("nvme-ckpt");
-  const auto full = train(2, 3, "alltoall", {"--save_at", "5", "--save_dir", ckpt}, "no", nvme);
-  EXPECT_EQ(max_rel_diff(train(2, 3, "alltoall", {"--resume", ckpt}, "no", nvme), full), 0.0);
-  EXPECT_EQ(max_rel_diff(train(2, 3, "alltoall", {"--resume", ckpt}), full), 0.0)
-      << "resumed with the state in memory";
+  runs.push_back({3, "alltoall", {"--save_at", "5", "--save_dir", ckpt}, "no", nvme("save")});
+  runs.push_back({3, "alltoall", {"--resume", ckpt}, "no", nvme("resume")});
+  runs.push_back({3, "alltoall", {"--resume", ckpt}});
+  const auto p = train_all(2, runs);
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(max_rel_diff(p[2 * i + 1], p[2 * i]), 0.0) << "stage " << i + 1;
+  for (const auto& sub : std::filesystem::directory_iterator(dir))
+    EXPECT_TRUE(std::filesystem::is_empty(sub.path()))
+        << "the state files of run " << sub.path().filename() << " outlived it";
+  EXPECT_EQ(max_rel_diff(p[7], p[6]), 0.0);
+  EXPECT_EQ(max_rel_diff(p[8], p[6]), 0.0) << "resumed with the state in memory";
   std::filesystem::remove_all(ckpt);
   std::filesystem::remove_all(dir);
 }
@@ -257,8 +281,9 @@ TEST(Zero, MergedWeightsLoadIntoTheDenseModel) {
   const std::vector<std::string> exact{"--clip", "0", "--one_group"};
   auto args = exact;
   args.insert(args.end(), {"--save_at", "10", "--save_dir", dir});
-  const auto zero = train(4, 2, "allreduce", args);
-  const auto ddp = train(4, -1, "alltoall", exact);
+  const auto p = train_all(4, {{2, "allreduce", args}, {-1, "alltoall", exact}});
+  const auto& zero = p[0];
+  const auto& ddp = p[1];
   auto m = run_command({kCli, "merge-weights", dir, out}, {}, 60);
   ASSERT_EQ(m.exit_code, 0) << m.output;
   EXPECT_NE(m.output.find("merged "), std::string::npos) << m.output;
