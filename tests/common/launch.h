@@ -10,6 +10,7 @@
 #include <map>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 #include <string>
 #include <utility>
 #include <vector>
@@ -203,6 +204,23 @@ inline std::vector<RunResult> launch_jobs(int n, const std::string& program,
       r.exit_code = earlier_failed || all.exit_code == 0 ? -1 : all.exit_code;
       r.timed_out = all.timed_out;
     }
+  }
+  return results;
+}
+
+/// launch_jobs for jobs on several numbers of ranks: one launch per number (in increasing
+/// order), each job's result under its name.
+inline std::map<std::string, RunResult> launch_jobs_by_size(
+    const std::string& program, const std::vector<std::tuple<std::string, int, Job>>& jobs) {
+  std::map<int, std::vector<size_t>> by_size;
+  for (size_t i = 0; i < jobs.size(); ++i) by_size[std::get<1>(jobs[i])].push_back(i);
+  std::map<std::string, RunResult> results;
+  for (const auto& [n, indices] : by_size) {
+    std::vector<Job> group;
+    for (size_t i : indices) group.push_back(std::get<2>(jobs[i]));
+    auto done = launch_jobs(n, program, group);
+    for (size_t k = 0; k < indices.size(); ++k)
+      results[std::get<0>(jobs[indices[k]])] = std::move(done[k]);
   }
   return results;
 }

@@ -6,8 +6,10 @@
 // optimizer; what cannot take effect refused by name.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../common/launch.h"
@@ -36,16 +38,33 @@ struct Trained {
   std::vector<float> state;
 };
 
-// `mode` on n ranks with `flags` (launcher) and `args` (worker), per-rank batch `batch`.
-Trained train(int n, const std::string& mode, std::vector<std::string> flags,
-              std::vector<std::string> args, int64_t batch, const std::string& name) {
-  const auto out = temp_path(name + ".bin");
-  std::vector<std::string> all{mode, "--out", out, "--batch", std::to_string(batch)};
-  all.insert(all.end(), args.begin(), args.end());
-  auto r = launch(n, kWorker, all, LaunchOptions().flags(flags).timeout_s(180));
-  EXPECT_EQ(r.exit_code, 0) << name << "\n" << r.output;
-  return {r, read_floats(out)};
-}
+// Trainings gathered first and run together: one launch per number of ranks
+// (tandem::testing::launch_jobs), then read by name.
+class Trainings {
+ public:
+  void add(const std::string& name, int n, const std::string& mode, std::vector<std::string> flags,
+           std::vector<std::string> args, int64_t batch) {
+    for (const auto& job : jobs_)
+      if (std::get<0>(job) == name) return;  // one training under each name
+    std::vector<std::string> all{mode, "--out", temp_path(name + ".bin"), "--batch",
+                                 std::to_string(batch)};
+    all.insert(all.end(), args.begin(), args.end());
+    jobs_.emplace_back(name, n, tandem::testing::Job{all, LaunchOptions().flags(flags).timeout_s(180)});
+  }
+  void run() { results_ = tandem::testing::launch_jobs_by_size(kWorker, jobs_); }
+  Trained get(const std::string& name) const {
+    const auto& r = results_.at(name);
+    EXPECT_EQ(r.exit_code, 0) << name << "\n" << r.output;
+    const auto out = temp_path(name + ".bin");
+    auto state = read_floats(out);
+    std::remove(out.c_str());
+    return {r, state};
+  }
+
+ private:
+  std::vector<std::tuple<std::string, int, tandem::testing::Job>> jobs_;
+  std::map<std::string, RunResult> results_;
+};
 
 }  // namespace
 
@@ -62,33 +81,26 @@ TEST(UserPrograms, TypedMemberConvnetEqualsOneProcessUnderEveryLayout) {
       {2, {}, "module"},         {2, zero(1), "grad_loop"}, {2, zero(2), "module"},
       {2, zero(2), "grad_loop"}, {3, {}, "grad_loop"},      {3, zero(2), "module"},
   };
-  std::map<std::string, std::vector<float>> refs;  // one process, by global batch and variant
+  Trainings t;
+  std::vector<std::string> names;
   for (const auto& c : cases) {
     const std::string name = "mnist-" + std::to_string(c.n) + "-" +
                              (c.flags.empty() ? "ddp" : "zero" + c.flags.back()) + "-" + c.zero_grad;
     const std::string key = std::to_string(c.n) + "-" + c.zero_grad;
-    if (!refs.count(key))
-      refs[key] = train(1, "mnist", {}, {"--zero_grad", c.zero_grad}, 8 * c.n, "ref-" + key).state;
-    const auto& ref = refs[key];
-    auto got = train(c.n, "mnist", c.flags, {"--zero_grad", c.zero_grad}, 8, name);
-    ASSERT_FALSE(ref.empty()) << name;
-    EXPECT_LE(max_rel_diff(got.state, ref), 1e-5) << name << "\n" << got.run.output;
-    EXPECT_EQ(count_of(got.run.output, "mnist trained 6 steps"), 1) << got.run.output;
+    t.add("ref-" + key, 1, "mnist", {}, {"--zero_grad", c.zero_grad}, 8 * c.n);  // by global batch
+    t.add(name, c.n, "mnist", c.flags, {"--zero_grad", c.zero_grad}, 8);
+    names.push_back(name);
   }
   // Several ZeRO-2 units (2 KB buckets), reduced at different points of each backward, cleared
   // through the module and through a p.grad().zero_() loop.
-  for (const char* route : {"module", "grad_loop"}) {
-    auto got = train(2, "mnist", zero(2), {"--zero_grad", route, "--small_buckets"}, 8,
-                std::string("mnist-buckets-") + route);
-    EXPECT_LE(max_rel_diff(got.state, refs.at(std::string("2-") + route)), 1e-5)
-        << route << "\n" << got.run.output;
-  }
+  for (const char* route : {"module", "grad_loop"})
+    t.add(std::string("mnist-buckets-") + route, 2, "mnist", zero(2),
+          {"--zero_grad", route, "--small_buckets"}, 8);
   // Accumulation (2 micro-steps, zero_grad after the step) on 2 ranks.
   auto acc_flags = zero(2);
   acc_flags.insert(acc_flags.end(), {"--gradient_accumulation_steps", "2"});
-  auto ref = train(1, "mnist", {"--gradient_accumulation_steps", "2"}, {}, 16, "mnist-acc-ref");
-  auto got = train(2, "mnist", acc_flags, {}, 8, "mnist-acc");
-  EXPECT_LE(max_rel_diff(got.state, ref.state), 1e-5) << got.run.output;
+  t.add("mnist-acc-ref", 1, "mnist", {"--gradient_accumulation_steps", "2"}, {}, 16);
+  t.add("mnist-acc", 2, "mnist", acc_flags, {}, 8);
   // bf16 autocast under ZeRO-2 against data parallel in bf16 on the same per-rank batches (the
   // same bf16 kernels: within 1e-5), and against one process on the global batch within bf16's
   // resolution (a batch of another size takes other kernel blocking, so other bf16 roundings:
@@ -96,56 +108,91 @@ TEST(UserPrograms, TypedMemberConvnetEqualsOneProcessUnderEveryLayout) {
   const std::vector<std::string> bf16{"--mixed_precision", "bf16"};
   auto bf16_zero2 = zero(2);
   bf16_zero2.insert(bf16_zero2.end(), bf16.begin(), bf16.end());
-  ref = train(1, "mnist", bf16, {"--zero_grad", "module"}, 16, "mnist-bf16-ref");
-  auto ddp_bf16 = train(2, "mnist", bf16, {"--zero_grad", "module"}, 8, "mnist-bf16-ddp");
-  got = train(2, "mnist", bf16_zero2, {"--zero_grad", "module"}, 8, "mnist-bf16");
+  t.add("mnist-bf16-ref", 1, "mnist", bf16, {"--zero_grad", "module"}, 16);
+  t.add("mnist-bf16-ddp", 2, "mnist", bf16, {"--zero_grad", "module"}, 8);
+  t.add("mnist-bf16", 2, "mnist", bf16_zero2, {"--zero_grad", "module"}, 8);
+  // Declared with TANDEM_MODULE, the whole model is one ZeRO-3 unit (FSDP's root wrap), said
+  // in its line, and trains as one process does.
+  t.add("mnist-zero3", 2, "mnist", zero(3), {"--zero_grad", "module", "--tandem_module"}, 8);
+  t.run();
+
+  std::map<std::string, std::vector<float>> refs;  // one process, by global batch and variant
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& c = cases[i];
+    const std::string key = std::to_string(c.n) + "-" + c.zero_grad;
+    if (!refs.count(key)) refs[key] = t.get("ref-" + key).state;
+    const auto& ref = refs[key];
+    auto got = t.get(names[i]);
+    ASSERT_FALSE(ref.empty()) << names[i];
+    EXPECT_LE(max_rel_diff(got.state, ref), 1e-5) << names[i] << "\n" << got.run.output;
+    EXPECT_EQ(count_of(got.run.output, "mnist trained 6 steps"), 1) << got.run.output;
+  }
+  for (const char* route : {"module", "grad_loop"}) {
+    auto got = t.get(std::string("mnist-buckets-") + route);
+    EXPECT_LE(max_rel_diff(got.state, refs.at(std::string("2-") + route)), 1e-5)
+        << route << "\n" << got.run.output;
+  }
+  auto ref = t.get("mnist-acc-ref");
+  auto got = t.get("mnist-acc");
+  EXPECT_LE(max_rel_diff(got.state, ref.state), 1e-5) << got.run.output;
+  ref = t.get("mnist-bf16-ref");
+  auto ddp_bf16 = t.get("mnist-bf16-ddp");
+  got = t.get("mnist-bf16");
   EXPECT_LE(max_rel_diff(got.state, ddp_bf16.state), 1e-5) << got.run.output;
   EXPECT_LE(max_rel_diff(got.state, ref.state), 1.0 / 128) << got.run.output;
+  got = t.get("mnist-zero3");
+  EXPECT_LE(max_rel_diff(got.state, refs.at("2-module")), 1e-5) << got.run.output;
+  EXPECT_EQ(count_of(got.run.output, "zero-3 on model 1 (HookedNet): 1 unit, 8 of 8 parameters "
+                                     "sharded (100.0% of the elements)"),
+            1)
+      << got.run.output;
   // ZeRO-3: refused by name.
   auto r = launch(2, kWorker, {"mnist"}, LaunchOptions().flags(zero(3)).timeout_s(120));
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "ZeRO-3 finds no module of model 1 (Net)"), 1) << r.output;
   EXPECT_GE(count_of(r.output, "TANDEM_MODULE(Net)"), 1) << r.output;
   EXPECT_GE(count_of(r.output, "--zero_stage 2"), 1) << r.output;
-  // Declared with TANDEM_MODULE, the whole model is one ZeRO-3 unit (FSDP's root wrap), said
-  // in its line, and trains as one process does.
-  got = train(2, "mnist", zero(3), {"--zero_grad", "module", "--tandem_module"}, 8, "mnist-zero3");
-  EXPECT_LE(max_rel_diff(got.state, refs.at("2-module")), 1e-5) << got.run.output;
-  EXPECT_EQ(count_of(got.run.output, "zero-3 on model 1 (HookedNet): 1 unit, 8 of 8 parameters "
-                                     "sharded (100.0% of the elements)"),
-            1)
-      << got.run.output;
 }
 
 // zero_grad() before the forward inside an accumulation window discards the earlier micro-steps:
 // said once, naming the fix.
 TEST(UserPrograms, ZeroGradInsideAnAccumulationWindowIsSaid) {
-  auto r = launch(2, kWorker, {"mnist", "--zero_grad", "before", "--batch", "4"},
-                  LaunchOptions().flags({"--gradient_accumulation_steps", "2"}).timeout_s(120));
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count_of(r.output, "zero_grad: this call clears the gradients of 1 earlier micro-step"),
+  const auto flags = LaunchOptions().flags({"--gradient_accumulation_steps", "2"}).timeout_s(120);
+  const auto r = tandem::testing::launch_jobs(
+      2, kWorker,
+      {{{"mnist", "--zero_grad", "before", "--batch", "4"}, flags},
+       {{"mnist", "--zero_grad", "after", "--batch", "4"}, flags}});
+  EXPECT_EQ(r[0].exit_code, 0) << r[0].output;
+  EXPECT_EQ(count_of(r[0].output, "zero_grad: this call clears the gradients of 1 earlier micro-step"),
             2)
-      << r.output;
-  EXPECT_GE(count_of(r.output, "Call zero_grad() after step()"), 2) << r.output;
+      << r[0].output;
+  EXPECT_GE(count_of(r[0].output, "Call zero_grad() after step()"), 2) << r[0].output;
   // After the step (the README's place): nothing said.
-  r = launch(2, kWorker, {"mnist", "--zero_grad", "after", "--batch", "4"},
-             LaunchOptions().flags({"--gradient_accumulation_steps", "2"}).timeout_s(120));
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count_of(r.output, "zero_grad: this call clears"), 0) << r.output;
+  EXPECT_EQ(r[1].exit_code, 0) << r[1].output;
+  EXPECT_EQ(count_of(r[1].output, "zero_grad: this call clears"), 0) << r[1].output;
 }
 
 // An LSTM language model returning its state (carried across batches), through
 // split_between_processes: N ranks equal one process on all the rows.
 TEST(UserPrograms, LstmReturningItsStateEqualsOneProcess) {
-  auto ref = train(1, "lstm", {}, {}, 8, "lstm-ref");
+  Trainings t;
+  t.add("lstm-ref", 1, "lstm", {}, {}, 8);
+  t.add("lstm-ref3", 1, "lstm", {}, {}, 6);
+  const std::vector<std::vector<std::string>> layouts{{}, zero(1), zero(2)};
+  auto name_of = [](const std::vector<std::string>& flags) {
+    return "lstm-2-" + (flags.empty() ? std::string("ddp") : "zero" + flags.back());
+  };
+  for (const auto& flags : layouts) t.add(name_of(flags), 2, "lstm", flags, {}, 4);
+  t.add("lstm-3-ddp", 3, "lstm", {}, {}, 2);
+  t.run();
+  auto ref = t.get("lstm-ref");
   ASSERT_FALSE(ref.state.empty());
-  for (const auto& flags : {std::vector<std::string>{}, zero(1), zero(2)}) {
-    const std::string name = "lstm-2-" + (flags.empty() ? std::string("ddp") : "zero" + flags.back());
-    auto got = train(2, "lstm", flags, {}, 4, name);
-    EXPECT_LE(max_rel_diff(got.state, ref.state), 1e-5) << name << "\n" << got.run.output;
+  for (const auto& flags : layouts) {
+    auto got = t.get(name_of(flags));
+    EXPECT_LE(max_rel_diff(got.state, ref.state), 1e-5) << name_of(flags) << "\n" << got.run.output;
   }
-  auto ref3 = train(1, "lstm", {}, {}, 6, "lstm-ref3");
-  auto got3 = train(3, "lstm", {}, {}, 2, "lstm-3-ddp");
+  auto ref3 = t.get("lstm-ref3");
+  auto got3 = t.get("lstm-3-ddp");
   EXPECT_LE(max_rel_diff(got3.state, ref3.state), 1e-5) << got3.run.output;
 }
 
@@ -154,13 +201,21 @@ TEST(UserPrograms, LstmReturningItsStateEqualsOneProcess) {
 // allreduce-mean of the gradients on the same per-rank batches, parameters and BatchNorm
 // statistics; the step count is one per iteration, not one per optimizer.
 TEST(UserPrograms, GanWithBatchNormEqualsHandWrittenDataParallel) {
-  for (const auto& [n, flags] : std::vector<std::pair<int, std::vector<std::string>>>{
-           {2, {}}, {3, {}}, {2, zero(1)}, {2, zero(2)}}) {
-    const std::string name =
-        "gan-" + std::to_string(n) + "-" + (flags.empty() ? std::string("ddp") : "zero" + flags.back());
-    const auto ref_out = temp_path(name + "-ref.bin");
-    auto got = train(n, "gan", flags, {"--ref_out", ref_out}, 8, name);
-    const auto ref = read_floats(ref_out);
+  const std::vector<std::pair<int, std::vector<std::string>>> layouts{
+      {2, {}}, {3, {}}, {2, zero(1)}, {2, zero(2)}};
+  auto name_of = [](int n, const std::vector<std::string>& flags) {
+    return "gan-" + std::to_string(n) + "-" +
+           (flags.empty() ? std::string("ddp") : "zero" + flags.back());
+  };
+  Trainings t;
+  for (const auto& [n, flags] : layouts)
+    t.add(name_of(n, flags), n, "gan", flags,
+          {"--ref_out", temp_path(name_of(n, flags) + "-ref.bin")}, 8);
+  t.run();
+  for (const auto& [n, flags] : layouts) {
+    const std::string name = name_of(n, flags);
+    auto got = t.get(name);
+    const auto ref = read_floats(temp_path(name + "-ref.bin"));
     ASSERT_FALSE(ref.empty()) << name << "\n" << got.run.output;
     EXPECT_LE(max_rel_diff(got.state, ref), 1e-5) << name << "\n" << got.run.output;
     EXPECT_EQ(count_of(got.run.output, "gan trained 6 steps"), 1) << got.run.output;

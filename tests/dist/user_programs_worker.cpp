@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "../common/jobs_main.h"
+
 namespace {
 
 struct Args {
@@ -335,7 +337,7 @@ int split(const Args&) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_worker(int argc, char** argv) {
   CLI::App app("tandem user-program worker");
   Args a;
   app.add_option("mode", a.mode)->check(CLI::IsMember({"mnist", "lstm", "gan", "split"}));
@@ -362,3 +364,5 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+int main(int argc, char** argv) { return tandem::testing::main_with_jobs(argc, argv, run_worker); }
