@@ -256,9 +256,14 @@ TEST(TensorParallel, AcceleratorSequenceParallelEqualsOneProcess) {
 // norm (the strategy's shard norms in split and replicated parts, summed over tp) is the dense
 // model's; all within 1e-5.
 TEST(TensorParallel, AcceleratorZeroTimesTensorParallelEqualsOneProcess) {
-  for (const char* stage : {"1", "2", "3"}) {
-    auto r = launch(4, kWorker, {"accelerate"},
-                    with_flags({"--tp_size", "2", "--use_deepspeed", "--zero_stage", stage}));
+  std::vector<tandem::testing::Job> jobs;
+  for (const char* stage : {"1", "2", "3"})
+    jobs.push_back({{"accelerate"},
+                    with_flags({"--tp_size", "2", "--use_deepspeed", "--zero_stage", stage})});
+  const auto runs = tandem::testing::launch_jobs(4, kWorker, jobs);
+  for (int i = 0; i < 3; ++i) {
+    const int stage = i + 1;
+    const auto& r = runs[i];
     ASSERT_EQ(r.exit_code, 0) << "stage " << stage << "\n" << r.output;
     expect_mesh_lines(r.output, kAcceleratorMeshLines);
     auto c = parse_checks(r.output);
@@ -283,17 +288,21 @@ std::string expect_resume_bitwise(const std::vector<std::string>& flags) {
     }
     return d;
   };
-  auto whole = launch(4, kWorker, {"accelerate"}, with_flags(flags));
-  EXPECT_EQ(whole.exit_code, 0) << whole.output;
   const auto dir = tandem::testing::temp_path("tp", "ckpt");
-  auto saved = launch(4, kWorker, {"accelerate", "--save_dir", dir}, with_flags(flags));
+  // The three runs as jobs of one launch (tandem::testing::launch_jobs): each a fresh Accelerator.
+  const auto runs = tandem::testing::launch_jobs(
+      4, kWorker,
+      {{{"accelerate"}, with_flags(flags)},
+       {{"accelerate", "--save_dir", dir}, with_flags(flags)},
+       {{"accelerate", "--load_dir", dir}, with_flags(flags)}});
+  const auto &whole = runs[0], &saved = runs[1], &resumed = runs[2];
+  EXPECT_EQ(whole.exit_code, 0) << whole.output;
   EXPECT_EQ(saved.exit_code, 0) << saved.output;
   EXPECT_EQ(count_of(saved.output, "saved at step 2"), 4) << saved.output;
   // Ranks 0 and 1 are data-parallel rank 0 of tp ranks 0 and 1; 2 and 3 hold the same model.
   for (int r = 0; r < 4; ++r)
     EXPECT_EQ(std::ifstream(dir + "/model.mp" + std::to_string(r) + ".safetensors").good(), r < 2)
         << r;
-  auto resumed = launch(4, kWorker, {"accelerate", "--load_dir", dir}, with_flags(flags));
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   auto a = digests(whole.output), b = digests(resumed.output);
   EXPECT_EQ(a.size(), 4u) << whole.output;

@@ -31,6 +31,7 @@
 #include "tandem/comm/process_group.h"
 #include "tandem/config/run_config.h"
 #include "tandem/parallel/tensor_parallel.h"
+#include "../common/jobs_main.h"
 
 namespace tp = tandem::parallel;
 
@@ -634,7 +635,7 @@ void accelerate(const std::string& save_dir, const std::string& load_dir, bool s
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_worker(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   bool sequence_parallel = false;
   for (int i = 2; i < argc; ++i) sequence_parallel |= std::string(argv[i]) == "--sequence_parallel";
@@ -681,3 +682,5 @@ int main(int argc, char** argv) {
   std::cout << "tp_worker done" << std::endl;
   return 0;
 }
+
+int main(int argc, char** argv) { return tandem::testing::main_with_jobs(argc, argv, run_worker); }
