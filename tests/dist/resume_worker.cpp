@@ -24,6 +24,7 @@
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/tandem.h"
+#include "../common/jobs_main.h"
 
 namespace {
 
@@ -48,7 +49,7 @@ void dump(tandem::Accelerator& acc, torch::nn::Module& m, torch::optim::Optimize
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_worker(int argc, char** argv) {
   CLI::App app{"resume_worker"};
   std::string mode = "run", out, project = ".", point, precision = "no";
   bool master_weights = false;
@@ -201,3 +202,5 @@ int main(int argc, char** argv) {
   }
   return 2;
 }
+
+int main(int argc, char** argv) { return tandem::testing::main_with_jobs(argc, argv, run_worker); }

@@ -59,13 +59,14 @@ TEST_P(Resume, ResumedEqualsUninterrupted) {
     return a;
   };
   auto straight = dir + "/straight.safetensors", resumed = dir + "/resumed.safetensors";
-  auto a =
-      launch(n, kWorker, with({"run", "--steps", "14", "--project", dir + "/a", "--out", straight}),
-             kLaunch);
+  // The straight run and the first half as jobs of one launch (tandem::testing::launch_jobs);
+  // the second half in new processes.
+  const auto first = tandem::testing::launch_jobs(
+      n, kWorker,
+      {{with({"run", "--steps", "14", "--project", dir + "/a", "--out", straight}), kLaunch},
+       {with({"run", "--steps", "14", "--stop-at", "7", "--project", dir + "/b"}), kLaunch}});
+  const auto &a = first[0], &b1 = first[1];
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  auto b1 =
-      launch(n, kWorker, with({"run", "--steps", "14", "--stop-at", "7", "--project", dir + "/b"}),
-             kLaunch);
   ASSERT_EQ(b1.exit_code, 0) << b1.output;
   ASSERT_NE(b1.output.find("saved at step 7"), std::string::npos) << b1.output;
   ASSERT_TRUE(fs::exists(dir + "/b/checkpoints/checkpoint_0/manifest.json"));
@@ -265,29 +266,41 @@ TEST(Checkpoint, RotationKeepsTotalLimit) {
 // one behind (the documented limit of a checkpoint inside the step).
 TEST(PeriodicCheckpoint, ResumesOnTheSchedulersStep) {
   for (int n : {1, 2}) {
+    // The straight runs (sync and async) as jobs of one launch, then both resumed in another.
+    std::vector<tandem::testing::Job> straight_jobs, resumed_jobs;
+    std::vector<std::string> dirs, tags;
     for (bool async : {false, true}) {
-      const std::string tag = std::to_string(n) + (async ? "-async" : "");
-      auto dir = fresh_dir("periodic-" + tag);
-      auto straight = dir + "/straight.safetensors", resumed = dir + "/resumed.safetensors";
+      tags.push_back(std::to_string(n) + (async ? "-async" : ""));
+      dirs.push_back(fresh_dir("periodic-" + tags.back()));
+      const auto& dir = dirs.back();
       std::vector<std::string> a{"run", "--steps", "14", "--every", "7", "--project", dir + "/a",
-                                 "--out", straight};
+                                 "--out", dir + "/straight.safetensors"};
       if (async) a.push_back("--async");
-      auto r = launch(n, kWorker, a, kLaunch);
+      straight_jobs.push_back({a, kLaunch});
+      resumed_jobs.push_back({{"run", "--steps", "14", "--resume", "--project", dir + "/b", "--out",
+                               dir + "/resumed.safetensors"},
+                              kLaunch});
+    }
+    for (const auto& r : tandem::testing::launch_jobs(n, kWorker, straight_jobs))
       ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (const auto& dir : dirs) {
       fs::create_directories(dir + "/b/checkpoints");
       fs::copy(dir + "/a/checkpoints/checkpoint_0", dir + "/b/checkpoints/checkpoint_0",
                fs::copy_options::recursive);
-      auto b = launch(n, kWorker,
-                      {"run", "--steps", "14", "--resume", "--project", dir + "/b", "--out", resumed},
-                      kLaunch);
+    }
+    const auto resumed = tandem::testing::launch_jobs(n, kWorker, resumed_jobs);
+    for (size_t i = 0; i < dirs.size(); ++i) {
+      const auto& b = resumed[i];
       ASSERT_EQ(b.exit_code, 0) << b.output;
       EXPECT_NE(b.output.find("resumed at step 7"), std::string::npos) << b.output;
-      auto c = tandem::testing::run_command({kWorker, "compare", "--out", straight, "--project", resumed},
+      auto c = tandem::testing::run_command({kWorker, "compare", "--out",
+                                             dirs[i] + "/straight.safetensors", "--project",
+                                             dirs[i] + "/resumed.safetensors"},
                                             {}, 60);
       EXPECT_EQ(c.exit_code, 0) << c.output;
-      EXPECT_NE(c.output.find("equal but counter 14 and 13"), std::string::npos) << tag << "\n"
+      EXPECT_NE(c.output.find("equal but counter 14 and 13"), std::string::npos) << tags[i] << "\n"
                                                                                  << c.output;
-      fs::remove_all(dir);
+      fs::remove_all(dirs[i]);
     }
   }
 }
@@ -324,15 +337,17 @@ TEST_P(AsyncSave, FilesEqualSynchronousSaves) {
                               : LaunchOptions(kLaunch).flags(
                                     {"--grace_period", "1", "--use_deepspeed", "--zero_stage", zero});
   std::string outs[2];
+  std::vector<tandem::testing::Job> jobs;  // one launch (tandem::testing::launch_jobs)
   for (int async = 0; async < 2; ++async) {
     const std::string project = dir + (async ? "/async" : "/sync");
     outs[async] = project + ".safetensors";
     std::vector<std::string> args{"run", "--steps", "14", "--every", "7", "--project", project,
                                   "--out", outs[async]};
     if (async) args.push_back("--async");
-    auto r = launch(n, kWorker, args, options);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
+    jobs.push_back({args, options});
   }
+  for (const auto& r : tandem::testing::launch_jobs(n, kWorker, jobs))
+    ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* ck : {"checkpoint_0", "checkpoint_1"})
     expect_same_files(dir + "/sync/checkpoints/" + ck, dir + "/async/checkpoints/" + ck);
   EXPECT_TRUE(bytes_of(outs[0]) == bytes_of(outs[1])) << "asynchronous saves changed training";
@@ -355,12 +370,13 @@ INSTANTIATE_TEST_SUITE_P(Layouts, AsyncSave,
 TEST(AsyncSaveResume, ResumedEqualsUninterrupted) {
   auto dir = fresh_dir("async-resume");
   auto straight = dir + "/straight.safetensors", resumed = dir + "/resumed.safetensors";
-  auto a = launch(2, kWorker, {"run", "--steps", "14", "--project", dir + "/a", "--out", straight},
-                  kLaunch);
+  // The straight run and the first half as jobs of one launch; the second half in new processes.
+  const auto first = tandem::testing::launch_jobs(
+      2, kWorker,
+      {{{"run", "--steps", "14", "--project", dir + "/a", "--out", straight}, kLaunch},
+       {{"run", "--steps", "14", "--stop-at", "7", "--async", "--project", dir + "/b"}, kLaunch}});
+  const auto &a = first[0], &b1 = first[1];
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  auto b1 = launch(2, kWorker,
-                   {"run", "--steps", "14", "--stop-at", "7", "--async", "--project", dir + "/b"},
-                   kLaunch);
   ASSERT_EQ(b1.exit_code, 0) << b1.output;
   ASSERT_TRUE(fs::exists(dir + "/b/checkpoints/checkpoint_0/manifest.json")) << b1.output;
   auto b2 = launch(2, kWorker,
