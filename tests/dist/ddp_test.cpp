@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <tuple>
 #include <vector>
 
 #include "../common/launch.h"
@@ -34,7 +35,13 @@ struct EquivalenceCase {
   int accumulate;
 };
 
-class Equivalence : public ::testing::TestWithParam<EquivalenceCase> {};
+// Cases whose runs go as jobs of one launch per number of ranks (tandem::testing::launch_jobs).
+struct EquivalenceGroup {
+  std::string name;
+  std::vector<EquivalenceCase> cases;
+};
+
+class Equivalence : public ::testing::TestWithParam<EquivalenceGroup> {};
 
 // N ranks trained for K optimizer steps end with the parameters of one process trained on the
 // same global batches: max abs difference <= 1e-5 in fp32 (the two differ only in the order of
@@ -42,47 +49,61 @@ class Equivalence : public ::testing::TestWithParam<EquivalenceCase> {};
 // process). The data set size (203 for the MLP, 61 windows for the GPT) is divisible by none of
 // 2, 3, 4, so the last batch is short and the sampler pads.
 TEST_P(Equivalence, NRanksEqualOneProcessOnTheGlobalBatch) {
-  const auto& c = GetParam();
-  const std::string samples = c.model == "gpt" ? "61" : "203";
-  const std::string steps = c.model == "gpt" ? "6" : "30";  // the MLP crosses an epoch boundary
-  std::vector<std::string> common{"--model", c.model, "--steps", steps, "--accumulate",
-                                  std::to_string(c.accumulate), "--samples", samples, "--batch", "4"};
-  auto dist_out = temp_path(c.model + "-dist.bin"), ref_out = temp_path(c.model + "-ref.bin");
-  auto args = common;
-  args.insert(args.begin(), "train");
-  args.insert(args.end(), {"--out", dist_out});
-  auto r = launch(c.ranks, kWorker, args, kLaunch);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count_of(r.output, "trained " + steps + " steps on " + std::to_string(c.ranks)), c.ranks)
-      << r.output;
-  args = common;
-  args.insert(args.begin(), "reference");
-  args.insert(args.end(), {"--ranks", std::to_string(c.ranks), "--out", ref_out});
-  // The reference goes through the launcher too, so that it runs the same BLAS kernels as the
-  // ranks (the launcher may pick OpenBLAS's kernels: Note [OpenBLAS kernels]).
-  auto ref = launch(1, kWorker, args, kLaunch);
-  ASSERT_EQ(ref.exit_code, 0) << ref.output;
-  auto a = read_floats(dist_out), b = read_floats(ref_out);
-  ASSERT_EQ(a.size(), b.size());
-  ASSERT_GT(a.size(), 1000u);
-  double max_diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) max_diff = std::max(max_diff, std::fabs(double(a[i]) - b[i]));
-  EXPECT_LE(max_diff, 1e-5) << c.model << " on " << c.ranks << " ranks";
-  std::remove(dist_out.c_str());
-  std::remove(ref_out.c_str());
+  std::vector<std::tuple<std::string, int, tandem::testing::Job>> jobs;
+  auto name_of = [](const EquivalenceCase& c) {
+    return c.model + "_" + std::to_string(c.ranks) + "ranks_accum" + std::to_string(c.accumulate);
+  };
+  for (const auto& c : GetParam().cases) {
+    const std::string samples = c.model == "gpt" ? "61" : "203";
+    const std::string steps = c.model == "gpt" ? "6" : "30";  // the MLP crosses an epoch boundary
+    std::vector<std::string> common{"--model", c.model, "--steps", steps, "--accumulate",
+                                    std::to_string(c.accumulate), "--samples", samples, "--batch",
+                                    "4"};
+    auto args = common;
+    args.insert(args.begin(), "train");
+    args.insert(args.end(), {"--out", temp_path(name_of(c) + "-dist.bin")});
+    jobs.emplace_back(name_of(c), c.ranks, tandem::testing::Job{args, kLaunch});
+    args = common;
+    args.insert(args.begin(), "reference");
+    args.insert(args.end(), {"--ranks", std::to_string(c.ranks), "--out",
+                             temp_path(name_of(c) + "-ref.bin")});
+    // The reference goes through the launcher too, so that it runs the same BLAS kernels as the
+    // ranks (the launcher may pick OpenBLAS's kernels: Note [OpenBLAS kernels]).
+    jobs.emplace_back(name_of(c) + "-ref", 1, tandem::testing::Job{args, kLaunch});
+  }
+  const auto runs = tandem::testing::launch_jobs_by_size(kWorker, jobs);
+  for (const auto& c : GetParam().cases) {
+    const auto& r = runs.at(name_of(c));
+    const auto& ref = runs.at(name_of(c) + "-ref");
+    const std::string steps = c.model == "gpt" ? "6" : "30";
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(count_of(r.output, "trained " + steps + " steps on " + std::to_string(c.ranks)),
+              c.ranks)
+        << r.output;
+    EXPECT_EQ(ref.exit_code, 0) << ref.output;
+    const auto dist_out = temp_path(name_of(c) + "-dist.bin");
+    const auto ref_out = temp_path(name_of(c) + "-ref.bin");
+    auto a = read_floats(dist_out), b = read_floats(ref_out);
+    EXPECT_EQ(a.size(), b.size()) << name_of(c);
+    EXPECT_GT(a.size(), 1000u) << name_of(c);
+    double max_diff = a.size() == b.size() ? 0 : 1;
+    for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+      max_diff = std::max(max_diff, std::fabs(double(a[i]) - b[i]));
+    EXPECT_LE(max_diff, 1e-5) << c.model << " on " << c.ranks << " ranks, accumulating "
+                              << c.accumulate;
+    std::remove(dist_out.c_str());
+    std::remove(ref_out.c_str());
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Models, Equivalence,
-    ::testing::Values(EquivalenceCase{"mlp", 1, 1}, EquivalenceCase{"mlp", 2, 1},
-                      EquivalenceCase{"mlp", 3, 1}, EquivalenceCase{"mlp", 4, 1},
-                      EquivalenceCase{"mlp", 2, 3}, EquivalenceCase{"mlp", 3, 2},
-                      EquivalenceCase{"gpt", 2, 1}, EquivalenceCase{"gpt", 3, 1},
-                      EquivalenceCase{"gpt", 2, 2}),
-    [](const auto& info) {
-      return info.param.model + "_" + std::to_string(info.param.ranks) + "ranks_accum" +
-             std::to_string(info.param.accumulate);
-    });
+    ::testing::Values(
+        EquivalenceGroup{"mlp_2ranks_accum1", {{"mlp", 2, 1}}},
+        EquivalenceGroup{"mlp", {{"mlp", 1, 1}, {"mlp", 3, 1}, {"mlp", 4, 1}, {"mlp", 2, 3},
+                                 {"mlp", 3, 2}}},
+        EquivalenceGroup{"gpt", {{"gpt", 2, 1}, {"gpt", 3, 1}, {"gpt", 2, 2}}}),
+    [](const auto& info) { return info.param.name; });
 
 TEST(DataParallel, UnusedParametersAreNamedOrHandled) {
   for (const char* mode : {"unused", "unused-find"}) {

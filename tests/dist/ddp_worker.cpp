@@ -27,6 +27,7 @@
 #include "../../examples/common/mlp.h"
 #include "../common/small_gpt.h"
 #include "tandem/tandem.h"
+#include "../common/jobs_main.h"
 
 namespace {
 
@@ -500,7 +501,7 @@ int bucketview(const Args&) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_worker(int argc, char** argv) {
   CLI::App app{"ddp_worker"};
   Args a;
   app.add_option("mode", a.mode);
@@ -533,3 +534,5 @@ int main(int argc, char** argv) {
   std::cerr << "unknown mode " << a.mode << std::endl;
   return 2;
 }
+
+int main(int argc, char** argv) { return tandem::testing::main_with_jobs(argc, argv, run_worker); }
