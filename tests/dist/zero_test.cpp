@@ -360,7 +360,8 @@ TEST(Zero, ShardedConstructionEqualsTheDenseModelAndNeverHoldsIt) {
   const std::vector<std::string> exact{"--clip", "0"};
   auto with_built = exact;
   with_built.push_back("--built");
-  EXPECT_EQ(max_rel_diff(train(2, 3, "alltoall", with_built), train(2, 3, "alltoall", exact)), 0.0);
+  const auto p = train_all(2, {{3, "alltoall", with_built}, {3, "alltoall", exact}});
+  EXPECT_EQ(max_rel_diff(p[0], p[1]), 0.0);
 }
 
 // Note [Prefetching units]: ZeRO-3 (--use_fsdp) on 2 ranks with the forward prefetch and either
@@ -369,33 +370,40 @@ TEST(Zero, ShardedConstructionEqualsTheDenseModelAndNeverHoldsIt) {
 // (only when the all-gathers run changes); the timelines show all-gathers issued ahead of their
 // use, and issued while a forward or backward computed.
 TEST(Zero, PrefetchedUnitsTrainTheSameAndRunUnderCompute) {
+  // The three runs as jobs of one launch (tandem::testing::launch_jobs).
+  std::vector<tandem::testing::Job> jobs;
+  std::vector<std::string> outs, dirs;
   auto fsdp = [&](std::vector<std::string> extra, const std::string& tag, bool timeline) {
-    const auto out = temp_path("prefetch-" + tag + ".bin"), dir = temp_path("prefetch-tl-" + tag);
+    outs.push_back(temp_path("prefetch-" + tag + ".bin"));
+    dirs.push_back(temp_path("prefetch-tl-" + tag));
     std::vector<std::string> flags{"--use_fsdp"};
     flags.insert(flags.end(), extra.begin(), extra.end());
-    std::vector<std::string> args{"train", "--out", out, "--clip", "0"};
-    if (timeline) args.insert(args.end(), {"--timeline_dir", dir});
-    auto r = launch(2, kWorker, args, LaunchOptions().flags(flags).timeout_s(240));
-    EXPECT_EQ(r.exit_code, 0) << tag << "\n" << r.output;
-    EXPECT_EQ(count_of(r.output, "strategy zero-3 trained to step 10"), 2) << r.output;
-    auto v = read_floats(out);
-    std::remove(out.c_str());
-    std::system(("rm -rf " + dir).c_str());
-    return std::make_pair(v, r.output);
+    std::vector<std::string> args{"train", "--out", outs.back(), "--clip", "0"};
+    if (timeline) args.insert(args.end(), {"--timeline_dir", dirs.back()});
+    jobs.push_back({args, LaunchOptions().flags(flags).timeout_s(240)});
   };
+  fsdp({}, "plain", true);
+  fsdp({"--fsdp_forward_prefetch", "true", "--fsdp_backward_prefetch", "BACKWARD_PRE"}, "pre", true);
+  fsdp({"--fsdp_backward_prefetch", "BACKWARD_POST", "--fsdp_reshard_after_forward", "false"},
+       "post", false);
+  const auto runs = tandem::testing::launch_jobs(2, kWorker, jobs);
+  std::vector<std::vector<float>> params;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    EXPECT_EQ(runs[i].exit_code, 0) << runs[i].output;
+    EXPECT_EQ(count_of(runs[i].output, "strategy zero-3 trained to step 10"), 2) << runs[i].output;
+    params.push_back(read_floats(outs[i]));
+    std::remove(outs[i].c_str());
+    std::system(("rm -rf " + dirs[i]).c_str());
+  }
   auto stat = [](const std::string& output, int rank, const std::string& key) -> int64_t {
     const auto line = output.find("gathers rank=" + std::to_string(rank) + " ");
     if (line == std::string::npos) return -1;
     const auto at = output.find(" " + key + "=", line);
     return at == std::string::npos ? -1 : std::stoll(output.substr(at + key.size() + 2));
   };
-  const auto [plain, plain_out] = fsdp({}, "plain", true);
+  const auto &plain = params[0], &pre = params[1], &post = params[2];
+  const auto &plain_out = runs[0].output, &pre_out = runs[1].output, &post_out = runs[2].output;
   ASSERT_GT(plain.size(), 200u);
-  const auto [pre, pre_out] = fsdp({"--fsdp_forward_prefetch", "true", "--fsdp_backward_prefetch",
-                                    "BACKWARD_PRE"}, "pre", true);
-  const auto [post, post_out] =
-      fsdp({"--fsdp_backward_prefetch", "BACKWARD_POST", "--fsdp_reshard_after_forward", "false"},
-           "post", false);
   EXPECT_EQ(max_rel_diff(pre, plain), 0.0) << pre_out;
   EXPECT_EQ(max_rel_diff(post, plain), 0.0) << post_out;
   for (int rank = 0; rank < 2; ++rank) {
