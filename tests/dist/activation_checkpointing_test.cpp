@@ -20,24 +20,44 @@ namespace {
 
 const std::string kWorker = ACTIVATION_CHECKPOINTING_WORKER;
 
-// Trains on 2 ranks; returns rank 0's final parameters.
-std::vector<float> train(bool zero3, bool checkpointing, const std::string& wrap = "before") {
-  const std::string what = std::string(zero3 ? "zero3" : "ddp") + (checkpointing ? "-ckpt-" + wrap : "");
-  const auto out = tandem::testing::temp_path("checkpointing", what + ".bin");
-  std::vector<std::string> flags;
-  if (zero3) flags.insert(flags.end(), {"--use_deepspeed", "--zero_stage", "3"});
-  if (checkpointing) flags.push_back("--activation_checkpointing");
-  auto r = launch(2, kWorker, {"--out", out, "--wrap", wrap}, LaunchOptions().flags(flags));
-  EXPECT_EQ(r.exit_code, 0) << what << "\n" << r.output;
-  const std::string strategy = zero3 ? "zero-3" : "ddp";
-  // 4 steps of 2 micro-steps: 4 synchronised backward passes, each finished once, on each rank.
-  EXPECT_EQ(count_of(r.output, "strategy " + strategy + " checkpointed " +
-                                   std::string(checkpointing ? "5" : "0") + " reductions 4"),
-            2)
-      << what << "\n" << r.output;
-  auto v = read_floats(out);
-  std::remove(out.c_str());
-  return v;
+// One training on 2 ranks: under ZeRO-3 or data parallel, checkpointed (wrapped before or after
+// prepare) or not.
+struct Training {
+  bool zero3, checkpointing;
+  std::string wrap = "before";
+  std::string what() const {
+    return std::string(zero3 ? "zero3" : "ddp") + (checkpointing ? "-ckpt-" + wrap : "");
+  }
+};
+
+// The trainings as jobs of one launch on 2 ranks (tandem::testing::launch_jobs); rank 0's final
+// parameters of each.
+std::vector<std::vector<float>> train(const std::vector<Training>& trainings) {
+  std::vector<tandem::testing::Job> jobs;
+  for (const auto& t : trainings) {
+    std::vector<std::string> flags;
+    if (t.zero3) flags.insert(flags.end(), {"--use_deepspeed", "--zero_stage", "3"});
+    if (t.checkpointing) flags.push_back("--activation_checkpointing");
+    const auto out = tandem::testing::temp_path("checkpointing", t.what() + ".bin");
+    jobs.push_back({{"--out", out, "--wrap", t.wrap}, LaunchOptions().flags(flags)});
+  }
+  const auto runs = tandem::testing::launch_jobs(2, kWorker, jobs);
+  std::vector<std::vector<float>> params;
+  for (size_t i = 0; i < trainings.size(); ++i) {
+    const auto& t = trainings[i];
+    const auto& r = runs[i];
+    EXPECT_EQ(r.exit_code, 0) << t.what() << "\n" << r.output;
+    const std::string strategy = t.zero3 ? "zero-3" : "ddp";
+    // 4 steps of 2 micro-steps: 4 synchronised backward passes, each finished once, on each rank.
+    EXPECT_EQ(count_of(r.output, "strategy " + strategy + " checkpointed " +
+                                     std::string(t.checkpointing ? "5" : "0") + " reductions 4"),
+              2)
+        << t.what() << "\n" << r.output;
+    const auto out = tandem::testing::temp_path("checkpointing", t.what() + ".bin");
+    params.push_back(read_floats(out));
+    std::remove(out.c_str());
+  }
+  return params;
 }
 
 void expect_bitwise(const std::vector<float>& a, const std::vector<float>& b) {
@@ -51,16 +71,15 @@ void expect_bitwise(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 TEST(ActivationCheckpointingDistributed, DataParallelBitwiseEqual) {
-  auto plain = train(false, false);
-  auto ckpt = train(false, true);
-  expect_bitwise(plain, ckpt);
+  const auto p = train({{false, false}, {false, true}});
+  expect_bitwise(p[0], p[1]);
 }
 
 // Sharded(Checkpointed(block)) (checkpointing applied before prepare, the auto-wrap outside) and
 // Checkpointed(Sharded(block)) (applied after prepare): the units are gathered for the recompute
 // and freed after, and each unit's gradients are reduced once.
 TEST(ActivationCheckpointingDistributed, Zero3BitwiseEqualInBothNestings) {
-  auto plain = train(true, false);
-  expect_bitwise(plain, train(true, true, "before"));
-  expect_bitwise(plain, train(true, true, "after"));
+  const auto p = train({{true, false}, {true, true, "before"}, {true, true, "after"}});
+  expect_bitwise(p[0], p[1]);
+  expect_bitwise(p[0], p[2]);
 }

@@ -13,6 +13,7 @@
 
 #include "../common/drop_block.h"
 #include "tandem/tandem.h"
+#include "../common/jobs_main.h"
 
 namespace {
 
@@ -22,7 +23,7 @@ using tandem::testing::DropBlock;
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_worker(int argc, char** argv) {
   CLI::App app("activation checkpointing worker");
   std::string out, wrap = "before";
   int64_t steps = 4;
@@ -76,3 +77,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+int main(int argc, char** argv) { return tandem::testing::main_with_jobs(argc, argv, run_worker); }
