@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <utility>
@@ -145,6 +146,20 @@ double Pipeline::step(const at::Tensor& input, const at::Tensor& target) {
     options = options.device(prm.device());
     break;
   }
+  // The inputs of each chunk's weight-gradient passes, found at its first W of the step: each
+  // tensor once (Module::parameters() lists a shared one per holder).
+  std::vector<std::optional<std::vector<at::Tensor>>> weights_of(v);
+  auto weight_inputs = [&](int c) -> const std::vector<at::Tensor>& {
+    auto& w = weights_of[c];
+    if (!w) {
+      w.emplace();
+      std::set<const c10::TensorImpl*> seen;
+      for (const auto& prm : chunk_modules_[c]->parameters())
+        if (prm.requires_grad() && seen.insert(prm.unsafeGetTensorImpl()).second)
+          w->push_back(prm);
+    }
+    return *w;
+  };
   const std::string mb = " of micro-batch ";
   using Clock = std::chrono::steady_clock;
   const auto step_start = Clock::now();
@@ -298,12 +313,7 @@ double Pipeline::step(const at::Tensor& input, const at::Tensor& target) {
         break;
       }
       case Kind::kBackwardWeight: {
-        // Each tensor once (Module::parameters() lists a shared one per holder).
-        std::vector<at::Tensor> params;
-        std::set<const c10::TensorImpl*> seen;
-        for (const auto& prm : chunk_modules_[c]->parameters())
-          if (prm.requires_grad() && seen.insert(prm.unsafeGetTensorImpl()).second)
-            params.push_back(prm);
+        const auto& params = weight_inputs(c);
         if (!params.empty() && out[c][j].requires_grad())
           torch::autograd::backward({out[c][j]}, seed(c, j, g), /*retain_graph=*/false,
                                     /*create_graph=*/false, /*inputs=*/params);
