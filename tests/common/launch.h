@@ -100,16 +100,25 @@ namespace detail {
 // Variables that say where a rank is in this launch, not how it is configured: the one real
 // launch of `launch_jobs` sets them, never a job.
 inline bool identifies_the_launch(const std::string& key) {
-  static const char* const kKeys[] = {"RANK",       "LOCAL_RANK",  "WORLD_SIZE",
-                                      "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                                      "MASTER_ADDR", "MASTER_PORT", "TANDEM_RESTART_COUNT",
-                                      "TANDEM_LAUNCHER", "TANDEM_ERROR_FILE"};
+  static const char* const kKeys[] = {
+      "RANK",           "LOCAL_RANK",           "WORLD_SIZE",           "LOCAL_WORLD_SIZE",
+      "GROUP_RANK",     "NODE_RANK",            "MASTER_ADDR",          "MASTER_PORT",
+      "TANDEM_LAUNCHER", "TANDEM_RESTART_COUNT", "TANDEM_ERROR_FILE",   "TANDEM_HEARTBEAT_FILE",
+      "CUDA_VISIBLE_DEVICES"};
   for (const char* k : kKeys)
     if (key == k) return true;
   return key.rfind("TORCHELASTIC_", 0) == 0;
 }
 
-// The variables `tandem launch --dry_run` gives rank 0 for these options, less the launch's own.
+// Variables of what the launcher itself does (watching heartbeats, forwarding a signal, binding
+// cores): a job cannot have its own inside a shared launch.
+inline bool acts_on_the_launcher(const std::string& key) {
+  return key == "TANDEM_HEARTBEAT_INTERVAL_S" || key == "TANDEM_PREEMPTION_SIGNAL" ||
+         key == "TANDEM_CPU_AFFINITY";
+}
+
+// The variables `tandem launch --dry_run` gives the ranks for these options, less the launch's
+// own; a variable whose value differs between ranks is the launch's too.
 inline std::map<std::string, std::string> launcher_env(int n, const std::string& program,
                                                        const LaunchOptions& options) {
   auto argv = launch_command(n, program, {}, options);
@@ -117,16 +126,28 @@ inline std::map<std::string, std::string> launcher_env(int n, const std::string&
   auto r = run_command(argv, options.env(), 60);
   if (r.exit_code != 0)
     throw std::runtime_error("tandem launch --dry_run refused a job's flags:\n" + r.output);
-  std::map<std::string, std::string> env;
-  bool rank0 = false;
+  std::vector<std::map<std::string, std::string>> ranks;
   std::istringstream lines(r.output);
   for (std::string line; std::getline(lines, line);) {
-    if (line.rfind("rank ", 0) == 0) rank0 = line.rfind("rank 0 ", 0) == 0;
-    if (!rank0 || line.rfind("    ", 0) != 0) continue;
+    if (line.rfind("rank ", 0) == 0 && line.find("(local ") != std::string::npos) {
+      ranks.emplace_back();
+      continue;
+    }
+    if (ranks.empty() || line.rfind("    ", 0) != 0) continue;
     const auto eq = line.find('=');
-    if (eq == std::string::npos) continue;
-    const std::string key = line.substr(4, eq - 4);
-    if (!identifies_the_launch(key)) env[key] = line.substr(eq + 1);
+    if (eq != std::string::npos) ranks.back()[line.substr(4, eq - 4)] = line.substr(eq + 1);
+  }
+  if (static_cast<int>(ranks.size()) != n)
+    throw std::runtime_error("tandem launch --dry_run did not describe " + std::to_string(n) +
+                             " ranks:\n" + r.output);
+  std::map<std::string, std::string> env;
+  for (const auto& [key, value] : ranks[0]) {
+    bool same = true;
+    for (const auto& other : ranks) {
+      auto it = other.find(key);
+      same = same && it != other.end() && it->second == value;
+    }
+    if (same && !identifies_the_launch(key)) env[key] = value;
   }
   return env;
 }
@@ -158,6 +179,12 @@ inline std::vector<RunResult> launch_jobs(int n, const std::string& program,
         throw std::invalid_argument("launch_jobs: every job needs the same threads_per_process");
       timeout += job.options.timeout_s();
       auto env = detail::launcher_env(n, program, job.options);
+      for (const auto& [k, v] : env) {
+        auto it = base_env.find(k);
+        if (detail::acts_on_the_launcher(k) && (it == base_env.end() || it->second != v))
+          throw std::invalid_argument("launch_jobs: " + k + "=" + v +
+                                      " acts on the launcher itself; launch that job alone");
+      }
       for (const auto& [k, v] : job.options.env()) env[k] = v;
       out << "job\n";
       for (const auto& [k, v] : base_env)

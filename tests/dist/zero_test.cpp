@@ -181,6 +181,36 @@ TEST(Zero, HalfWeightsAndMasterWeightsEqualDataParallel) {
   }
 }
 
+// The tests' shared launches (tandem::testing::launch_jobs): each job trains under its own
+// flags (the strategy it names), its lines are its own, a failing job ends the launch with its
+// exit code and the jobs after it are not run.
+TEST(LaunchJobs, EachJobHasItsFlagsItsOutputAndItsExitCode) {
+  const auto out = temp_path("jobs.bin");
+  const auto r = tandem::testing::launch_jobs(
+      2, kWorker,
+      {{{"train", "--out", out, "--steps", "2"}, zero_flags(2)},
+       {{"train", "--out", out, "--steps", "2"}, zero_flags(-1)},
+       {{"no_such_mode"}, zero_flags(1)},
+       {{"train", "--out", out, "--steps", "2"}, zero_flags(3)}});
+  ASSERT_EQ(r.size(), 4u);
+  EXPECT_EQ(r[0].exit_code, 0) << r[0].output;
+  EXPECT_EQ(count_of(r[0].output, "strategy zero-2 trained to step 2"), 2) << r[0].output;
+  EXPECT_EQ(count_of(r[0].output, "strategy ddp"), 0) << r[0].output;
+  EXPECT_EQ(r[1].exit_code, 0) << r[1].output;
+  EXPECT_EQ(count_of(r[1].output, "strategy ddp trained to step 2"), 2) << r[1].output;
+  EXPECT_EQ(count_of(r[1].output, "strategy zero-2"), 0) << r[1].output;
+  EXPECT_EQ(r[2].exit_code, 2) << r[2].output;
+  EXPECT_GE(count_of(r[2].output, "unknown mode no_such_mode"), 1) << r[2].output;
+  EXPECT_EQ(r[3].exit_code, -1) << r[3].output;
+  EXPECT_EQ(count_of(r[3].output, "strategy zero-3"), 0) << r[3].output;
+  std::remove(out.c_str());
+  // A flag that acts on the launcher itself cannot differ between jobs of one launch.
+  EXPECT_THROW(tandem::testing::launch_jobs(
+                   2, kWorker,
+                   {{{"train"}, LaunchOptions().flags({"--preemption_signal", "USR1"})}}),
+               std::invalid_argument);
+}
+
 TEST(Zero, MismatchedModelsFailFastNamingBothLayouts) {
   auto r = launch(2, kWorker, {"mismatch"}, zero_flags(2));
   EXPECT_NE(r.exit_code, 0) << r.output;
