@@ -161,8 +161,8 @@ inline std::map<std::string, std::string> launcher_env(int n, const std::string&
 /// program runs the jobs one after another through `tandem::testing::main_with_jobs`
 /// (tests/common/jobs_main.h), which sets them before each and prints where each job starts and
 /// how it ended. Returns one result per job: its exit code (the worst over the ranks) and the
-/// lines its ranks printed (with the launcher's own lines). After a failed job the job stops;
-/// the jobs it did not reach have exit code -1 and the launch's output.
+/// lines its ranks printed (with the launcher's own lines). A failed job ends the launch, as it
+/// would have ended its own; the jobs it did not reach have exit code -1 and the launcher's lines.
 /// Every job must have the same threads_per_process; the timeout is the jobs' sum.
 inline std::vector<RunResult> launch_jobs(int n, const std::string& program,
                                           const std::vector<Job>& jobs) {
