@@ -45,25 +45,8 @@ LaunchOptions zero_flags(int stage, const std::string& reduce_scatter = "alltoal
       .timeout_s(240);
 }
 
-std::vector<float> train(int n, int stage, const std::string& reduce_scatter = "alltoall",
-                         std::vector<std::string> extra = {}, const std::string& precision = "no",
-                         const std::vector<std::string>& launch_flags = {}) {
-  const auto out = temp_path("params-" + std::to_string(n) + "-" + std::to_string(stage) + "-" +
-                             reduce_scatter + ".bin");
-  std::vector<std::string> args{"train", "--out", out};
-  args.insert(args.end(), extra.begin(), extra.end());
-  auto r = launch(n, kWorker, args, zero_flags(stage, reduce_scatter, precision, launch_flags));
-  std::string what = "stage " + std::to_string(stage) + ", " + precision + ", " + reduce_scatter;
-  for (const auto& a : args) what += " " + a;
-  EXPECT_EQ(r.exit_code, 0) << what << "\n" << r.output;
-  const std::string name = stage > 0 ? "zero-" + std::to_string(stage) : "ddp";
-  EXPECT_EQ(count_of(r.output, "strategy " + name + " trained to step 10"), n) << r.output;
-  auto v = read_floats(out);
-  std::remove(out.c_str());
-  return v;
-}
-
-// One training of `train_all`: the arguments `train` takes.
+// One training of `train_all`: a ZeRO stage (< 0: data parallel), its reduce-scatter, precision
+// and launcher flags, and the worker's extra arguments.
 struct TrainRun {
   int stage;
   std::string reduce_scatter = "alltoall";
@@ -73,7 +56,8 @@ struct TrainRun {
 };
 
 // The runs, on `n` ranks, in one launch (tandem::testing::launch_jobs: one set of rank processes
-// for all), each checked as `train` checks it; their parameters in order.
+// for all), each checked to exit 0 having trained 10 steps under its strategy on every rank;
+// their parameters in order.
 std::vector<std::vector<float>> train_all(int n, const std::vector<TrainRun>& runs) {
   std::vector<tandem::testing::Job> jobs;
   std::vector<std::string> outs, whats;
