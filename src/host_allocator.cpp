@@ -47,14 +47,10 @@ struct HostState {
     cached -= bytes;
     return p;
   }
-  // With the mutex held: caches `p`, handing back in `evicted` what must be unmapped (the oldest
-  // blocks, or `p` itself when it is larger than the whole cache).
-  void put(void* p, size_t bytes, size_t limit, std::vector<Entry>& evicted) {
-    if (bytes > limit) {
-      evicted.emplace_back(bytes, p);
-      return;
-    }
-    while (cached + bytes > limit && !order.empty()) {
+  // With the mutex held: moves the oldest cached blocks to `evicted` until the cache holds at
+  // most `keep` bytes.
+  void evict_to(size_t keep, std::vector<Entry>& evicted) {
+    while (cached > keep && !order.empty()) {
       const Entry oldest = order.front();
       auto range = by_size.equal_range(oldest.first);
       for (auto it = range.first; it != range.second; ++it)
@@ -66,10 +62,22 @@ struct HostState {
       cached -= oldest.first;
       evicted.push_back(oldest);
     }
+  }
+  // With the mutex held: caches `p`, handing back in `evicted` what must be unmapped (the oldest
+  // blocks, or `p` itself when it is larger than the whole cache).
+  void put(void* p, size_t bytes, size_t limit, std::vector<Entry>& evicted) {
+    if (bytes > limit) {
+      evicted.emplace_back(bytes, p);
+      return;
+    }
+    evict_to(limit - bytes, evicted);
     order.emplace_back(bytes, p);
     by_size.emplace(bytes, std::prev(order.end()));
     cached += bytes;
   }
+  size_t live_bytes = 0;  // the bytes of `live`
+  size_t held_peak = 0;   // the most live_bytes + cached ever reached
+  void note_held() { held_peak = std::max(held_peak, live_bytes + cached); }
   std::atomic<size_t> threshold{size_t{1} << 20};
   std::atomic<size_t> cache_limit{size_t{32} << 20};
   std::atomic<c10::Allocator*> base{nullptr};
@@ -116,6 +124,7 @@ void release(void* data) {
       large = true;
       const size_t bytes = it->second;
       h.live.erase(it);
+      h.live_bytes -= bytes;
       h.mapped.fetch_sub(static_cast<int64_t>(bytes));
       h.put(data, bytes, h.cache_limit.load(), evicted);
     }
@@ -134,10 +143,23 @@ class HostAllocator final : public compat::Allocator {
     if (n < h.threshold.load()) return h.base.load()->allocate(n);
     const size_t bytes = (n + page_size() - 1) / page_size() * page_size();
     void* p = nullptr;
+    std::vector<HostState::Entry> evicted;
     {
       std::lock_guard<std::mutex> lock(h.mutex);
       p = h.take(bytes);
+      if (!p) {
+        // A miss maps a new block. Where live and cached blocks with it would pass the most this
+        // allocator ever held, the oldest cached blocks go back first: the cache never raises
+        // the process's peak above what its live blocks reach (Note [Resident memory and large
+        // blocks]), and below that peak it keeps all it has.
+        const size_t after = h.live_bytes + h.cached + bytes;
+        if (after > h.held_peak) {
+          const size_t over = after - h.held_peak;
+          h.evict_to(h.cached > over ? h.cached - over : 0, evicted);
+        }
+      }
     }
+    for (const auto& [size, block] : evicted) unmap_block(block, size);
     if (p) h.reuses.fetch_add(1);
     if (!p) {
       p = map_block(bytes);
@@ -147,6 +169,8 @@ class HostAllocator final : public compat::Allocator {
     {
       std::lock_guard<std::mutex> lock(h.mutex);
       h.live.emplace(p, bytes);
+      h.live_bytes += bytes;
+      h.note_held();
     }
     h.mapped.fetch_add(static_cast<int64_t>(bytes));
     // The context is the data pointer, as c10::Allocator::raw_allocate requires.

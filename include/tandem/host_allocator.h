@@ -14,8 +14,16 @@
 // prefaulted in one call, and eligible for transparent huge pages) and returns them to the
 // operating system on free, except for a bounded cache of freed blocks that a request of the same
 // size takes again, so that a training loop, which asks for the same sizes every step, faults no
-// pages after its first. Smaller blocks go to the allocator that was in place. Resident memory
-// then follows the live tensors plus at most the cache.
+// pages after its first. Smaller blocks go to the allocator that was in place.
+//
+// The cache must not raise the peak: freed blocks of one phase (the gradients of a backward)
+// would otherwise sit resident while the next phase (the optimizer step) maps its own, and the
+// process's peak would be its live blocks' peak plus a full cache (ZeRO-2 on 4 ranks measured
+// 1.16x its formula, ZeRO-3 1.09x). So a miss that would take live and cached blocks together
+// past the most they ever held first gives back that much of the cache, the oldest blocks
+// first; below that mark the cache keeps all it has. Resident memory then peaks where the live
+// blocks peak (ZeRO-2 1.09x with the libraries' pages, 1.04x without; speed unchanged, 18 maps
+// per step for ZeRO-3 against 14).
 #pragma once
 
 #include <cstddef>

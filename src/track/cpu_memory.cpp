@@ -102,6 +102,7 @@ ResidentMemory resident_memory() {
   while (std::getline(status, line)) {
     if (auto v = field("VmRSS:"); v >= 0) m.current_bytes = v;
     if (auto v = field("VmHWM:"); v >= 0) m.peak_bytes = v;
+    if (auto v = field("RssFile:"); v >= 0) m.file_bytes = v;
   }
   return m;
 }

@@ -436,6 +436,7 @@ namespace {
 struct MemoryLine {
   int64_t peak = 0, formula = 0, activations = 0;
   int64_t rss_peak_kb = 0, rss_baseline_kb = 0, host_cache = -1;  // -1: no host allocator
+  int64_t lib_pages_kb = 0;
 };
 
 // "memory rank=0 strategy=zero-2 world=4 N=... peak_bytes=... formula_bytes=... ..." per rank.
@@ -451,7 +452,8 @@ std::vector<MemoryLine> memory_lines(const std::string& out) {
     if (line.find("memory rank=") != std::string::npos)
       v.push_back({value(line, "peak_bytes"), value(line, "formula_bytes"),
                    value(line, "activation_bytes"), value(line, "rss_peak_kb"),
-                   value(line, "rss_baseline_kb"), value(line, "host_cache_bytes")});
+                   value(line, "rss_baseline_kb"), value(line, "host_cache_bytes"),
+                   value(line, "lib_pages_kb")});
   return v;
 }
 
@@ -462,9 +464,10 @@ std::vector<MemoryLine> memory_lines(const std::string& out) {
 // the activations, data parallel > ZeRO-1 > ZeRO-2 > ZeRO-3, and ZeRO-3 <= 0.4x data parallel.
 // Note [Resident memory and large blocks]: what the operating system sees, too: each rank's peak
 // resident memory over the whole run (VmHWM: the dense model's construction and prepare
-// included) above its baseline (VmRSS before any tensor) is within 15% of the formula, plus the
-// activations and the host allocator's cache. Not under AddressSanitizer, whose quarantine keeps
-// freed memory resident on purpose (the host allocator is off there).
+// included) above its baseline (VmRSS before any tensor, plus the libraries' pages first run
+// later) is within 10% of the formula plus the activations: the host allocator's cache never
+// raises the peak. Not under AddressSanitizer, whose quarantine keeps freed memory resident on
+// purpose (the host allocator is off there).
 TEST(Zero, PeakMemoryPerRankFollowsTheFormulas) {
   std::map<int, int64_t> worst, worst_rss;
   for (int stage : {-1, 1, 2, 3}) {
@@ -479,10 +482,15 @@ TEST(Zero, PeakMemoryPerRankFollowsTheFormulas) {
       if (m.host_cache < 0) continue;
       ASSERT_GT(m.rss_peak_kb, 0) << r.output;
       ASSERT_GT(m.rss_baseline_kb, 0) << r.output;
-      const int64_t resident = (m.rss_peak_kb - m.rss_baseline_kb) * 1024;
-      EXPECT_LE(resident, m.formula + m.formula * 15 / 100 + m.activations + m.host_cache)
+      ASSERT_GE(m.lib_pages_kb, 0) << r.output;
+      const int64_t resident = (m.rss_peak_kb - m.rss_baseline_kb - m.lib_pages_kb) * 1024;
+      EXPECT_LE(resident, m.formula + m.formula / 10 + m.activations)
           << "stage " << stage << ": resident " << resident << " bytes above the baseline\n"
           << r.output;
+      std::cout << "stage " << stage << " resident above the baseline: " << resident / 1e6
+                << " MB (" << (m.rss_peak_kb - m.rss_baseline_kb) * 1024 / 1e6 << " MB with "
+                << m.lib_pages_kb * 1024 / 1e6 << " MB of library pages), formula + activations "
+                << (m.formula + m.activations) / 1e6 << " MB" << std::endl;
       EXPECT_GE(resident, m.formula * 85 / 100) << "stage " << stage << "\n" << r.output;
       worst_rss[stage] = std::max(worst_rss[stage], resident);
     }

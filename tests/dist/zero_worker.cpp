@@ -230,8 +230,10 @@ int memory(const Args&) {
   };
   const double bucket_mb = knob("ZW_BUCKET_MB", 8);
   tandem::Accelerator acc(tandem::AcceleratorOptions().bucket_cap_mb(bucket_mb).first_bucket_cap_mb(bucket_mb));
-  // The library's baseline: the process's resident memory before any tensor (LibTorch, Gloo).
-  const int64_t baseline_kb = (tandem::track::resident_memory().current_bytes / 1024);
+  // The library's baseline: the process's resident memory before any tensor (LibTorch, Gloo),
+  // and of it the pages that map files (the libraries' code run so far).
+  const auto baseline = tandem::track::resident_memory();
+  const int64_t baseline_kb = baseline.current_bytes / 1024;
   torch::manual_seed(1);
   const int64_t width = static_cast<int64_t>(knob("ZW_WIDTH", 1024)),
                 layers = static_cast<int64_t>(knob("ZW_LAYERS", 24)), rows = 16;
@@ -291,11 +293,15 @@ int memory(const Args&) {
   // Activations: each layer keeps its input and its ReLU output for backward.
   const int64_t activations = 2 * layers * rows * width * 4;
   // Resident memory over the whole run, the model's construction and prepare included (VmHWM),
-  // above the baseline; the host allocator's cache of freed blocks is part of it.
+  // above the baseline; the host allocator's cache of freed blocks is part of it. lib_pages_kb:
+  // the libraries' pages first run after the baseline (RssFile's growth: the kernels of the
+  // optimizer, Gloo's collectives), part of the library's baseline rather than of the strategy.
+  const auto end = tandem::track::resident_memory();
   std::cout << "memory rank=" << acc.process_index() << " strategy=" << name << " world=" << world
             << " N=" << n << " peak_bytes=" << stats.peak_bytes << " formula_bytes=" << formula
-            << " activation_bytes=" << activations << " rss_peak_kb=" << (tandem::track::resident_memory().peak_bytes / 1024)
+            << " activation_bytes=" << activations << " rss_peak_kb=" << end.peak_bytes / 1024
             << " rss_baseline_kb=" << baseline_kb
+            << " lib_pages_kb=" << (end.file_bytes - baseline.file_bytes) / 1024
             << " host_cache_bytes=" << (acc.run_config().host_allocator
                                             ? static_cast<int64_t>(acc.run_config().host_cache_mb * (1 << 20))
                                             : -1)

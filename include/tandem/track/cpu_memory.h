@@ -31,11 +31,13 @@ CpuMemoryStats cpu_memory_stats();
 void reset_peak_cpu_memory();
 
 /// What the operating system sees of this process (/proc/self/status): resident memory now
-/// (VmRSS) and its peak since the process started (VmHWM), in bytes; -1 where the system does
-/// not say (not Linux).
+/// (VmRSS), its peak since the process started (VmHWM), and the part of it now that maps files
+/// (RssFile: the libraries' code and data pages, which grow as their functions are first run),
+/// in bytes; -1 where the system does not say (not Linux).
 struct ResidentMemory {
   int64_t current_bytes = -1;
   int64_t peak_bytes = -1;
+  int64_t file_bytes = -1;
 };
 ResidentMemory resident_memory();
 
