@@ -501,18 +501,29 @@ Work ProcessGroup::all_gather_into_async(const at::Tensor& shard, at::Tensor out
     output.view({-1}).copy_(shard.reshape({-1}));
     return Work();
   }
-  // LibTorch 1.13's Gloo has no _allgather_base: the list form, then one copy per rank.
+  // LibTorch 1.13's Gloo has no _allgather_base: the list form. Where the output is contiguous
+  // and of the shard's dtype and device, its n slices are the list (the collective writes into
+  // them: no second copy of the whole output beside it, a unit's worth of memory at every ZeRO-3
+  // gather); otherwise parts of their own, copied in once the collective is done.
   const auto dtype = shard.scalar_type();
   std::vector<at::Tensor> in{as_movable(shard.contiguous().reshape({-1}))};
+  const int64_t numel = shard.numel();
   std::vector<std::vector<at::Tensor>> out(1);
-  for (int r = 0; r < n; ++r) out[0].push_back(at::empty_like(in[0]));
+  const bool in_place = output.is_contiguous() && output.scalar_type() == dtype &&
+                        output.device() == shard.device();
+  if (in_place) {
+    auto slices = as_movable(output.view({-1})).view({n, numel});
+    for (int r = 0; r < n; ++r) out[0].push_back(slices[r]);
+  } else {
+    for (int r = 0; r < n; ++r) out[0].push_back(at::empty_like(in[0]));
+  }
   c10d::AllgatherOptions o;
   o.timeout = impl_->options.timeout();
   auto parts = out[0];  // the same storages, filled by the collective
   auto& backend = impl_->backend_for(in[0]);
   Work work = impl_->issue("all-gather", {in[0]}, 1.0,  // {in[0]} keeps the input alive
                            at::Tensor(), [&] { return Impl::Works{backend.allgather(out, in, o)}; });
-  const int64_t numel = shard.numel();
+  if (in_place) return work;
   work.impl_->then = [parts, output, dtype, n, numel]() mutable {
     auto flat = output.view({n, numel});
     for (int k = 0; k < n; ++k) {

@@ -302,8 +302,8 @@ StrategyMemory strategy_memory(int stage, double parameters, double world, doubl
       break;
     case 3:
       m.states = 16 * p / w;
-      m.transient = 32 * largest_unit;
-      m.formula = "16P/W + 32U";
+      m.transient = 16 * largest_unit;
+      m.formula = "16P/W + 16U";
       break;
     default:
       throw ::tandem::Refused("strategy_memory: ZeRO stage " + std::to_string(stage) +

@@ -440,7 +440,7 @@ ProbeFigures gpt_activation_formula(const PlanModel& model, int64_t seq_len, dou
 // activations are gone, at the end of backward or in the step. The per-stage terms are the
 // library's (Note [One memory model] in tandem/track/memory_estimate.h, which the memory tests
 // hold to measured peaks): ZeRO-1 8P + 8P/W + 2B, ZeRO-2 4P + 12P/W + 2B + 4G, ZeRO-3 16P/W +
-// 32U, + 8P/W with gradient accumulation. Under tensor parallel the ZeRO stages
+// 16U, + 8P/W with gradient accumulation. Under tensor parallel the ZeRO stages
 // hold more than the formulas say, and the terms differ from model to model (a GPT of 8 x 256
 // holds 42 bytes per parameter of its largest block under ZeRO-3 on 4 ranks, one of 4 x 512
 // holds 27), so `tandem plan` measures each stage's transient term (for each tp size) with a

@@ -514,11 +514,12 @@ TEST(Zero, PeakMemoryPerRankFollowsTheFormulas) {
 // Six Linear(2000, 2000) (24M parameters, 16 MB weights) in 25 MB buckets, which close at 32 MB:
 // buckets as large as a third of the gradients. ZeRO-2 keeps the bucket in flight and its
 // receive buffer, not a third one filling beside them (Note [Two buckets at a time]): its
-// tensors stay within 10% of 4N + 12N/W + 2B and its resident memory clearly below ZeRO-1's
-// (before: 329 against 334 MB above the baseline).
+// tensors and resident memory stay within 10% of 4N + 12N/W + 2B (before: 329 MB above the
+// baseline, 1.3x). ZeRO-3 on units as large: within 10% of 16N/W + 16U, tensors and resident
+// memory (before: 216 MB resident, 16N/W + 32U), and below ZeRO-2.
 TEST(Zero, StageTwoHoldsTwoBucketsWhenBucketsAreLarge) {
   std::map<int, int64_t> rss;
-  for (int stage : {1, 2}) {
+  for (int stage : {1, 2, 3}) {
     auto options = zero_flags(stage);
     options.env({{"TANDEM_REDUCE_SCATTER", "alltoall"},
                  {"ZW_WIDTH", "2000"},
@@ -531,9 +532,20 @@ TEST(Zero, StageTwoHoldsTwoBucketsWhenBucketsAreLarge) {
     for (const auto& m : lines) {
       EXPECT_LE(std::llabs(m.peak - m.formula), m.formula / 10 + m.activations)
           << "stage " << stage << "\n" << r.output;
-      if (m.host_cache >= 0)
+      if (m.host_cache >= 0) {
         rss[stage] = std::max(rss[stage], (m.rss_peak_kb - m.rss_baseline_kb) * 1024);
+        // Resident memory holds to the formula too. ZeRO-3's units are as large as a sixth of
+        // the model here: two in use (16U: the one computing, its weights and gradient; the one
+        // in flight, its bucket and receive buffer) are most of its peak.
+        const int64_t resident = (m.rss_peak_kb - m.rss_baseline_kb - m.lib_pages_kb) * 1024;
+        EXPECT_LE(resident, m.formula + m.formula / 10 + m.activations)
+            << "stage " << stage << "\n" << r.output;
+      }
     }
   }
-  if (!rss.empty()) EXPECT_LT(rss[2], 0.9 * static_cast<double>(rss[1]));
+  // (ZeRO-2 against ZeRO-1: with buckets this large, ZeRO-2's bucket in flight and receive
+  // buffer take back what sharding the gradients saves, and ZeRO-1's all-gather writes into its
+  // buckets in place, so the two hold about the same; PeakMemoryPerRankFollowsTheFormulas holds
+  // ZeRO-2 below 0.9x ZeRO-1 with the default buckets.)
+  if (!rss.empty()) EXPECT_LT(rss[3], rss[2]);
 }

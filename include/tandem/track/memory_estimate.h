@@ -95,8 +95,9 @@ struct ZeroMemory {
 ///   ZeRO-1         8P + 8P/W (gradients kept in their buckets)  + 2B (a unit's all-gather)
 ///   ZeRO-2         4P + 12P/W              + 2B (the bucket in flight and its receive buffer:
 ///                                            Note [Two buckets at a time]) + 4G (a gradient)
-///   ZeRO-3         16P/W                   + 32U (about eight units' worth in use at once:
-///                                            gathered, prefetched, in flight, their gradients)
+///   ZeRO-3         16P/W                   + 16U (two units in use: the one computing, its
+///                                            gathered weights and its gradient; the one in
+///                                            flight, its bucket and the receive buffer)
 /// P: the rank's parameters; W: the data-parallel size; B: the largest bucket's bytes (a bucket
 /// closes at the first parameter that reaches the cap); G: the largest parameter's elements;
 /// U: the largest unit's elements.

@@ -94,6 +94,10 @@ std::vector<size_t> index_in_group(const ShardedOptimizer& s) {
 
 Work ZeroHook::start(ProcessGroup& pg, GradBucket& b) {
   Unit& u = owner_->units[owner_->unit_of_bucket[b.index]];
+  // Stage 3: every gradient of the unit is in its bucket, so its backward is over: its
+  // parameters go now, not once the reduction is done (a unit's worth less beside the next
+  // unit's gathered weights and gradients).
+  release_unit(u);
   const std::string what = "ZeRO gradient reduction (unit " + std::to_string(b.index) + ")";
   if (slices()) return pg.allreduce_async({b.buffer.narrow(0, 0, u.numel)}, ReduceOp::kSum, what);
   u.reduced = at::empty({u.shard.numel}, b.buffer.options());
@@ -106,8 +110,6 @@ void ZeroHook::finish(GradBucket& b, Work& w) {
   at::Tensor mine =
       slices() ? b.buffer.narrow(0, u.shard.offset, u.shard.numel) : std::move(u.reduced);
   u.reduced = at::Tensor();
-  // Stage 3: the unit's backward is over (all of its gradients are in): free its parameters.
-  release_unit(u);
   if (u.hooks) u.hooks->after_reduction();
   // Markers when this backward's reduction is over: the last bucket finishes at the end of the
   // backward (the engine's callback), after every gradient hook of it, also for a program that
