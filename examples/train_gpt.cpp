@@ -10,6 +10,7 @@
 #include <chrono>
 
 #include "common/gpt.h"
+#include "common/resident.h"
 #include "tandem/tandem.h"
 
 int main(int argc, char** argv) {
@@ -192,16 +193,7 @@ int main(int argc, char** argv) {
     bar.close();
     if (!log_with.empty()) acc.end_training();
     acc.print("loss", last_loss < first_loss ? "fell" : "rose", "from", first_loss, "to", last_loss);
-    // What the operating system saw: each rank's peak resident memory over the whole run.
-    const auto peaks = tandem::comm::gather_object(
-        *acc.topology().barrier(), std::to_string(tandem::track::resident_memory().peak_bytes));
-    std::string line;
-    for (size_t r = 0; r < peaks.size(); ++r) {
-      char gb[32];
-      std::snprintf(gb, sizeof gb, "%.2f", std::stod(peaks[r]) / 1e9);
-      line += (r ? ", " : "") + std::string("rank ") + std::to_string(r) + " " + gb + " GB";
-    }
-    acc.print("peak resident memory per rank:", line);
+    examples::print_peak_resident(acc);
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;
     return 1;

@@ -38,6 +38,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/gpt.h"
+#include "common/resident.h"
 #include "tandem/models/llama.h"
 #include "tandem/peft/lora.h"
 #include "tandem/tandem.h"
@@ -605,6 +606,7 @@ int main(int argc, char** argv) {
                 lora.r() > 0 ? "(PEFT's adapter files; `tandem merge-lora` merges them)"
                              : "(config.json and safetensors, as transformers reads them)");
     }
+    examples::print_peak_resident(acc);
   } catch (const std::exception& e) {
     std::cerr << e.what() << std::endl;
     return 1;

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "../common/sanitizers.h"
 #include "../common/subprocess.h"
 #include "../common/temp_dir.h"
 #include "tandem/config/config.h"
@@ -19,17 +20,7 @@ using tandem::testing::TempDir;
 
 namespace {
 
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAsan = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAsan = true;
-#else
-constexpr bool kAsan = false;
-#endif
-#else
-constexpr bool kAsan = false;
-#endif
+using tandem::testing::kAsan;
 
 std::vector<std::string> gpt_args() {
   return {TRAIN_GPT,

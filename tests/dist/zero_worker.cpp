@@ -37,6 +37,7 @@ struct Args {
   double clip = 0.05;
   bool one_group = false, master_weights = false, loss_scaling = false, built = false, net = false;
   int64_t global_batch = 12;
+  int64_t gpt_layers = 16;  // build: the example GPT's blocks
 };
 
 // Every layer is a Sharded unit (a plain pass-through under the other strategies): at stage 3,
@@ -309,7 +310,7 @@ int memory(const Args&) {
   return 0;
 }
 
-// The example GPT (16 blocks of width 192, 7.2M parameters), built by acc.build (--built) or
+// The example GPT (--layers blocks of width 192; 16: 7.2M parameters), built by acc.build (--built) or
 // directly, prepared with AdamW and trained 3 steps. Rank 0 writes the whole parameters
 // (get_state_dict, raw float32 in name order) after prepare and after the steps to --out; with
 // --resume a safetensors file to load (acc.load_model) before training. Every rank prints
@@ -320,7 +321,7 @@ int build(const Args& a) {
   examples::GPTConfig c;
   c.vocab = 256;
   c.context = 16;
-  c.layers = 16;
+  c.layers = a.gpt_layers;
   c.heads = 4;
   c.width = 192;
   {
@@ -413,6 +414,7 @@ int run_worker(int argc, char** argv) {
   app.add_flag("--loss_scaling", a.loss_scaling);
   app.add_flag("--built", a.built);
   app.add_flag("--net", a.net);
+  app.add_option("--layers", a.gpt_layers, "build: the example GPT's blocks");
   app.add_option("--timeline_dir", a.timeline_dir);
   CLI11_PARSE(app, argc, argv);
   try {
