@@ -35,7 +35,7 @@ def main():
     rank = dist.get_rank() if world > 1 else 0
     cfg = AutoConfig.from_pretrained(a.config)
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.train()
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)

@@ -27,7 +27,7 @@ config() {
  "intermediate_size": $3, "num_hidden_layers": $4, "num_attention_heads": $5,
  "num_key_value_heads": $6, "vocab_size": 32000, "max_position_embeddings": 2048,
  "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "tie_word_embeddings": true, "hidden_act": "silu",
- "attention_bias": false, "mlp_bias": false, "torch_dtype": "float32"}
+ "attention_bias": false, "mlp_bias": false}
 EOF
 }
 config small 768 2048 12 12 4
@@ -42,7 +42,7 @@ tandem_run() {
   local name=$1 log
   shift
   log=$("$@" 2>&1) || { echo "bench/run: $name failed: $(echo "$log" | tail -3)" >&2; }
-  echo "$log" | sed -n 's/.* step \([0-9]*\) loss .* \([0-9]*\) tokens\/s MFU \([0-9.]*\)%.*/\1 \2 \3/p' |
+  echo "$log" | sed -n 's/^\(.* \)\{0,1\}step \([0-9]*\) loss .* \([0-9]*\) tokens\/s MFU \([0-9.]*\)%.*/\2 \3 \4/p' |
     awk '$1 > 1' > "$work/$name.steps"
   awk '{print $2}' "$work/$name.steps" | sort -g | awk '{v[NR]=$1} END {print NR ? v[int((NR+1)/2)] : "nan"}' >> "$work/$name.tps"
   awk '{print $3}' "$work/$name.steps" | sort -g | awk '{v[NR]=$1} END {print NR ? v[int((NR+1)/2)] : "nan"}' >> "$work/$name.mfu"
@@ -72,8 +72,9 @@ echo "| processes | tandem tokens/s | tandem MFU | PyTorch | PyTorch tokens/s | 
 echo "|---|---|---|---|---|---|---|"
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a == "nan" || b == "nan" || b == 0) print "-"; else printf "%.2fx", a / b }'; }
 t1=$(median t1.tps); t2=$(median t2.tps); p1=$(median p1.tokens_per_s); p2=$(median p2.tokens_per_s)
-echo "| 1 | $t1 (spread $(spread t1.tps)%) | $(median t1.mfu)% | eager | $p1 (spread $(spread p1.tokens_per_s)%) | $(mfu "$p1" 1) | $(ratio "$t1" "$p1") |"
-echo "| 2 | $t2 (spread $(spread t2.tps)%) | $(median t2.mfu)% | DistributedDataParallel | $p2 (spread $(spread p2.tokens_per_s)%) | $(mfu "$p2" 2) | $(ratio "$t2" "$p2") |"
+pct() { awk -v v="$1" 'BEGIN { if (v == "nan") print "-"; else printf "%.1f%%", v }'; }
+echo "| 1 | $t1 (spread $(spread t1.tps)%) | $(pct "$(median t1.mfu)") | eager | $p1 (spread $(spread p1.tokens_per_s)%) | $(mfu "$p1" 1) | $(ratio "$t1" "$p1") |"
+echo "| 2 | $t2 (spread $(spread t2.tps)%) | $(pct "$(median t2.mfu)") | DistributedDataParallel | $p2 (spread $(spread p2.tokens_per_s)%) | $(mfu "$p2" 2) | $(ratio "$t2" "$p2") |"
 
 [ "${LLM_LARGEST:-1}" = 0 ] && exit 0
 # The largest shapes: width 2048, 16 heads over 8 key/value heads, MLP 5632 (TinyLlama's), L
@@ -105,7 +106,7 @@ echo "Command: \`tandem launch --num_processes 4 --cpu --num_cpu_threads_per_pro
 echo
 echo "| layout | layers x width | parameters | peak resident memory per rank | loss | speed |"
 echo "|---|---|---|---|---|---|"
-largest "ZeRO-3 (--use_fsdp)" "${LLM_LARGEST_LAYERS:-20}" --use_fsdp
+largest "ZeRO-3 (--use_fsdp)" "${LLM_LARGEST_LAYERS:-18}" --use_fsdp
 state_dir=$(mktemp -d)
 largest "ZeRO-3, optimizer state on disk" "${LLM_LARGEST_DISK_LAYERS:-28}" --use_deepspeed --zero_stage 3 \
   --offload_optimizer_device nvme --offload_optimizer_nvme_path "$state_dir"
