@@ -339,10 +339,11 @@ int main(int argc, char** argv) {
     models::check_llama_tensor_parallel(cfg, tp);
     if (pp > 1) {
       // Note [Llama pipeline stages]: what stages cannot hold, said before anything is built.
-      if (lora.r() > 0)
+      if (lora.r() > 0 && tp > 1)
         throw tandem::Refused("train_llm: LoRA under --pp_size " + std::to_string(pp) +
-                              ": adapters are not placed on pipeline stages yet; train LoRA "
-                              "under data parallel or ZeRO");
+                              " x --tp_size " + std::to_string(tp) +
+                              ": adapters go on pipeline stages or on tensor-parallel layers, "
+                              "not yet on both; drop one of the two for a LoRA run");
       if (microbatches == 0) microbatches = pp;
       if (batch % microbatches != 0)
         throw tandem::Refused("train_llm: --batch_size " + std::to_string(batch) +
@@ -395,7 +396,18 @@ int main(int argc, char** argv) {
     } else {
       model = acc.build([&] { return models::LlamaForCausalLM(cfg); });
     }
+    // LoRA: the base gets its adapters before prepare, so that every strategy sees the frozen
+    // and the trainable parameters as they are; under tp after the split, so that each adapter
+    // splits as its layer (Note [LoRA under tensor parallel]); under a pipeline before the
+    // stages are cut, so that each stage keeps its layers' adapters.
+    auto add_lora = [&] {
+      if (lora.r() <= 0) return;
+      if (lora.base_model_name_or_path().empty()) lora.base_model_name_or_path(model_dir);
+      adapters = tandem::peft::apply_lora(*model, lora);
+      if (!lora_adapter.empty()) tandem::peft::load_adapter(*model, lora_adapter);
+    };
     if (pp > 1) {
+      add_lora();
       // Note [Llama pipeline stages]: the whole model as a Sequential; this rank keeps its
       // stage of it, split over tp too.
       auto loss = [](const torch::Tensor& logits, const torch::Tensor& labels) {
@@ -412,14 +424,7 @@ int main(int argc, char** argv) {
                 std::to_string(microbatches) + " micro-batches");
     } else {
       if (tp > 1) acc.parallelize(*model, models::llama_tensor_parallel_plan(cfg));
-      if (lora.r() > 0) {
-        // LoRA: the base gets its adapters before prepare, so that every strategy sees the
-        // frozen and the trainable parameters as they are; under tp after the split, so that
-        // each adapter splits as its layer (Note [LoRA under tensor parallel]).
-        if (lora.base_model_name_or_path().empty()) lora.base_model_name_or_path(model_dir);
-        adapters = tandem::peft::apply_lora(*model, lora);
-        if (!lora_adapter.empty()) tandem::peft::load_adapter(*model, lora_adapter);
-      }
+      add_lora();
     }
     if (!pipeline) {
       model = acc.prepare(model);

@@ -3,14 +3,16 @@ q_proj, v_proj and down_proj made by peft (B not zero, so that every adapter com
 first step) and saved in PEFT's files; examples/train_llm starts from that adapter and trains four
 AdamW steps (warm-up, cosine, weight decay, clipping that binds) with the base frozen, on one
 process, data parallel on 2, ZeRO-2 on 2, FSDP (ZeRO-3) on 2, tensor parallel on 2 (q/v column-
-and down row-parallel, each adapter split as its layer) and FSDP x tensor parallel 2 on 4. Checked:
+and down row-parallel, each adapter split as its layer), FSDP x tensor parallel 2 on 4, pipeline
+stages on 2 (each stage with its layers' adapters; 1F1B and zero bubble, whose deferred weight
+pass then computes the adapters' gradients only) and pipeline 2 x data parallel 2 on 4. Checked:
   - the adapter tandem saves equals peft's own four steps within 1e-4 (relative), and only the
     adapters changed;
   - peft loads tandem's adapter onto the transformers model, and `tandem merge-lora` gives a
     folder transformers loads with the logits of that model and the weights of peft's
     merge_and_unload (1e-5);
   - refusals: an adapter_config.json with use_dora, a target that matches no module, LoRA on
-    pipeline stages.
+    pipeline stages that are tensor parallel too.
 
 Usage: llama_lora_oracle.py TRAIN_LLM TANDEM_CLI WORK_DIR
 """
@@ -76,7 +78,11 @@ def main():
                ("FSDP on 2", 2, ["--use_fsdp"], GLOBAL_BATCH // 2),
                ("tensor parallel 2", 2, ["--tp_size", "2"], GLOBAL_BATCH),
                ("FSDP x tensor parallel 2 on 4", 4, ["--use_fsdp", "--tp_size", "2"],
-                GLOBAL_BATCH // 2)]
+                GLOBAL_BATCH // 2),
+               ("pipeline 2", 2, ["--pp_size", "2"], GLOBAL_BATCH),
+               ("pipeline 2, zero bubble", 2, ["--pp_size", "2", "--pp_schedule", "zero_bubble"],
+                GLOBAL_BATCH),
+               ("pipeline 2 x data parallel 2 on 4", 4, ["--pp_size", "2"], GLOBAL_BATCH // 2)]
     for name, n, flags, batch in layouts:
         out = os.path.join(work, "out-" + name.replace(" ", "_"))
         log = run([cli, "launch", "--num_processes", str(n), "--cpu"] + flags +
@@ -84,6 +90,8 @@ def main():
                   + common)
         if "LoRA: r 4 alpha 8 on 6 layers" not in log:
             fail(f"{name}: train_llm did not say what it adapted:\n{log}")
+        if "zero bubble" in name and "pipeline: schedule ZeroBubble" not in log:
+            fail(f"{name}: the run did not use the zero-bubble schedule:\n{log}")
         got = load_file(os.path.join(out, "adapter_model.safetensors"))
         if set(got) != set(want):
             fail(f"{name}: adapter names {sorted(got)} differ from peft's {sorted(want)}")
@@ -142,14 +150,14 @@ def main():
              ("'nope', which matches no module",
               [train_llm, "--lora_r", "4", "--lora_targets", "q_proj,nope"] + common +
               ["--batch_size", "4"]),
-             ("LoRA under --pp_size 2",
-              [cli, "launch", "--num_processes", "2", "--cpu", "--pp_size", "2", train_llm,
-               "--lora_r", "4"] + common + ["--batch_size", "4"])]
+             ("LoRA under --pp_size 2 x --tp_size 2",
+              [cli, "launch", "--num_processes", "4", "--cpu", "--pp_size", "2", "--tp_size", "2",
+               train_llm, "--lora_r", "4"] + common + ["--batch_size", "4"])]
     for needle, cmd in cases:
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if r.returncode == 0 or needle not in r.stdout:
             fail(f"expected a refusal naming {needle!r}:\n{r.stdout}")
-    print("refused: use_dora, a target matching nothing, LoRA on pipeline stages")
+    print("refused: use_dora, a target matching nothing, LoRA on pipeline stages x tensor parallel")
 
 
 if __name__ == "__main__":
