@@ -185,11 +185,13 @@ struct MemoryPrediction {
   int64_t parameters = 0;      ///< parameters on that rank
 };
 /// The peak per rank with fp32 weights and AdamW, P parameters on the rank (after tp and pp),
-/// W data-parallel ranks, L the largest unit (Note [Planner memory model] in plan.cpp):
+/// W data-parallel ranks (dp x cp), B the default bucket, L the largest unit: the library's terms
+/// (track::strategy_memory, Note [One memory model]) and the activations (Note [Planner memory
+/// model] in plan.cpp):
 ///   data parallel   16P + 4P buckets (none when W = 1 or under a pipeline) + activations
-///   ZeRO-1          8P + 8P/W + max(4P buckets, activations)
-///   ZeRO-2          4P + 12P/W + max(6.5P + 6P/W in flight, activations)
-///   ZeRO-3          10P/W + max(24L (+ 8P/W with accumulation), 8L + activations)
+///   ZeRO-1          8P + 8P/W + max(2B, activations)
+///   ZeRO-2          4P + 12P/W + max(2B + 4L, activations)
+///   ZeRO-3          16P/W + max(16L (+ 8P/W with accumulation), 8L + activations)
 /// plus the probe's workspace; a ZeRO stage's probed buffers (ProbeFigures::zero_buffers)
 /// replace its term; optimizer state on disk (or, on a GPU, in host memory) drops
 /// Adam's 8P/W for three unit-sized buffers. Resident memory adds the probe's baseline and
