@@ -119,7 +119,9 @@ TEST(PlanModel, InterleavedStagesFollowTheSchedule) {
   EXPECT_GT(count_v(1), 0);
   std::vector<std::string> excluded;
   for (const auto& x : tt::enumerate_layouts(m, machine(2), search, &excluded))
-    if (x.virtual_stages == 2) EXPECT_EQ(x.microbatches % 2, 0) << x.name();
+    if (x.virtual_stages == 2) {
+      EXPECT_EQ(x.microbatches % 2, 0) << x.name();
+    }
   search.virtual_stages = {4};  // 8 stages of 6 children
   excluded.clear();
   for (const auto& x : tt::enumerate_layouts(m, machine(2), search, &excluded))
@@ -366,7 +368,9 @@ TEST(Predict, ContextParallelSplitsActivationsAndShardsOverDpTimesCp) {
     int n = 0;
     for (const auto& x : tt::enumerate_layouts(m, machine(4), search, excluded)) {
       n += x.cp == cp;
-      if (x.cp > 1) EXPECT_EQ(x.pp, 1) << x.name();
+      if (x.cp > 1) {
+        EXPECT_EQ(x.pp, 1) << x.name();
+      }
       EXPECT_EQ(x.dp * x.cp * x.tp * x.pp, 4) << x.name();
     }
     return n;
