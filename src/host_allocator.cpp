@@ -81,7 +81,7 @@ struct HostState {
   std::atomic<size_t> threshold{size_t{1} << 20};
   std::atomic<size_t> cache_limit{size_t{32} << 20};
   std::atomic<c10::Allocator*> base{nullptr};
-  std::atomic<int64_t> mapped{0}, maps{0}, reuses{0}, unmaps{0};
+  std::atomic<int64_t> maps{0}, reuses{0}, unmaps{0};
 };
 
 HostState& host() {
@@ -125,7 +125,6 @@ void release(void* data) {
       const size_t bytes = it->second;
       h.live.erase(it);
       h.live_bytes -= bytes;
-      h.mapped.fetch_sub(static_cast<int64_t>(bytes));
       h.put(data, bytes, h.cache_limit.load(), evicted);
     }
   }
@@ -172,7 +171,6 @@ class HostAllocator final : public compat::Allocator {
       h.live_bytes += bytes;
       h.note_held();
     }
-    h.mapped.fetch_add(static_cast<int64_t>(bytes));
     // The context is the data pointer, as c10::Allocator::raw_allocate requires.
     return c10::DataPtr(p, p, &release, c10::Device(c10::kCPU));
   }
@@ -211,8 +209,8 @@ HostAllocatorStats host_allocator_stats() {
   {
     std::lock_guard<std::mutex> lock(h.mutex);
     s.cached_bytes = static_cast<int64_t>(h.cached);
+    s.mapped_bytes = static_cast<int64_t>(h.live_bytes);
   }
-  s.mapped_bytes = h.mapped.load();
   s.maps = h.maps.load();
   s.reuses = h.reuses.load();
   s.unmaps = h.unmaps.load();

@@ -44,8 +44,12 @@ tandem_run() {
   log=$("$@" 2>&1) || { echo "bench/run: $name failed: $(echo "$log" | tail -3)" >&2; }
   echo "$log" | sed -n 's/^\(.* \)\{0,1\}step \([0-9]*\) loss .* \([0-9]*\) tokens\/s MFU \([0-9.]*\)%.*/\2 \3 \4/p' |
     awk '$1 > 1' > "$work/$name.steps"
-  awk '{print $2}' "$work/$name.steps" | sort -g | awk '{v[NR]=$1} END {print NR ? v[int((NR+1)/2)] : "nan"}' >> "$work/$name.tps"
-  awk '{print $3}' "$work/$name.steps" | sort -g | awk '{v[NR]=$1} END {print NR ? v[int((NR+1)/2)] : "nan"}' >> "$work/$name.mfu"
+  awk '{print $2}' "$work/$name.steps" > "$work/$name.run_tps"
+  awk '{print $3}' "$work/$name.steps" > "$work/$name.run_mfu"
+  local f
+  for f in tps mfu; do
+    if [ -s "$work/$name.run_$f" ]; then median "$name.run_$f"; else echo nan; fi >> "$work/$name.$f"
+  done
   echo "$log" | sed -n 's/.* \([0-9.]*\) MFLOPs per token; peak \([0-9.]*\) TFLOP\/s.*/\1 \2/p' | head -1 > "$work/flops"
   echo "$log" | sed -n 's/.*with \([0-9]*\) parameters,.*/\1/p' | head -1 > "$work/params"
 }

@@ -443,6 +443,8 @@ struct MemoryLine {
   int64_t peak = 0, formula = 0, activations = 0;
   int64_t rss_peak_kb = 0, rss_baseline_kb = 0, host_cache = -1;  // -1: no host allocator
   int64_t lib_pages_kb = 0;
+  // Peak resident bytes above the baseline, the libraries' pages first run after it left out.
+  int64_t resident() const { return (rss_peak_kb - rss_baseline_kb - lib_pages_kb) * 1024; }
 };
 
 // "memory rank=0 strategy=zero-2 world=4 N=... peak_bytes=... formula_bytes=... ..." per rank.
@@ -467,12 +469,12 @@ std::vector<MemoryLine> memory_lines(const std::string& out) {
 // resident memory is checked (a process's peak is its whole life's), as jobs of one launch under
 // AddressSanitizer, where only tensor bytes are (the worker counts them from its second step).
 std::vector<tandem::testing::RunResult> memory_runs(int n, const std::vector<LaunchOptions>& options) {
-  std::vector<tandem::testing::RunResult> out;
   if (kAsan) {
     std::vector<tandem::testing::Job> jobs;
     for (const auto& o : options) jobs.push_back({{"memory"}, o});
     return tandem::testing::launch_jobs(n, kWorker, jobs);
   }
+  std::vector<tandem::testing::RunResult> out;
   for (const auto& o : options) out.push_back(launch(n, kWorker, {"memory"}, o));
   return out;
 }
@@ -508,7 +510,7 @@ TEST(Zero, PeakMemoryPerRankFollowsTheFormulas) {
       ASSERT_GT(m.rss_peak_kb, 0) << r.output;
       ASSERT_GT(m.rss_baseline_kb, 0) << r.output;
       ASSERT_GE(m.lib_pages_kb, 0) << r.output;
-      const int64_t resident = (m.rss_peak_kb - m.rss_baseline_kb - m.lib_pages_kb) * 1024;
+      const int64_t resident = m.resident();
       EXPECT_LE(resident, m.formula + m.formula / 10 + m.activations)
           << "stage " << stage << ": resident " << resident << " bytes above the baseline\n"
           << r.output;
@@ -569,8 +571,7 @@ TEST(Zero, StageTwoHoldsTwoBucketsWhenBucketsAreLarge) {
         // Resident memory holds to the formula too. ZeRO-3's units are as large as a sixth of
         // the model here: two in use (16U: the one computing, its weights and gradient; the one
         // in flight, its bucket and receive buffer) are most of its peak.
-        const int64_t resident = (m.rss_peak_kb - m.rss_baseline_kb - m.lib_pages_kb) * 1024;
-        EXPECT_LE(resident, m.formula + m.formula / 10 + m.activations)
+        EXPECT_LE(m.resident(), m.formula + m.formula / 10 + m.activations)
             << "stage " << stage << "\n" << r.output;
       }
     }
