@@ -68,7 +68,21 @@ c10::intrusive_ptr<compat::Backend> make_gloo(const c10::intrusive_ptr<c10d::Sto
   auto opts = c10d::ProcessGroupGloo::Options::create(o.timeout());
   opts->devices.push_back(dev);
   opts->threads = o.gloo_threads();
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
+  // Note [Connected on every rank]: Gloo's full mesh is connected on this rank once its own ends
+  // of the pairs are; a peer may still be finishing its handshake with a third rank. A rank
+  // that went on and exited at once (a program with no collective) closed a socket that peer
+  // still read: "Connection closed by peer" on a healthy job. As torch.distributed's store-based
+  // barrier after init, no rank returns before every rank's mesh is connected.
+  store->add("connected", 1);
+  const auto deadline = std::chrono::steady_clock::now() + o.timeout();
+  for (int64_t n = 0; (n = store->add("connected", 0)) < size;) {
+    if (std::chrono::steady_clock::now() > deadline)
+      throw std::runtime_error("the Gloo mesh was connected on " + std::to_string(n) + " of " +
+                               std::to_string(size) + " ranks within the timeout");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return gloo;
 }
 
 }  // namespace
