@@ -385,6 +385,49 @@ MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
   return e;
 }
 
+std::string LayoutShare::name() const {
+  std::string s = "pp " + std::to_string(pp);
+  if (virtual_stages > 1) s += " (" + std::to_string(virtual_stages) + " stages per rank)";
+  s += " x dp " + std::to_string(dp);
+  if (cp > 1) s += " x cp " + std::to_string(cp);
+  return s + " x tp " + std::to_string(tp);
+}
+
+MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
+                               const std::vector<std::string>& dtypes, const LayoutShare& layout) {
+  auto e = estimate_memory(model, num_processes, dtypes);
+  const int64_t product = static_cast<int64_t>(layout.dp) * layout.cp * layout.tp * layout.pp;
+  if (layout.dp < 1 || layout.cp < 1 || layout.tp < 1 || layout.pp < 1 ||
+      product != num_processes)
+    throw ::tandem::Refused("the layout " + layout.name() + " lays out " + std::to_string(product) +
+                            " processes, not --num_processes " + std::to_string(num_processes));
+  e.has_layout = true;
+  e.layout = layout;
+  const double p = static_cast<double>(layout.rank_parameters);
+  const double u = static_cast<double>(layout.largest_unit);
+  const double w = static_cast<double>(layout.dp) * layout.cp;
+  const double bucket = default_bucket_bytes(p);
+  const std::vector<std::pair<std::string, std::string>> schemes{
+      {"ddp", "DDP"}, {"zero1", "ZeRO-1"}, {"zero2", "ZeRO-2"}, {"zero3", "ZeRO-3"}};
+  // tandem runs a pipeline without ZeRO (Note [Pipeline gradient sync]); ZeRO needs W > 1.
+  const int last = layout.pp > 1 || w < 2 ? 0 : 3;
+  for (int stage = 0; stage <= last; ++stage) {
+    auto m = strategy_memory(stage, p, w, bucket, u, u);
+    if (layout.pp > 1) {
+      // A pipeline averages its stage's gradients itself, once per step, without buckets.
+      m.transient = 0;
+      m.formula = "16P";
+    }
+    e.layout_fp32.push_back({schemes[static_cast<size_t>(stage)].first,
+                             schemes[static_cast<size_t>(stage)].second, m.formula, m.total()});
+  }
+  if (layout.cp > 1)
+    e.caveats.insert(e.caveats.begin(),
+                     "context parallel divides each rank's activations by cp, not its model "
+                     "states: the cp ranks of a replica hold the same parameters");
+  return e;
+}
+
 std::string format_bytes(double bytes) {
   static const char* kUnits[] = {"B", "KB", "MB", "GB", "TB", "PB"};
   int u = 0;
@@ -501,6 +544,27 @@ std::string format_memory_estimate(const MemoryEstimate& e) {
          "measured peaks;\nW = processes, B = a gradient bucket (25 MiB, or the model when smaller), "
          "G = U = the largest layer):\n" + table(rows);
 
+  if (e.has_layout) {
+    const auto& l = e.layout;
+    rows = {{"scheme", "formula", "per device"}};
+    for (const auto& z : e.layout_fp32)
+      rows.push_back({z.stage, z.formula, format_bytes(z.bytes_per_device)});
+    out += "\n" + wrap("On the layout " + l.name() + ": ",
+                       "the rank that holds the most" +
+                           (l.pp > 1 ? " (pipeline stage " + std::to_string(l.stage) + ")"
+                                     : std::string()) +
+                           " has " + with_commas(l.rank_parameters) + " parameters" +
+                           (l.largest_unit > 0 ? ", its largest unit " + with_commas(l.largest_unit)
+                                               : std::string()) +
+                           " (" + l.counted + "); tandem's strategies there, W = dp x cp = " +
+                           std::to_string(l.dp * l.cp) +
+                           (l.pp > 1 ? " (a pipeline runs without ZeRO and reduces its "
+                                       "gradients without buckets)"
+                                     : std::string()) +
+                           ":",
+                       "") +
+           table(rows);
+  }
   out += "\nNot included:\n";
   for (const auto& c : e.caveats) out += wrap("  - ", c, "    ");
   out += "Units are decimal: 1 GB = 10^9 bytes.\n";
@@ -540,6 +604,25 @@ std::string memory_estimate_to_json(const MemoryEstimate& e) {
                                 {"stage", z.stage},
                                 {"formula", z.formula},
                                 {"bytes_per_device", z.bytes_per_device}});
+  if (e.has_layout) {
+    const auto& l = e.layout;
+    j["layout"] = {{"name", l.name()},
+                   {"dp", l.dp},
+                   {"cp", l.cp},
+                   {"tp", l.tp},
+                   {"pp", l.pp},
+                   {"virtual_stages", l.virtual_stages},
+                   {"rank_parameters", l.rank_parameters},
+                   {"largest_unit", l.largest_unit},
+                   {"stage", l.stage},
+                   {"counted", l.counted},
+                   {"tandem_fp32", nlohmann::json::array()}};
+    for (const auto& z : e.layout_fp32)
+      j["layout"]["tandem_fp32"].push_back({{"id", z.id},
+                                            {"stage", z.stage},
+                                            {"formula", z.formula},
+                                            {"bytes_per_device", z.bytes_per_device}});
+  }
   j["caveats"] = e.caveats;
   j["units"] = "bytes; gb = 10^9 bytes";
   return j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);

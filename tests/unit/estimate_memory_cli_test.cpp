@@ -92,3 +92,77 @@ TEST(EstimateMemoryCli, BadNumbersGetPlainMessages) {
   r = run_command({TANDEM_CLI, "estimate-memory", "/nonexistent/model.safetensors"});
   EXPECT_EQ(r.output.find("estimate-memory: estimate-memory"), std::string::npos) << r.output;
 }
+
+// A layout's share, counted here by hand for a GPT of 4 blocks, hidden 128, vocab 256, context
+// 128 (842,496 parameters; a block 12h^2 + 13h = 198,272): tensor parallel 2 halves qkv, proj,
+// fc and fc_proj's weights, qkv's and fc's biases and the token embedding (a block 99,520; the
+// model 431,104); two pipeline stages take the embeddings and blocks 0-1 (stage 0) and blocks
+// 2-3, the final LayerNorm and the tied head's own copy (stage 1). Context parallel shards ZeRO
+// over dp x cp and leaves every rank the whole model.
+TEST(EstimateMemoryCli, ALayoutGivesTheRankThatHoldsTheMost) {
+  auto json = [](std::vector<std::string> extra) {
+    std::vector<std::string> cmd{TANDEM_CLI, "estimate-memory", "--layers", "4", "--hidden",
+                                 "128", "--vocab", "256", "--context", "128", "--json"};
+    cmd.insert(cmd.end(), extra.begin(), extra.end());
+    auto r = run_command(cmd);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return nlohmann::json::parse(r.output);
+  };
+  auto tp = json({"--num_processes", "4", "--tp_size", "2"})["layout"];
+  EXPECT_EQ(tp["dp"], 2);
+  EXPECT_EQ(tp["rank_parameters"], 431104);
+  EXPECT_EQ(tp["largest_unit"], 99520);
+  ASSERT_EQ(tp["tandem_fp32"].size(), 4u);
+  EXPECT_DOUBLE_EQ(tp["tandem_fp32"][0]["bytes_per_device"].get<double>(), 20.0 * 431104);
+  EXPECT_DOUBLE_EQ(tp["tandem_fp32"][3]["bytes_per_device"].get<double>(),
+                   16.0 * 431104 / 2 + 16.0 * 99520);
+
+  auto pp = json({"--num_processes", "8", "--tp_size", "2", "--pp_size", "2"})["layout"];
+  EXPECT_EQ(pp["dp"], 2);
+  EXPECT_EQ(pp["stage"], 0);
+  EXPECT_EQ(pp["rank_parameters"], 16384 + 16384 + 2 * 99520);
+  ASSERT_EQ(pp["tandem_fp32"].size(), 1u);  // a pipeline runs without ZeRO
+  EXPECT_DOUBLE_EQ(pp["tandem_fp32"][0]["bytes_per_device"].get<double>(),
+                   16.0 * (16384 + 16384 + 2 * 99520));
+  // Without tp, stage 0 (both embeddings, two blocks) still holds the most.
+  EXPECT_EQ(json({"--num_processes", "2", "--pp_size", "2"})["layout"]["rank_parameters"],
+            32768 + 16384 + 2 * 198272);
+
+  auto cp = json({"--num_processes", "4", "--cp_size", "2"})["layout"];
+  EXPECT_EQ(cp["dp"], 2);
+  EXPECT_EQ(cp["rank_parameters"], 842496);
+  EXPECT_DOUBLE_EQ(cp["tandem_fp32"][3]["bytes_per_device"].get<double>(),
+                   16.0 * 842496 / 4 + 16.0 * 198272);  // W = dp x cp = 4
+
+  auto text = run_command({TANDEM_CLI, "estimate-memory", "--layers", "4", "--hidden", "128",
+                           "--vocab", "256", "--context", "128", "--num_processes", "8",
+                           "--pp_size", "2", "--pp_virtual_stages", "2", "--tp_size", "2"});
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("On the layout pp 2 (2 stages per rank) x dp 2 x tp 2: the rank"),
+            std::string::npos) << text.output;
+
+  // Layouts that do not lay out the processes, or ask for what the model cannot give.
+  auto odd = run_command({TANDEM_CLI, "estimate-memory", "--params", "1B", "--num_processes",
+                          "6", "--tp_size", "4"});
+  EXPECT_EQ(odd.exit_code, 2);
+  EXPECT_NE(odd.output.find("not a multiple of tp x pp x cp = 4"), std::string::npos) << odd.output;
+  auto virt = run_command({TANDEM_CLI, "estimate-memory", "--params", "1B", "--num_processes",
+                           "2", "--pp_virtual_stages", "2"});
+  EXPECT_EQ(virt.exit_code, 2);
+  EXPECT_NE(virt.output.find("give --pp_size 2 or more"), std::string::npos) << virt.output;
+  auto deep = run_command({TANDEM_CLI, "estimate-memory", "--layers", "2", "--hidden", "64",
+                           "--vocab", "100", "--context", "16", "--num_processes", "4",
+                           "--pp_size", "4", "--pp_virtual_stages", "2"});
+  EXPECT_EQ(deep.exit_code, 2);
+  EXPECT_NE(deep.output.find("more stages than the model's 4 children"), std::string::npos)
+      << deep.output;
+  // A bare count splits evenly, and says so.
+  auto even = run_command({TANDEM_CLI, "estimate-memory", "--params", "1B", "--num_processes",
+                           "4", "--tp_size", "2"});
+  ASSERT_EQ(even.exit_code, 0) << even.output;
+  std::string flat;  // the text as one line: the estimate wraps its sentences
+  for (char c : even.output)
+    if (c != '\n') flat += c;
+    else if (!flat.empty() && flat.back() != ' ') flat += ' ';
+  EXPECT_NE(flat.find("500,000,000 parameters (an even split"), std::string::npos) << even.output;
+}

@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "tandem/track/memory_estimate.h"
+
 namespace tandem::cli {
 
 /// The estimate-memory subcommand: registered on construction, run() after parsing.
@@ -20,11 +22,14 @@ class EstimateMemoryCommand {
   int run() const;
 
  private:
+  /// The rank that holds the most under --tp_size/--pp_size/--cp_size/--pp_virtual_stages.
+  track::LayoutShare layout_share(const track::ModelSize& model) const;
   CLI::App* sub_ = nullptr;
   std::string model_;
   std::string params_;
   int64_t layers_ = 0, hidden_ = 0, vocab_ = 0, context_ = 0;
   int64_t num_processes_ = 1;
+  int tp_ = 1, pp_ = 1, cp_ = 1, virtual_stages_ = 1;
   std::vector<std::string> dtypes_;
   bool json_ = false;
 };

@@ -116,6 +116,21 @@ StrategyMemory strategy_memory(int stage, double parameters, double world, doubl
 /// a model smaller than that is one bucket).
 double default_bucket_bytes(double parameters);
 
+/// A model-parallel layout's share of the model on the rank that holds the most (`tandem
+/// estimate-memory --tp_size 2 --pp_size 2 ...`; trials::rank_parameters counts it from the
+/// model's tensors): estimate_memory gives that rank's model states under each strategy.
+struct LayoutShare {
+  int dp = 1, cp = 1, tp = 1, pp = 1;
+  int virtual_stages = 1;  ///< pipeline stages per rank (interleaved 1F1B)
+  int64_t rank_parameters = 0;  ///< parameters on that rank, after tp's split and pp's stages
+  int64_t largest_unit = 0;     ///< its largest block or embedding (ZeRO-3's unit)
+  int stage = 0;                ///< its pipeline rank
+  /// How the share was counted ("per tensor", or an assumption such as an even split).
+  std::string counted;
+  /// "pp 2 (2 stages per rank) x dp 2 x cp 2 x tp 2".
+  std::string name() const;
+};
+
 /// Everything `tandem estimate-memory` prints.
 struct MemoryEstimate {
   ModelSize model;
@@ -125,6 +140,12 @@ struct MemoryEstimate {
   /// The same schemes as tandem runs them on fp32 weights with Adam(W): strategy_memory
   /// (Note [One memory model]) with the default buckets and the largest layer as G and U.
   std::vector<ZeroMemory> tandem_fp32;
+  /// With a model-parallel layout: its share, and tandem's strategies on the rank that holds the
+  /// most, W = dp x cp (the ranks ZeRO shards over; none under a pipeline, which tandem runs
+  /// without ZeRO).
+  bool has_layout = false;
+  LayoutShare layout;
+  std::vector<ZeroMemory> layout_fp32;
   /// What the estimate leaves out.
   std::vector<std::string> caveats;
 };
@@ -144,6 +165,10 @@ std::vector<std::string> memory_dtypes();
 ///   // e.zero: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device
 MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
                                const std::vector<std::string>& dtypes = {});
+/// The same, and tandem's strategies on the rank of `layout` that holds the most. Throws
+/// tandem::Refused unless dp x cp x tp x pp = num_processes.
+MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
+                               const std::vector<std::string>& dtypes, const LayoutShare& layout);
 
 /// Bytes in decimal units with three significant digits or so: "120 GB", "31.4 GB", "512 B".
 std::string format_bytes(double bytes);
