@@ -76,7 +76,7 @@ std::vector<std::string> plan_command(const std::string& dir, std::vector<std::s
 
 TEST(Plan, PredictedPeaksMatchTheRunsAndTheWinnersConfigLaunches) {
   TempDir dir;
-  auto r = run_command(plan_command(dir.str(), {"--measure_all", "--timed_steps", "4",
+  auto r = run_command(plan_command(dir.str(), {"--measure_all", "--timed_steps", "2",
                                                "--pp_virtual_stages", "1,2"}),
                        {}, 900);
   ASSERT_EQ(r.exit_code, 0) << r.output;
