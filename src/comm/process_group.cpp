@@ -618,6 +618,80 @@ void ProcessGroup::recv(std::vector<at::Tensor> tensors, int src, int tag, std::
   recv_async(std::move(tensors), src, tag, std::move(what)).wait();
 }
 
+at::Tensor ProcessGroup::all_to_all_v(const at::Tensor& input,
+                                      const std::vector<int64_t>& send_rows,
+                                      std::vector<int64_t>* recv_rows) {
+  if (static_cast<int>(send_rows.size()) != impl_->size)
+    throw ::tandem::Refused(prefix() + " all_to_all_v: " + std::to_string(send_rows.size()) +
+                            " send counts for a group of " + std::to_string(impl_->size) +
+                            ": give one count per group rank");
+  std::vector<int64_t> received(static_cast<size_t>(impl_->size), 0);
+  if (impl_->size == 1) {
+    received[0] = send_rows[0];
+  } else {
+    auto mine = at::tensor(send_rows, at::TensorOptions().dtype(at::kLong));
+    const auto all = allgather(mine);  // all[r][q]: rows rank r sends rank q
+    for (int r = 0; r < impl_->size; ++r)
+      received[static_cast<size_t>(r)] = all[static_cast<size_t>(r)][impl_->rank].item<int64_t>();
+  }
+  if (recv_rows) *recv_rows = received;
+  return all_to_all_v(input, send_rows, received);
+}
+
+at::Tensor ProcessGroup::all_to_all_v(const at::Tensor& input,
+                                      const std::vector<int64_t>& send_rows,
+                                      const std::vector<int64_t>& recv_rows) {
+  const auto n = static_cast<size_t>(impl_->size);
+  if (send_rows.size() != n || recv_rows.size() != n)
+    throw ::tandem::Refused(prefix() + " all_to_all_v: " + std::to_string(send_rows.size()) +
+                            " send and " + std::to_string(recv_rows.size()) +
+                            " receive counts for a group of " + std::to_string(n) +
+                            ": give one of each per group rank");
+  if (input.dim() < 1)
+    throw ::tandem::Refused(prefix() + " all_to_all_v: the input needs a first dimension of rows");
+  int64_t sent = 0, total = 0;
+  for (size_t r = 0; r < n; ++r) {
+    if (send_rows[r] < 0 || recv_rows[r] < 0)
+      throw ::tandem::Refused(prefix() + " all_to_all_v: negative row count for group rank " +
+                              std::to_string(r));
+    sent += send_rows[r];
+    total += recv_rows[r];
+  }
+  if (sent != input.size(0))
+    throw ::tandem::Refused(prefix() + " all_to_all_v: the send counts add up to " +
+                            std::to_string(sent) + " rows, and the input has " +
+                            std::to_string(input.size(0)));
+  auto in = input.contiguous();
+  auto shape = in.sizes().vec();
+  shape[0] = total;
+  auto out = at::empty(shape, in.options());
+  std::vector<int64_t> send_at(n + 1, 0), recv_at(n + 1, 0);
+  for (size_t r = 0; r < n; ++r) {
+    send_at[r + 1] = send_at[r] + send_rows[r];
+    recv_at[r + 1] = recv_at[r] + recv_rows[r];
+  }
+  const auto me = static_cast<size_t>(impl_->rank);
+  if (send_rows[me] != recv_rows[me])
+    throw ::tandem::Refused(prefix() + " all_to_all_v: this rank sends itself " +
+                            std::to_string(send_rows[me]) + " rows and expects " +
+                            std::to_string(recv_rows[me]));
+  out.narrow(0, recv_at[me], recv_rows[me]).copy_(in.narrow(0, send_at[me], send_rows[me]));
+  // Every receive and send posted before any is waited on: no two ranks wait on each other.
+  std::vector<Work> works;
+  for (size_t r = 0; r < n; ++r) {
+    if (r == me) continue;
+    works.push_back(recv_async({out.narrow(0, recv_at[r], recv_rows[r])}, static_cast<int>(r),
+                               kAllToAllTag, "all_to_all_v"));
+  }
+  for (size_t r = 0; r < n; ++r) {
+    if (r == me) continue;
+    works.push_back(send_async({in.narrow(0, send_at[r], send_rows[r])}, static_cast<int>(r),
+                               kAllToAllTag, "all_to_all_v"));
+  }
+  for (auto& w : works) w.wait();
+  return out;
+}
+
 void ProcessGroup::check_peer(int peer, int tag, const char* op) const {
   if (peer < 0 || peer >= impl_->size || peer == impl_->rank)
     throw ::tandem::Refused(prefix() + " " + op + " group rank " + std::to_string(peer) +

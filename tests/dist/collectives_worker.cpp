@@ -231,6 +231,45 @@ int main(int argc, char** argv) {
   }
   std::cout << "reduce_scatter and all_gather_into checked" << std::endl;
 
+  // all_to_all_v: rank r sends rank q (r + q) % 3 rows of [100 r + q, q - r] (none for some
+  // pairs, rank 0 none to itself), then sends every row back with the counts known (the way
+  // back of a dispatch); an exchange where nobody sends anything; counts that do not add up.
+  {
+    std::vector<int64_t> send;
+    std::vector<torch::Tensor> parts;
+    for (int q = 0; q < w; ++q) {
+      send.push_back((r + q) % 3);
+      parts.push_back(torch::tensor({100.0f * r + q, static_cast<float>(q - r)})
+                          .repeat({(r + q) % 3, 1}));
+    }
+    const auto rows = torch::cat(parts);
+    std::vector<int64_t> counts;
+    auto got = pg->all_to_all_v(rows, send, &counts);
+    std::vector<torch::Tensor> want;
+    bool counts_ok = static_cast<int>(counts.size()) == w;
+    for (int k = 0; k < w; ++k) {
+      if (counts_ok) counts_ok = counts[static_cast<size_t>(k)] == (k + r) % 3;
+      want.push_back(torch::tensor({100.0f * k + r, static_cast<float>(r - k)})
+                         .repeat({(k + r) % 3, 1}));
+    }
+    check(counts_ok, "all_to_all_v receive counts");
+    check(same(got, torch::cat(want)), "all_to_all_v rows");
+    auto back = pg->all_to_all_v(got, counts, send);
+    check(same(back, rows), "all_to_all_v back with known counts");
+    auto ids = pg->all_to_all_v(torch::arange(rows.size(0)), send);
+    check(ids.scalar_type() == torch::kLong && ids.size(0) == got.size(0), "all_to_all_v int64");
+    auto nothing = pg->all_to_all_v(torch::empty({0, 3}), std::vector<int64_t>(w, 0));
+    check(nothing.size(0) == 0 && nothing.size(1) == 3, "all_to_all_v of nothing");
+    try {
+      pg->all_to_all_v(rows, std::vector<int64_t>(w, 100));
+      check(false, "all_to_all_v accepted counts that do not add up to the rows");
+    } catch (const std::exception& e) {
+      check(std::string(e.what()).find("add up to") != std::string::npos,
+            std::string("all_to_all_v count error: ") + e.what());
+    }
+    std::cout << "all_to_all_v received " << got.size(0) << " rows" << std::endl;
+  }
+
   // Subgroup of the even ranks.
   std::vector<int> evens;
   for (int k = 0; k < w; k += 2) evens.push_back(k);

@@ -142,6 +142,25 @@ class ProcessGroup {
   /// all_gather_into() started asynchronously: `output` holds every rank's shard once the
   /// returned work was waited on (LibTorch 1.13's list form copies into it in wait()).
   Work all_gather_into_async(const at::Tensor& shard, at::Tensor output);
+  /// All-to-all of rows whose counts differ per pair of ranks (a mixture of experts' dropless
+  /// dispatch, and its way back): `input`'s first `send_rows[0]` rows go to group rank 0, the
+  /// next `send_rows[1]` to rank 1, and so on (their sum is input.size(0)); the result holds
+  /// what every rank sent this one, in rank order, with input's trailing shape and dtype (the
+  /// same on every rank). The counts are exchanged first (one allgather), and each rank's count
+  /// from every peer is written to `recv_rows` when given. Empty parts travel as nothing.
+  /// Every rank of the group calls it, in the same order; the transfers use tag
+  /// kAllToAllTag, which point-to-point users of the group leave to it.
+  ///
+  /// Example (2 ranks; rank 0 sends 1 row to itself and 2 to rank 1):
+  ///   auto got = pg->all_to_all_v(rows, {1, 2});  // rank 1's got: 2 rows from 0, then its own
+  at::Tensor all_to_all_v(const at::Tensor& input, const std::vector<int64_t>& send_rows,
+                          std::vector<int64_t>* recv_rows = nullptr);
+  /// all_to_all_v with the counts already known on both sides (`recv_rows[r]`: what rank r
+  /// sends this one), as the way back of a dispatch is: no exchange of counts.
+  at::Tensor all_to_all_v(const at::Tensor& input, const std::vector<int64_t>& send_rows,
+                          const std::vector<int64_t>& recv_rows);
+  /// The point-to-point tag all_to_all_v uses.
+  static constexpr int kAllToAllTag = 1 << 30;
   /// Elements per rank when `numel` elements are split into size() equal, padded chunks: at
   /// least 1, so that no rank's chunk is empty.
   int64_t shard_numel(int64_t numel) const;
