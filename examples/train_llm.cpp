@@ -1,8 +1,10 @@
 // Pretraining or fine-tuning a Llama-family model (llama, mistral, qwen2, qwen3: tandem/models/llama.h)
 // under every layout tandem launch gives it: data parallel, ZeRO 1-3 (FSDP), tensor parallel
 // (--tp_size), pipeline parallel (--pp_size, --microbatches; Note [Llama pipeline stages]),
-// context parallel (--cp_size: every sequence split over the cp ranks, ring attention), their
-// combinations, activation checkpointing, mixed precision, accumulation.
+// context parallel (--cp_size: every sequence split over the cp ranks, ring attention), expert
+// parallel for the mixtures (--ep_size: each layer's experts split over ep data-parallel ranks,
+// tokens sent to them by all-to-all), their combinations, activation checkpointing, mixed
+// precision, accumulation.
 //
 //   train_llm                                   a small byte-level Llama on this project's text
 //   train_llm --text book.txt                   ... on a file's bytes
@@ -11,6 +13,7 @@
 //   tandem launch --num_processes 4 --cpu --use_fsdp --tp_size 2 build/examples/train_llm ...
 //   tandem launch --num_processes 4 --cpu --pp_size 2 --tp_size 2 build/examples/train_llm --config c.json
 //   tandem launch --num_processes 4 --cpu --cp_size 2 build/examples/train_llm --seq_len 512
+//   tandem launch --num_processes 4 --cpu --ep_size 2 build/examples/train_llm --model qwen3-moe/
 //
 // Data: token ids in a flat binary file (uint16 or uint32, as llm.c and nanoGPT write them; cut
 // into windows of --seq_len), or JSONL lines {"input_ids": [...], "labels": [...]} (labels
@@ -336,6 +339,7 @@ int main(int argc, char** argv) {
     tandem::Accelerator acc(options);
     const int tp = acc.topology().tp(), pp = acc.topology().pp(), cp = acc.topology().cp();
     const int dp = acc.data_parallel_group().size();
+    const int ep = acc.expert_parallel()->size();
     models::check_llama_tensor_parallel(cfg, tp);
     if (pp > 1) {
       // Note [Llama pipeline stages]: what stages cannot hold, said before anything is built.
@@ -389,7 +393,8 @@ int main(int argc, char** argv) {
     // A pipeline, LoRA and tensor parallel start from the whole model on every rank, loaded
     // before they cut or adapt it; the others build it through acc.build (under ZeRO-3 each
     // layer is sharded as it is made) and load into it once prepared.
-    const bool whole = pp > 1 || lora.r() > 0 || tp > 1;
+    // Note [Expert parallel]: the whole model too, whose prepare keeps this rank's experts.
+    const bool whole = pp > 1 || lora.r() > 0 || tp > 1 || ep > 1;
     if (whole) {
       model = models::LlamaForCausalLM(cfg);
       if (!model_dir.empty()) tandem::checkpoint::load_model(*model, model_dir, load_options);
@@ -430,6 +435,10 @@ int main(int argc, char** argv) {
       model = acc.prepare(model);
       if (!model_dir.empty() && !whole) acc.load_model(*model, model_dir, load_options);
       trained = model.ptr();
+      if (ep > 1)
+        acc.print("expert parallel: ep " + std::to_string(ep) + ", " +
+                  std::to_string(cfg.num_experts / ep) + " of every layer's " +
+                  std::to_string(cfg.num_experts) + " experts per rank");
       // Note [Context parallel]: prepare handed the model the cp group.
       if (const auto& cp = model->context_parallel)
         acc.print("context parallel: cp " + std::to_string(cp->size()) + " (" +

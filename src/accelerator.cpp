@@ -23,6 +23,7 @@
 #include "tandem/host_allocator.h"
 #include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/expert_parallel.h"
 #include "tandem/parallel/tensor_parallel.h"
 #include "tandem/runtime.h"
 
@@ -116,6 +117,7 @@ Accelerator::Accelerator(AcceleratorOptions options)
   context_parallel_ = std::make_shared<parallel::ContextParallel>(
       topology_->context_parallel(),
       parallel::context_parallel_comm_from_name(run.cp_comm, "cp_comm_strategy"));
+  expert_parallel_ = make_expert_parallel(run);
   activation_checkpointing_ = run.activation_checkpointing;
   parallel::StrategyContext ctx;
   ctx.pg = topology_->replicas();  // Note [Context parallel]: dp x cp
@@ -332,8 +334,66 @@ void Accelerator::apply_transforms(torch::nn::Module& model, const Transforms& t
           model, config_.sharding ? config_.sharding->transformer_layer_cls_to_wrap()
                                   : std::vector<std::string>{});
   }
-  parallel::broadcast_module_state(model, *topology_->replicas(), true, true);
+  auto* moe = dynamic_cast<parallel::ExpertParallelModel*>(&model);
+  const auto ep = moe ? moe->expert_parallel() : nullptr;
+  if (ep && ep->size() > 1) {
+    // Note [Expert parallel]: an expert's replicas start from their first one's copy; every
+    // other tensor from rank 0's.
+    std::set<const void*> held;
+    for (const auto& p : moe->expert_parameters()) held.insert(p.unsafeGetTensorImpl());
+    auto expert = [&held](const at::Tensor& t) { return held.count(t.unsafeGetTensorImpl()) > 0; };
+    parallel::broadcast_module_state(model, *topology_->replicas(), true, true,
+                                     [&](const at::Tensor& t) { return !expert(t); });
+    parallel::broadcast_module_state(model, *ep->replicas(), true, false, expert);
+  } else {
+    parallel::broadcast_module_state(model, *topology_->replicas(), true, true);
+  }
   if (t.strategy) t.strategy(model);
+}
+
+// Note [Expert parallel]: ep consecutive data-parallel ranks per ep group, the ranks with one ep
+// coordinate a replica group; the layouts it does not compose with yet refused by name.
+std::shared_ptr<parallel::ExpertParallel> Accelerator::make_expert_parallel(
+    const config::RunConfig& run) {
+  const int ep = run.ep_size;
+  if (ep <= 1) return std::make_shared<parallel::ExpertParallel>(nullptr, nullptr, 1);
+  auto refuse = [&](const std::string& what) {
+    throw ::tandem::Refused(state_.prefix() + " expert parallel (ep_size " + std::to_string(ep) +
+                            ") " + what);
+  };
+  if (topology_->tp() > 1 || topology_->pp() > 1 || topology_->cp() > 1)
+    refuse("does not combine with tensor, pipeline or context parallel in tandem yet (this "
+           "layout: " + topology_->summary() + "); run the experts over data parallel only");
+  if (run.sharding && run.sharding->stage() > 0)
+    refuse("does not combine with ZeRO / FSDP in tandem yet; run it under plain data parallel "
+           "(no --use_deepspeed / --use_fsdp)");
+  if (run.comm_hook != "none")
+    refuse("reduces the experts' gradients with the default allreduce; leave comm_hook (" +
+           run.comm_hook + ") out");
+  auto dp = topology_->data_parallel();
+  const int n = dp->size();
+  if (n % ep != 0)
+    refuse("does not divide the " + std::to_string(n) + " data-parallel ranks: the ep groups are "
+           "carved from them; give an ep_size that divides " + std::to_string(n));
+  // Every rank of dp builds every group, in the same order (ProcessGroup::new_subgroup).
+  std::shared_ptr<ProcessGroup> group, replicas;
+  for (int g = 0; g < n / ep; ++g) {
+    std::vector<int> ranks;
+    for (int j = 0; j < ep; ++j) ranks.push_back(dp->global_rank(g * ep + j));
+    std::sort(ranks.begin(), ranks.end());
+    if (auto sub = dp->new_subgroup(ranks)) group = sub;
+  }
+  for (int j = 0; j < ep; ++j) {
+    std::vector<int> ranks;
+    for (int g = 0; g < n / ep; ++g) ranks.push_back(dp->global_rank(g * ep + j));
+    std::sort(ranks.begin(), ranks.end());
+    if (ranks.size() == 1) {
+      if (ranks[0] == state_.rank) replicas = ProcessGroup::single();
+      continue;
+    }
+    if (auto sub = dp->new_subgroup(ranks)) replicas = sub;
+  }
+  return std::make_shared<parallel::ExpertParallel>(group, replicas, n);
 }
 
 std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
@@ -355,6 +415,19 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
           "tandem::parallel::ContextParallelModel (tandem::models::LlamaForCausalLM does), or "
           "run without --cp_size");
     splits->set_context_parallel(context_parallel_);
+  }
+  // Note [Expert parallel]: the model keeps its experts before the strategy sees its parameters.
+  if (expert_parallel_->size() > 1) {
+    auto* experts = dynamic_cast<parallel::ExpertParallelModel*>(model.get());
+    if (!experts)
+      throw ::tandem::Refused(
+          state_.prefix() + " prepare: this run has ep_size " +
+          std::to_string(expert_parallel_->size()) +
+          " (tandem launch --ep_size, or parallelism_config ep_size), but the model (" +
+          model->name() + ") does not split its experts over the expert-parallel ranks. Use a "
+          "model that implements tandem::parallel::ExpertParallelModel "
+          "(tandem::models::LlamaForCausalLM does), or run without --ep_size");
+    experts->set_expert_parallel(expert_parallel_);
   }
   Transforms steps;
   steps.checkpoint_blocks = true;

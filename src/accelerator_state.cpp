@@ -9,8 +9,12 @@
 #include <filesystem>
 #include <iostream>
 #include <regex>
+#include <set>
+#include <sstream>
 
 #include "tandem/accelerator.h"
+#include "tandem/comm/collectives.h"
+#include "tandem/parallel/expert_parallel.h"
 #include "tandem/checkpoint/layout.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/checkpoint/optimizer_state.h"
@@ -55,7 +59,50 @@ void Accelerator::register_for_checkpointing(const std::string& name,
 std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
     torch::nn::Module& model) {
   // Under model parallel the topology joins the tp shards and the pp stages.
-  return topology_->gather_model_state(strategy_->model_state(model), model);
+  auto tensors = topology_->gather_model_state(strategy_->model_state(model), model);
+  // Note [Expert parallel]: the main process holds its own experts; the first ep group sends it
+  // the others' (their names, dtypes and shapes first, then the tensors).
+  auto* moe = dynamic_cast<parallel::ExpertParallelModel*>(&model);
+  const auto ep = moe ? moe->expert_parallel() : nullptr;
+  if (!ep || ep->size() == 1 || topology_->data_parallel()->rank() >= ep->size()) return tensors;
+  std::set<const void*> held;
+  for (const auto& p : moe->expert_parameters()) held.insert(p.unsafeGetTensorImpl());
+  std::vector<at::Tensor> mine;
+  std::string listing;
+  for (const auto& kv : model.named_parameters()) {
+    if (!held.count(kv.value().unsafeGetTensorImpl())) continue;
+    mine.push_back(kv.value().detach().contiguous());
+    listing += kv.key() + "\t" + std::to_string(static_cast<int>(kv.value().scalar_type()));
+    for (auto d : kv.value().sizes()) listing += "\t" + std::to_string(d);
+    listing += "\n";
+  }
+  auto& group = *ep->group();
+  const auto listings = comm::gather_object(group, listing);
+  constexpr int kTag = 78;  // the experts of a saved model
+  if (group.rank() != 0) {
+    group.send(mine, 0, kTag, "experts to the main process");
+    return tensors;
+  }
+  const auto device = mine.empty() ? c10::Device(c10::kCPU) : mine.front().device();
+  for (int r = 1; r < group.size(); ++r) {
+    std::vector<std::pair<std::string, at::Tensor>> got;
+    std::vector<at::Tensor> buffers;
+    std::istringstream lines(listings[static_cast<size_t>(r)]);
+    for (std::string line; std::getline(lines, line);) {
+      std::istringstream fields(line);
+      std::string name, field;
+      std::getline(fields, name, '\t');
+      std::getline(fields, field, '\t');
+      const auto dtype = static_cast<at::ScalarType>(std::stoi(field));
+      std::vector<int64_t> shape;
+      while (std::getline(fields, field, '\t')) shape.push_back(std::stoll(field));
+      buffers.push_back(at::empty(shape, at::TensorOptions().dtype(dtype).device(device)));
+      got.emplace_back(name, buffers.back());
+    }
+    group.recv(buffers, r, kTag, "experts of ep rank " + std::to_string(r));
+    for (auto& kv : got) tensors.push_back(std::move(kv));
+  }
+  return tensors;
 }
 
 checkpoint::LoadReport Accelerator::load_model(torch::nn::Module& model, const std::string& path,
@@ -95,6 +142,12 @@ void Accelerator::save_model(const torch::nn::Module& model, const std::string& 
 // The parts, in the order every rank saves and loads them. Loading checks the loaders first, so
 // that a mismatch is refused before anything is changed.
 std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
+  if (expert_parallel_->size() > 1)
+    throw ::tandem::Refused(state_.prefix() + " training checkpoints (save_state, load_state, "
+                            "checkpoint_every_steps) of an expert-parallel run (ep_size " +
+                            std::to_string(expert_parallel_->size()) + ") are not written yet: "
+                            "save the trained model with save_model (train_llm --save), or "
+                            "checkpoint without --ep_size");
   using checkpoint::StateReader;
   using checkpoint::StateWriter;
   std::vector<checkpoint::StatePart> parts;

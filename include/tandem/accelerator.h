@@ -57,6 +57,7 @@ namespace tandem {
 namespace parallel {
 struct TensorParallelPlan;
 class ContextParallel;
+class ExpertParallel;
 }
 namespace checkpoint {
 struct StatePart;
@@ -153,6 +154,11 @@ class Accelerator {
   /// model of one's own can split its batches and attention with it.
   std::shared_ptr<const parallel::ContextParallel> context_parallel() const {
     return context_parallel_;
+  }
+  /// Note [Expert parallel]: the run's expert-parallel group (size 1 without --ep_size), which
+  /// prepare hands a model that implements parallel::ExpertParallelModel.
+  std::shared_ptr<const parallel::ExpertParallel> expert_parallel() const {
+    return expert_parallel_;
   }
   int gradient_accumulation_steps() const { return accumulation_steps_; }
 
@@ -573,6 +579,8 @@ class Accelerator {
   std::shared_ptr<ProcessGroup> pg_;
   std::unique_ptr<parallel::Topology> topology_;  // Note [A topology always built]
   std::shared_ptr<parallel::ContextParallel> context_parallel_;  // Note [Context parallel]
+  std::shared_ptr<parallel::ExpertParallel> expert_parallel_;    // Note [Expert parallel]
+  std::shared_ptr<parallel::ExpertParallel> make_expert_parallel(const config::RunConfig& run);
   bool tp_applied_ = false;                 // parallelize() or prepare_pipeline(plan) ran
   bool pipeline_prepared_ = false;          // prepare_pipeline() ran
   bool split_checked_ = false;              // check_model_split() passed once

@@ -275,13 +275,13 @@ void set_deepspeed(LaunchConfig& c, const std::string& key, const std::string& v
 
 // parallelism_config: Accelerate's parallelism_config_<name> keys (the prefix may be left out,
 // as Accelerate's launcher adds it), plus tandem's pp_size, pp_schedule and pp_virtual_stages;
-// cp_size and cp_comm_strategy (Note [Context parallel]).
+// cp_size and cp_comm_strategy (Note [Context parallel]); ep_size (Note [Expert parallel]).
 void set_parallelism(LaunchConfig& c, std::string key, const std::string& value,
                      const std::string& origin) {
   const std::string prefix = "parallelism_config_";
   if (key.rfind(prefix, 0) == 0) key = key.substr(prefix.size());
   if (key == "dp_replicate_size" || key == "dp_shard_size" || key == "tp_size" ||
-      key == "cp_size" || key == "pp_size") {
+      key == "cp_size" || key == "ep_size" || key == "pp_size") {
     const int v = parse_int(origin, value, 1, 1 << 20, "a size >= 1");
     c.parallelism_config[key == "pp_size" ? key : prefix + key] = std::to_string(v);
   } else if (key == "pp_schedule") {
@@ -298,7 +298,8 @@ void set_parallelism(LaunchConfig& c, std::string key, const std::string& value,
     throw ::tandem::Refused(origin + ": unknown parallelism_config key '" + key +
                                 "'; expected parallelism_config_dp_replicate_size, "
                                 "parallelism_config_dp_shard_size, parallelism_config_tp_size, "
-                                "parallelism_config_cp_size, pp_size, pp_schedule or "
+                                "parallelism_config_cp_size, parallelism_config_ep_size, "
+                                "pp_size, pp_schedule or "
                                 "pp_virtual_stages");
   }
 }

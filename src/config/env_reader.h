@@ -90,6 +90,9 @@ class Reader {
 // The readers of one setting each, from one environment map (env_readers.cpp).
 std::optional<parallel::ShardingOptions> sharding_of(const Reader& env);
 comm::MeshShape mesh_shape_of(const Reader& env);
+/// A mesh size from the environment variable `name` (0 when unset); refuses what is not a
+/// positive integer, naming the variable and where it comes from.
+int mesh_size(const Reader& env, const char* name);
 bool activation_checkpointing_of(const EnvMap& map, const Reader& env);
 precision::Fp8Options fp8_of(const Reader& env);
 

@@ -181,6 +181,8 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
                                 "parallelism_config), but this run has no context-parallel "
                                 "dimension: set cp_size above 1 (--cp_size), or leave it out");
     }
+    // Note [Expert parallel].
+    if (const int ep = detail::mesh_size(env, var::kEpSize); ep > 0) c.ep_size = ep;
     c.host_allocator = options.host_allocator().value_or(
         env.boolean(var::kHostAllocator).value_or(!kAddressSanitizer));
     c.host_cache_mb =
@@ -237,6 +239,7 @@ std::string describe(const RunConfig& c) {
   os << "  mesh: " << c.mesh_shape.to_string() << "\n";
   if (c.mesh_shape.cp > 1)
     os << "  context parallel: keys/values by " << c.cp_comm << "\n";
+  if (c.ep_size > 1) os << "  expert parallel: ep " << c.ep_size << "\n";
   os << "  activation_checkpointing: " << yes(c.activation_checkpointing) << "\n";
   if (!c.pp_schedule.empty() || c.pp_virtual_stages > 0)
     os << "  pipeline: " << (c.pp_schedule.empty() ? "the program's schedule" : c.pp_schedule)

@@ -90,6 +90,8 @@ const std::vector<EnvVar>& run_environment_table() {
        "tensor-parallel ranks (within one machine)"},
       {var::kCpSize, "parallelism_config.parallelism_config_cp_size", "--cp_size", K::kPositiveInt, R::kRunConfig, true, "2",
        "context-parallel ranks: every sequence split over them"},
+      {var::kEpSize, "parallelism_config.parallelism_config_ep_size", "--ep_size", K::kPositiveInt, R::kRunConfig, true, "2",
+       "expert-parallel ranks: each mixture-of-experts layer's experts split over them (within dp)"},
       {var::kCpComm, "parallelism_config.parallelism_config_cp_comm_strategy", "--cp_comm_strategy", K::kChoice, R::kRunConfig, true, "alltoall",
        "context parallel keys/values: alltoall (ring) or allgather"},
       {"TANDEM_FP8_FORMAT", "fp8_config.fp8_format", "", K::kChoice, R::kRunConfig, true, "E4M3",

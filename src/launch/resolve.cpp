@@ -277,7 +277,8 @@ EnvMap program_environment(const ResolvedLaunch& r) {
   for (const auto& [k, v] : mesh_shape_environment(config::mesh_shape(c))) env[k] = v;
   for (const auto& [key, name] : {std::pair{"pp_schedule", var::kPpSchedule},
                                   std::pair{"pp_virtual_stages", var::kPpVirtualStages},
-                                  std::pair{"parallelism_config_cp_comm_strategy", var::kCpComm}})
+                                  std::pair{"parallelism_config_cp_comm_strategy", var::kCpComm},
+                                  std::pair{"parallelism_config_ep_size", var::kEpSize}})
     if (auto it = c.parallelism_config.find(key); it != c.parallelism_config.end())
       env[name] = it->second;
   if (c.mixed_precision == "fp8") {

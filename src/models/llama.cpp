@@ -14,6 +14,7 @@
 #include "tandem/comm/process_group.h"
 #include "tandem/error.h"
 #include "tandem/parallel/activation_checkpoint.h"
+#include "tandem/parallel/expert_parallel.h"
 #include "tandem/parallel/tensor_parallel.h"
 
 namespace tandem::models {
@@ -186,10 +187,33 @@ LlamaSparseMoeImpl::LlamaSparseMoeImpl(const LlamaConfig& c)
   gate = register_module("gate", linear(c.hidden_size, c.num_experts, false, c.initializer_range));
   experts_list = register_module("experts", torch::nn::ModuleList());
   const bool mixtral = c.model_type == "mixtral";
+  num_experts = c.num_experts;
   for (int64_t e = 0; e < c.num_experts; ++e) {
     experts.push_back(LlamaMLP(c, c.moe_intermediate_size, mixtral));
     experts_list->push_back(experts.back());
+    expert_ids.push_back(e);
   }
+}
+
+void LlamaSparseMoeImpl::keep_experts(std::shared_ptr<const tandem::parallel::ExpertParallel> group) {
+  if (!group || group->size() == 1) return;
+  TANDEM_CHECK(!ep, "LlamaSparseMoe: the experts were split over an ep group already");
+  const auto [first, count] = group->local_experts(num_experts);
+  // A plain container under "experts" whose children keep the layer's numbers: this rank's
+  // parameters are named as in the whole model's files.
+  auto held = std::make_shared<torch::nn::Module>("LlamaExperts");
+  std::vector<LlamaMLP> kept;
+  std::vector<int64_t> ids;
+  for (int64_t e = first; e < first + count; ++e) {
+    kept.push_back(experts[static_cast<size_t>(e)]);
+    ids.push_back(e);
+    held->register_module(std::to_string(e), kept.back().ptr());
+  }
+  replace_module("experts", held);
+  experts_list = nullptr;
+  experts = std::move(kept);
+  expert_ids = std::move(ids);
+  ep = std::move(group);
 }
 
 at::Tensor LlamaSparseMoeImpl::forward(const at::Tensor& x) {
@@ -208,6 +232,7 @@ at::Tensor LlamaSparseMoeImpl::forward(const at::Tensor& x) {
     tokens_routed =
         tokens_routed.defined() ? tokens_routed + tokens_per_expert : tokens_per_expert.clone();
   auto out = torch::zeros_like(h);
+  if (ep) return forward_expert_parallel(h, weights, chosen).view({B, T, H});
   // Expert by expert in ascending order (transformers' order of the sums), each on its tokens.
   for (int64_t e = 0; e < E; ++e) {
     auto hit = (chosen == e).nonzero();  // [n, 2]: token, slot
@@ -218,6 +243,36 @@ at::Tensor LlamaSparseMoeImpl::forward(const at::Tensor& x) {
     out.index_add_(0, token, y.to(out.scalar_type()));
   }
   return out.view({B, T, H});
+}
+
+// Note [Expert parallel]: every (token, choice) pair, ordered by expert (so by the rank that
+// holds it), goes to that rank with its expert's number; each rank runs its experts on what it
+// got, the outputs come back the same way, and are weighted and summed per token in the order of
+// the experts, as without ep.
+at::Tensor LlamaSparseMoeImpl::forward_expert_parallel(const at::Tensor& h, const at::Tensor& weights,
+                                                       const at::Tensor& chosen) {
+  const int64_t k = top_k, n = ep->size();
+  auto flat = chosen.reshape({-1});  // pair p: token p / k, slot p % k
+  auto order = std::get<1>(torch::sort(flat, /*stable=*/true, 0, /*descending=*/false));
+  auto expert = flat.index_select(0, order);
+  auto token = at::div(order, k, "floor");
+  auto slot = order - token * k;
+  auto per_rank = torch::bincount(expert.to(torch::kCPU), {}, num_experts).view({n, -1}).sum(1);
+  std::vector<int64_t> send(per_rank.data_ptr<int64_t>(), per_rank.data_ptr<int64_t>() + n);
+  std::vector<int64_t> recv;
+  auto got = ep->all_to_all(h.index_select(0, token), send, &recv);
+  auto got_expert = ep->group()->all_to_all_v(expert, send, recv);
+  // Every row received belongs to one of this rank's experts: each is overwritten (the product
+  // keeps the backward of the way back on every rank, rows or none).
+  auto done = got * 0;
+  for (size_t j = 0; j < experts.size(); ++j) {
+    auto rows = (got_expert == expert_ids[j]).nonzero().select(1, 0);
+    if (rows.size(0) == 0) continue;
+    done = done.index_copy(0, rows, experts[j](got.index_select(0, rows)).to(done.scalar_type()));
+  }
+  auto back = ep->all_to_all(done, recv, send);
+  back = back * weights.index({token, slot}).unsqueeze(1);
+  return torch::zeros_like(h).index_add(0, token, back.to(h.scalar_type()));
 }
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer) {
@@ -277,6 +332,28 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& ids) {
   if (context_parallel)  // this rank's chunks, then the whole logits (Note [Context parallel])
     return context_parallel->unshard(lm_head(model(context_parallel->shard(ids, 1))), 1);
   return lm_head(model(ids));
+}
+
+void LlamaForCausalLMImpl::set_expert_parallel(
+    std::shared_ptr<const tandem::parallel::ExpertParallel> ep) {
+  if (!ep || ep->size() == 1) return;
+  if (config.num_experts <= 0)
+    throw Refused("LlamaForCausalLM: this run has ep_size " + std::to_string(ep->size()) +
+                  " (tandem launch --ep_size), and the " + config.model_type +
+                  " model has no experts to split; run without --ep_size");
+  TANDEM_CHECK(!expert_parallel_, "LlamaForCausalLM: the experts were split over ep already");
+  for (auto& layer : model->layers)
+    if (!layer->moe.is_empty()) layer->moe->keep_experts(ep);
+  expert_parallel_ = std::move(ep);
+}
+
+std::vector<at::Tensor> LlamaForCausalLMImpl::expert_parameters() {
+  std::vector<at::Tensor> out;
+  for (auto& layer : model->layers)
+    if (!layer->moe.is_empty())
+      for (auto& e : layer->moe->experts)
+        for (auto& p : e->parameters()) out.push_back(p);
+  return out;
 }
 
 void LlamaForCausalLMImpl::set_context_parallel(
@@ -375,7 +452,7 @@ std::vector<at::Tensor> LlamaForCausalLMImpl::take_tokens_routed() {
   for (auto& layer : model->layers) {
     if (layer->moe.is_empty()) continue;
     auto& t = layer->moe->tokens_routed;
-    out.push_back(t.defined() ? t : torch::zeros({static_cast<int64_t>(layer->moe->experts.size())},
+    out.push_back(t.defined() ? t : torch::zeros({layer->moe->num_experts},
                                                  torch::kLong));
     t = at::Tensor();
   }

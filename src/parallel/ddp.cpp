@@ -48,9 +48,13 @@ GradientReducer::GradientReducer(
     : pg_(std::move(pg)), options_(options),
       hook_(options.comm_hook() ? options.comm_hook() : allreduce_hook()),
       average_pg_(options.average_over() ? options.average_over() : pg_),
-      inv_world_(hook_->reducer_divides() && average_pg_->size() > 1
-                     ? at::native::wrapped_scalar_tensor(1.0 / average_pg_->size())
+      divisor_(options.divide_by() > 0 ? options.divide_by() : average_pg_->size()),
+      inv_world_(hook_->reducer_divides() && divisor_ > 1
+                     ? at::native::wrapped_scalar_tensor(1.0 / divisor_)
                      : at::Tensor()) {
+  TANDEM_CHECK(options_.divide_by() == 0 || hook_->reducer_divides(), pg_->prefix(),
+               " ReducerOptions::divide_by needs a hook that lets the reducer divide (the "
+               "default allreduce)");
   TANDEM_CHECK(options_.groups().empty() || options_.groups().size() == named_parameters.size(),
               pg_->prefix(), " ReducerOptions::groups has ", options_.groups().size(),
               " keys for ", named_parameters.size(), " parameters");
@@ -235,7 +239,7 @@ void GradientReducer::copy_into_bucket(at::Tensor& slot, const at::Tensor& grad)
   } else {
     // bf16 gradients in an fp32 bucket: divide in fp32, not in the gradient's dtype.
     slot.copy_(grad);
-    slot.div_(static_cast<double>(average_pg_->size()));
+    slot.div_(static_cast<double>(divisor_));
   }
 }
 
@@ -381,14 +385,14 @@ ReductionTimeline GradientReducer::last_timeline() const {
 }
 
 void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool parameters,
-                            bool buffers) {
+                            bool buffers, const std::function<bool(const at::Tensor&)>& only) {
   if (pg.size() == 1) return;
   std::vector<at::Tensor> tensors;
   std::unordered_set<const void*> seen;
   // A tensor whose storage was released (a unit sharded while it was built, Note [Sharded
   // construction]) holds no values to send: its unit was broadcast before it was cut.
   auto add = [&](const at::Tensor& t) {
-    if (t.defined() && !(t.numel() > 0 && t.storage().nbytes() == 0) &&
+    if (t.defined() && !(t.numel() > 0 && t.storage().nbytes() == 0) && (!only || only(t)) &&
         seen.insert(t.unsafeGetTensorImpl()).second)
       tensors.push_back(t);
   };

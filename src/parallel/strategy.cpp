@@ -6,9 +6,11 @@
 #include <torch/optim/optimizer.h>
 
 #include <algorithm>
+#include <set>
 #include <stdexcept>
 
 #include "detail/strategies.h"
+#include "tandem/parallel/expert_parallel.h"
 #include "tandem/nn/module.h"
 #include "tandem/checkpoint/model_io.h"
 
@@ -34,10 +36,34 @@ class DdpStrategy : public Strategy {
     ++models_;
     auto options = ctx_.reducer;
     options.model_label(model_label(*model, models_));
-    reducers_.push_back(
-        std::make_unique<GradientReducer>(model->named_parameters().pairs(), ctx_.pg, options));
-    // A second model: a backward may reach one and not the other (a GAN's two losses).
-    for (auto& r : reducers_) r->allow_untouched_backward(reducers_.size() > 1);
+    auto named = model->named_parameters().pairs();
+    // Note [Expert parallel]: the experts this rank holds are reduced over their replicas, every
+    // other parameter over dp.
+    auto* moe = dynamic_cast<ExpertParallelModel*>(model.get());
+    const auto ep = moe ? moe->expert_parallel() : nullptr;
+    if (ep && ep->size() > 1) {
+      std::set<const void*> held;
+      for (const auto& p : moe->expert_parameters()) held.insert(p.unsafeGetTensorImpl());
+      std::vector<std::pair<std::string, at::Tensor>> rest, experts;
+      for (auto& kv : named)
+        (held.count(kv.second.unsafeGetTensorImpl()) ? experts : rest).push_back(std::move(kv));
+      named = std::move(rest);
+      if (!experts.empty()) {
+        auto expert_options = options;
+        // Every replica joins every reduction, also in a step its experts got no token.
+        expert_options.divide_by(ep->data_parallel_size()).find_unused_parameters(true);
+        auto r = std::make_unique<GradientReducer>(experts, ep->replicas(), expert_options);
+        expert_reducers_.push_back(r.get());
+        reducers_.push_back(std::move(r));
+      }
+    }
+    reducers_.push_back(std::make_unique<GradientReducer>(named, ctx_.pg, options));
+    // A second model: a backward may reach one and not the other (a GAN's two losses). A rank's
+    // experts may get no token in a step.
+    for (auto& r : reducers_)
+      r->allow_untouched_backward(models_ > 1 ||
+                                  std::count(expert_reducers_.begin(), expert_reducers_.end(),
+                                             r.get()) > 0);
   }
   bool prepare_optimizer(torch::optim::Optimizer&) override { return false; }
   void set_sync(bool sync) override {
@@ -55,6 +81,7 @@ class DdpStrategy : public Strategy {
  private:
   StrategyContext ctx_;
   std::vector<std::unique_ptr<GradientReducer>> reducers_;
+  std::vector<const GradientReducer*> expert_reducers_;
   int models_ = 0;
 };
 

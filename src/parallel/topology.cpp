@@ -12,6 +12,7 @@
 
 #include "tandem/checkpoint/layout.h"
 #include "tandem/comm/process_group.h"
+#include "tandem/parallel/expert_parallel.h"
 #include "tandem/parallel/full_state.h"
 #include "tandem/parallel/strategy.h"
 #include "tandem/parallel/tensor_parallel.h"
@@ -158,6 +159,34 @@ double clip_grad_norm(const Topology& topology, Strategy& strategy,
     is_split = [&split](const at::Tensor& t) { return split.count(t.unsafeGetTensorImpl()) > 0; };
   torch::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
+  // Note [Expert parallel]: the experts a rank holds are its ep group's part of the model (ep
+  // runs under plain data parallel only: gradients whole on this rank).
+  std::set<const void*> experts;
+  std::shared_ptr<const ExpertParallel> ep;
+  for (const auto& m : models)
+    if (auto* moe = dynamic_cast<ExpertParallelModel*>(m.get()))
+      if (auto g = moe->expert_parallel(); g && g->size() > 1) {
+        ep = g;
+        for (const auto& p : moe->expert_parameters()) experts.insert(p.unsafeGetTensorImpl());
+      }
+  if (ep) {
+    std::array<double, 2> own{0, 0};  // {experts, the rest}
+    for (const auto& t : tensors) {
+      if (!t.grad().defined()) continue;
+      const double n = t.grad().detach().to(at::kDouble).norm(norm_type).item<double>();
+      auto& part = own[experts.count(t.unsafeGetTensorImpl()) ? 0 : 1];
+      part = inf ? std::max(part, n) : part + std::pow(n, norm_type);
+    }
+    auto sum = at::full({1}, own[0], at::TensorOptions().dtype(at::kDouble));
+    ep->group()->allreduce(sum, inf ? ReduceOp::kMax : ReduceOp::kSum);
+    const double all = inf ? std::max(sum.item<double>(), own[1]) : sum.item<double>() + own[1];
+    const double total = inf ? all : std::pow(all, 1.0 / norm_type);
+    const double coef = max_norm / (total + 1e-6);
+    if (coef < 1)
+      for (const auto& t : tensors)
+        if (t.grad().defined()) t.grad().detach().mul_(coef);
+    return total;
+  }
   auto parts = strategy.grad_norm_parts(is_split, norm_type);
   const bool sharded = parts.has_value();
   if (!sharded) {  // gradients whole on every data-parallel rank: this rank's copy

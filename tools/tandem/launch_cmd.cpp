@@ -171,6 +171,8 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
         "Context-parallel ranks: every sequence split over them (ring attention)", mesh);
   value("cp_comm_strategy", "parallelism_config.parallelism_config_cp_comm_strategy",
         "Context parallel keys/values: alltoall (ring, default) or allgather", mesh);
+  value("ep_size", "parallelism_config.parallelism_config_ep_size",
+        "Expert-parallel ranks: a mixture's experts split over them, within dp", mesh);
   value("pp_size", "parallelism_config.pp_size", "Pipeline stages", mesh);
   value("pp_schedule", "parallelism_config.pp_schedule",
         "Pipeline schedule: gpipe, 1f1b (default), interleaved_1f1b or zero_bubble", mesh);

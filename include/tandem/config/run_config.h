@@ -72,6 +72,9 @@ struct RunConfig {
   /// TANDEM_CP_COMM_STRATEGY: how context parallel moves keys and values ("alltoall": the ring,
   /// the default; "allgather"). Checked by parallel::context_parallel_comm_from_name.
   std::string cp_comm = "alltoall";
+  /// TANDEM_EP_SIZE: expert-parallel ranks (Note [Expert parallel]): consecutive data-parallel
+  /// ranks that split each mixture-of-experts layer's experts; 1: none.
+  int ep_size = 1;
   /// Note [Resident memory and large blocks]: tandem's host allocator serves large CPU blocks
   /// (AcceleratorOptions::host_allocator, else TANDEM_HOST_ALLOCATOR; default true, false in a
   /// build with AddressSanitizer, which checks tensors only where malloc hands them out), keeping

@@ -44,6 +44,7 @@ inline constexpr const char kDpShardSize[] = "TANDEM_DP_SHARD_SIZE";
 inline constexpr const char kTpSize[] = "TANDEM_TP_SIZE";
 inline constexpr const char kCpSize[] = "TANDEM_CP_SIZE";
 inline constexpr const char kCpComm[] = "TANDEM_CP_COMM_STRATEGY";
+inline constexpr const char kEpSize[] = "TANDEM_EP_SIZE";
 inline constexpr const char kTimeline[] = "TANDEM_TIMELINE";
 inline constexpr const char kProfile[] = "TANDEM_PROFILE";
 inline constexpr const char kPreemptionSignal[] = "TANDEM_PREEMPTION_SIGNAL";

@@ -34,6 +34,7 @@
 #include "tandem/nn/layers.h"
 #include "tandem/nn/module.h"
 #include "tandem/parallel/context_parallel.h"
+#include "tandem/parallel/expert_parallel.h"
 
 namespace tandem::parallel {
 struct TensorParallelPlan;
@@ -161,8 +162,18 @@ struct LlamaSparseMoeImpl : torch::nn::Module {
   bool norm_topk_prob;
   double jitter;
   tandem::nn::Linear gate{nullptr};
-  torch::nn::ModuleList experts_list{nullptr};  ///< registered as "experts"
-  std::vector<LlamaMLP> experts;
+  torch::nn::ModuleList experts_list{nullptr};  ///< registered as "experts" (without ep)
+  std::vector<LlamaMLP> experts;  ///< the experts this rank holds (all of them without ep)
+  /// Each held expert's number in the layer ("experts.<e>": the names stay those of the whole
+  /// layer under ep).
+  std::vector<int64_t> expert_ids;
+  int64_t num_experts = 0;  ///< the layer's experts, on every rank
+  /// Note [Expert parallel]: keeps this rank's experts of `ep` (the others' modules dropped) and
+  /// dispatches tokens to their ranks from now on.
+  void keep_experts(std::shared_ptr<const tandem::parallel::ExpertParallel> ep);
+  at::Tensor forward_expert_parallel(const at::Tensor& h, const at::Tensor& weights,
+                                     const at::Tensor& chosen);
+  std::shared_ptr<const tandem::parallel::ExpertParallel> ep;
   at::Tensor router_logits;  ///< of the last forward (the load-balancing loss reads them)
   at::Tensor tokens_per_expert;  ///< of the last forward: [experts] counts (int64)
   /// The top-k choices each expert got, summed over the training forwards since the last
@@ -213,7 +224,9 @@ TANDEM_MODULE(LlamaHead);
 /// the cp group, and forward and loss go on taking whole sequences [B, T] (T a multiple of
 /// 2 cp): each rank embeds and computes its two chunks of every sequence, attention runs over
 /// the group, loss is the whole batch's on every cp rank and forward gathers the whole logits.
-struct LlamaForCausalLMImpl : torch::nn::Module, tandem::parallel::ContextParallelModel {
+struct LlamaForCausalLMImpl : torch::nn::Module,
+                              tandem::parallel::ContextParallelModel,
+                              tandem::parallel::ExpertParallelModel {
   explicit LlamaForCausalLMImpl(const LlamaConfig& c);
   at::Tensor forward(const at::Tensor& ids);
   /// transformers' causal-LM loss: the mean cross entropy of the logits at positions 0..T-2
@@ -238,10 +251,21 @@ struct LlamaForCausalLMImpl : torch::nn::Module, tandem::parallel::ContextParall
   /// Splits every sequence over `cp` from now on (nullptr: whole sequences again). Refused for
   /// attention dropout in training and under the key/value cache (generation).
   void set_context_parallel(std::shared_ptr<const tandem::parallel::ContextParallel> cp) override;
+  /// Expert parallel (tandem launch --ep_size; Note [Expert parallel]): every sparse layer keeps
+  /// this rank's experts of `ep` and sends tokens to the others' ranks. Refused for a dense model
+  /// and for an ep_size that does not divide the experts.
+  void set_expert_parallel(std::shared_ptr<const tandem::parallel::ExpertParallel> ep) override;
+  std::shared_ptr<const tandem::parallel::ExpertParallel> expert_parallel() const override {
+    return expert_parallel_;
+  }
+  std::vector<at::Tensor> expert_parameters() override;
   LlamaConfig config;
   std::shared_ptr<const tandem::parallel::ContextParallel> context_parallel;
   LlamaModel model{nullptr};
   LlamaHead lm_head{nullptr};
+
+ private:
+  std::shared_ptr<const tandem::parallel::ExpertParallel> expert_parallel_;
 };
 TORCH_MODULE(LlamaForCausalLM);
 

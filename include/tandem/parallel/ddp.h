@@ -5,6 +5,7 @@
 #include <torch/arg.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -66,6 +67,11 @@ struct ReducerOptions {
   /// the unused-parameter map spans it; the hook reduces across the replicas itself. Null: the
   /// reducer's group.
   TORCH_ARG(std::shared_ptr<ProcessGroup>, average_over) = nullptr;
+  /// Note [Expert parallel]: each gradient is divided by this many ranks instead of the
+  /// averaging group's size, and summed over the reducer's group: an expert's gradients, which
+  /// already sum what its ep group sent it, are summed over its replicas and divided by the whole
+  /// data-parallel size. 0: the averaging group's size.
+  TORCH_ARG(int, divide_by) = 0;
   /// Which model the parameters belong to, as refusals that list parameter names say it
   /// ("model 2 (Generator)"); empty: the names alone (one prepared model).
   TORCH_ARG(std::string, model_label) = "";
@@ -159,6 +165,7 @@ class GradientReducer {
   std::vector<char> view_;  // param -> .grad is a view into its bucket
   std::shared_ptr<CommHook> hook_;
   std::shared_ptr<ProcessGroup> average_pg_;  // ReducerOptions::average_over, or pg_
+  int divisor_ = 1;  // ReducerOptions::divide_by, or average_pg_'s size
   // Note [Division on the way in]: 1 / world size as a wrapped scalar (made once, not per
   // gradient); undefined when the hook divides itself or the world is one process.
   at::Tensor inv_world_;
@@ -176,7 +183,10 @@ class GradientReducer {
 
 /// Overwrites every rank's parameters and/or buffers with rank 0's (flattened by dtype, one
 /// broadcast each). Tied parameters are sent once.
+/// `only`, when given, picks the tensors to send (Note [Expert parallel]: the experts a rank
+/// holds go over their replicas, every other tensor over dp).
 void broadcast_module_state(torch::nn::Module& module, ProcessGroup& pg, bool parameters,
-                            bool buffers);
+                            bool buffers,
+                            const std::function<bool(const at::Tensor&)>& only = nullptr);
 
 }  // namespace tandem::parallel
