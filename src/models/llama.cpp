@@ -226,7 +226,7 @@ at::Tensor LlamaSparseMoeImpl::forward(const at::Tensor& x) {
   auto [weights, chosen] = torch::topk(probs, top_k, -1);  // [tokens, k]
   if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
   weights = weights.to(router_logits.scalar_type());
-  const int64_t E = static_cast<int64_t>(experts.size());
+  const int64_t E = num_experts;
   tokens_per_expert = torch::bincount(chosen.reshape({-1}).to(torch::kCPU), {}, E);
   if (is_training() && !tandem::parallel::in_checkpoint_recompute())
     tokens_routed =

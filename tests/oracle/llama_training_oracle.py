@@ -11,7 +11,8 @@ few elements by a fraction of a step; a wrong gradient moves them by whole steps
 parallel on 2, ZeRO-1 on 2, FSDP (ZeRO-3) on 2 with activation checkpointing, tensor parallel on 2,
 and ZeRO-3 x tensor parallel on 4; and on pipeline stages (pp 2, pp 2 x dp 2 and pp 2 x tp 2 on
 4), the Qwen3-MoE (untied) and a Qwen3 with an untied head (Note [Llama pipeline stages]); and a
-Qwen3-MoE of 32 experts (top 1), some chosen on one replica only, on dp 2 and pp 2 x dp 2. For
+Qwen3-MoE of 32 experts (top 1), some chosen on one replica only, on dp 2 and pp 2 x dp 2; and
+both mixtures under expert parallel (ep 2 on 2, ep 2 x dp 2 on 4, ep 4 on 4). For
 the mixtures, train_llm's tokens per expert of every step (over every rank) are the reference's
 (PyTorch's routers' top-k choices, counted by hooks).
 
@@ -95,15 +96,23 @@ def main():
         ("context parallel 2 x tensor parallel 2 on 4", 4, ["--cp_size", "2", "--tp_size", "2"],
          GLOBAL_BATCH),
     ]
+    # Note [Expert parallel]: each layer's experts split over ep data-parallel ranks, tokens sent
+    # to them and back by all-to-all.
+    experts = [
+        ("expert parallel 2", 2, ["--ep_size", "2"], GLOBAL_BATCH // 2),
+        ("expert parallel 2 x data parallel 2 on 4", 4, ["--ep_size", "2"], GLOBAL_BATCH // 4),
+        ("expert parallel 4", 4, ["--ep_size", "4"], GLOBAL_BATCH // 4),
+    ]
     if len(sys.argv) > 4 and sys.argv[4] == "context_parallel":
         for name, config, runs in (("qwen3", dense, contexts), ("qwen3_moe", moe, contexts)):
             check(train_llm, cli, fresh_dir(os.path.join(root, name.replace(" ", "_"))), name,
                   config, runs)
         return
-    for name, config, runs in (("qwen3", dense, layouts), ("qwen3_moe", moe, layouts + pipelines),
+    for name, config, runs in (("qwen3", dense, layouts),
+                               ("qwen3_moe", moe, layouts + pipelines + experts),
                                ("qwen3 untied", untied, pipelines),
                                ("qwen3_moe 32 experts", sparse,
-                                [layouts[0], layouts[1], pipelines[1]])):
+                                [layouts[0], layouts[1], pipelines[1]] + experts)):
         check(train_llm, cli, fresh_dir(os.path.join(root, name.replace(" ", "_"))), name, config,
               runs, against_pytorch=name != "qwen3_moe 32 experts")
 
@@ -139,6 +148,13 @@ def check(train_llm, cli, work, family, config, layouts, against_pytorch=True):
             if said not in out or f"{SEQ // int(cp)} of every {SEQ} positions per rank" not in out:
                 fail(f"{family}, {name}: train_llm does not say its model splits every "
                      f"sequence over cp {cp}:\n{out}")
+        if "--ep_size" in flags:  # the experts are split, not only the mesh
+            ep = int(flags[flags.index("--ep_size") + 1])
+            said = f"expert parallel: ep {ep}, {config.num_experts // ep} of every layer's " \
+                   f"{config.num_experts} experts per rank"
+            if said not in out:
+                fail(f"{family}, {name}: train_llm does not say it split the experts over ep "
+                     f"{ep}:\n{out}")
         logged = [float(x) for x in re.findall(r"step \d+ loss \S+ lr \S+ grad_norm (\S+)", out)]
         if len(logged) != STEPS:
             fail(f"{family}, {name}: {len(logged)} grad_norm reports, expected {STEPS}:\n{out}")
