@@ -5,11 +5,13 @@
 // cannot split its sequences and a pipeline beside cp.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "../common/checks.h"
 #include "../common/launch.h"
+#include "../common/temp_dir.h"
 
 using tandem::testing::count_of;
 using tandem::testing::launch;
@@ -20,6 +22,7 @@ namespace {
 
 const std::string kWorker = CONTEXT_PARALLEL_WORKER;
 const std::string kTrainGpt = TRAIN_GPT;
+const std::string kTrainLlm = TRAIN_LLM;
 
 LaunchOptions with_flags(std::vector<std::string> flags = {}) {
   return LaunchOptions().flags(std::move(flags)).timeout_s(180);
@@ -82,4 +85,50 @@ TEST(ContextParallel, TheLauncherRefusesWhatCannotSplitItsSequences) {
                      with_flags({"--cp_comm_strategy", "allgather"}));
   EXPECT_NE(comm.exit_code, 0) << comm.output;
   EXPECT_GE(count_of(comm.output, "cp_comm_strategy is set"), 1) << comm.output;
+}
+
+// Note [Expert parallel]: --ep_size reaches every rank; a model without ExpertParallelModel (the
+// example GPT) and a model without experts (the default Llama) are refused, and so are an
+// ep_size that does not divide dp, ep beside ZeRO or tensor parallel, and training checkpoints of
+// an ep run (its trained model is saved whole: the oracle's ep layouts).
+TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
+  auto gpt = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2"}));
+  EXPECT_NE(gpt.exit_code, 0) << gpt.output;
+  EXPECT_GE(count_of(gpt.output, "this run has ep_size 2"), 1) << gpt.output;
+  EXPECT_GE(count_of(gpt.output, "tandem::parallel::ExpertParallelModel"), 1) << gpt.output;
+  auto dense = launch(2, kTrainLlm, {"--steps", "1"}, with_flags({"--ep_size", "2"}));
+  EXPECT_NE(dense.exit_code, 0) << dense.output;
+  EXPECT_GE(count_of(dense.output, "has no experts to split"), 1) << dense.output;
+  auto odd = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "3"}));
+  EXPECT_NE(odd.exit_code, 0) << odd.output;
+  EXPECT_GE(count_of(odd.output, "does not divide the 2 data-parallel ranks"), 1) << odd.output;
+  auto zero = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2", "--use_fsdp"}));
+  EXPECT_NE(zero.exit_code, 0) << zero.output;
+  EXPECT_GE(count_of(zero.output, "does not combine with ZeRO / FSDP"), 1) << zero.output;
+  auto tp = launch(4, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2", "--tp_size", "2"}));
+  EXPECT_NE(tp.exit_code, 0) << tp.output;
+  EXPECT_GE(count_of(tp.output, "does not combine with tensor, pipeline or context parallel"), 1)
+      << tp.output;
+  // A small mixture trains under ep 2 (the byte-level default data), and its training
+  // checkpoints are refused by name.
+  tandem::testing::TempDir dir;
+  std::ofstream(dir.str() + "/moe.json")
+      << R"({"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32,
+             "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+             "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64})";
+  const std::vector<std::string> moe{"--config", dir.str() + "/moe.json", "--seq_len", "16",
+                                     "--batch_size", "2", "--steps", "2"};
+  auto ok = launch(2, kTrainLlm, moe, with_flags({"--ep_size", "2"}));
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_GE(count_of(ok.output, "expert parallel: ep 2, 2 of every layer's 4 experts per rank"), 1)
+      << ok.output;
+  auto with_checkpoints = moe;
+  for (const std::string a : {"--checkpoint_every", "1", "--project_dir"})
+    with_checkpoints.push_back(a);
+  with_checkpoints.push_back(dir.str() + "/project");
+  auto saved = launch(2, kTrainLlm, with_checkpoints, with_flags({"--ep_size", "2"}));
+  EXPECT_NE(saved.exit_code, 0) << saved.output;
+  EXPECT_GE(count_of(saved.output, "of an expert-parallel run (ep_size 2) are not written yet"), 1)
+      << saved.output;
 }

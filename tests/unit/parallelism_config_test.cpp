@@ -73,6 +73,22 @@ TEST(ParallelismConfig, ContextParallelKeys) {
   EXPECT_TRUE(contains(e, "not a multiple of pp x cp x tp")) << e;
 }
 
+// Note [Expert parallel]: ep_size reaches the ranks as TANDEM_EP_SIZE; it is no mesh dimension
+// (the ep groups are carved from dp), so the mesh stays dp 4.
+TEST(ParallelismConfig, ExpertParallelKey) {
+  auto c = parse_config(kBase + "parallelism_config:\n  parallelism_config_ep_size: 2\n");
+  EXPECT_EQ(c.parallelism_config.at("parallelism_config_ep_size"), "2");
+  tandem::config::validate(c);
+  auto env = tandem::launch::program_environment(
+      tandem::launch::resolve_launch(c, {}, cpu_machine()));
+  EXPECT_EQ(env.at("TANDEM_EP_SIZE"), "2");
+  EXPECT_EQ(tandem::config::mesh_shape(c).resolve(4).dp_replicate, 4);
+  auto again = parse_config(tandem::config::to_yaml(c));
+  EXPECT_EQ(again.parallelism_config, c.parallelism_config);
+  auto e = error_of([] { parse_config(kBase + "parallelism_config:\n  ep_size: 0\n"); });
+  EXPECT_TRUE(contains(e, "a size >= 1")) << e;
+}
+
 TEST(ParallelismConfig, BadValuesAndKeys) {
   auto e = error_of([] { parse_config(kBase + "parallelism_config:\n  parallelism_config_tp_size: 0\n"); });
   EXPECT_TRUE(contains(e, "parallelism_config.parallelism_config_tp_size")) << e;
