@@ -389,6 +389,7 @@ std::string LayoutShare::name() const {
   std::string s = "pp " + std::to_string(pp);
   if (virtual_stages > 1) s += " (" + std::to_string(virtual_stages) + " stages per rank)";
   s += " x dp " + std::to_string(dp);
+  if (ep > 1) s += " (ep " + std::to_string(ep) + ")";
   if (cp > 1) s += " x cp " + std::to_string(cp);
   return s + " x tp " + std::to_string(tp);
 }
@@ -409,8 +410,9 @@ MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
   const double bucket = default_bucket_bytes(p);
   const std::vector<std::pair<std::string, std::string>> schemes{
       {"ddp", "DDP"}, {"zero1", "ZeRO-1"}, {"zero2", "ZeRO-2"}, {"zero3", "ZeRO-3"}};
-  // tandem runs a pipeline without ZeRO (Note [Pipeline gradient sync]); ZeRO needs W > 1.
-  const int last = layout.pp > 1 || w < 2 ? 0 : 3;
+  // tandem runs a pipeline without ZeRO (Note [Pipeline gradient sync]), and expert parallel
+  // under data parallel only (Note [Expert parallel]); ZeRO needs W > 1.
+  const int last = layout.pp > 1 || layout.ep > 1 || w < 2 ? 0 : 3;
   for (int stage = 0; stage <= last; ++stage) {
     auto m = strategy_memory(stage, p, w, bucket, u, u);
     if (layout.pp > 1) {
@@ -560,6 +562,7 @@ std::string format_memory_estimate(const MemoryEstimate& e) {
                            std::to_string(l.dp * l.cp) +
                            (l.pp > 1 ? " (a pipeline runs without ZeRO and reduces its "
                                        "gradients without buckets)"
+                            : l.ep > 1 ? " (expert parallel runs without ZeRO)"
                                      : std::string()) +
                            ":",
                        "") +
@@ -612,6 +615,7 @@ std::string memory_estimate_to_json(const MemoryEstimate& e) {
                    {"tp", l.tp},
                    {"pp", l.pp},
                    {"virtual_stages", l.virtual_stages},
+                   {"ep", l.ep},
                    {"rank_parameters", l.rank_parameters},
                    {"largest_unit", l.largest_unit},
                    {"stage", l.stage},

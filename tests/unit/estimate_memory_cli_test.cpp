@@ -3,7 +3,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "../common/subprocess.h"
+#include "../common/temp_dir.h"
 
 using tandem::testing::run_command;
 
@@ -165,4 +172,46 @@ TEST(EstimateMemoryCli, ALayoutGivesTheRankThatHoldsTheMost) {
     if (c != '\n') flat += c;
     else if (!flat.empty() && flat.back() != ' ') flat += ' ';
   EXPECT_NE(flat.find("500,000,000 parameters (an even split"), std::string::npos) << even.output;
+}
+
+// Expert parallel splits a checkpoint's expert tensors: a file with one dense block (an
+// attention matrix of 64 and a router of 16) and four experts of 32 each, 4 ranks at ep 2: each
+// rank holds the dense 80 and two experts (64), 144 in all; data parallel only.
+TEST(EstimateMemoryCli, ExpertParallelSplitsTheExpertTensors) {
+  tandem::testing::TempDir dir;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> tensors{
+      {"model.layers.0.self_attn.q_proj.weight", {8, 8}},
+      {"model.layers.0.mlp.gate.weight", {4, 4}}};
+  for (int e = 0; e < 4; ++e)
+    tensors.push_back({"model.layers.0.mlp.experts." + std::to_string(e) + ".up_proj.weight", {4, 8}});
+  nlohmann::json header;
+  int64_t offset = 0;
+  for (const auto& [name, shape] : tensors) {
+    const int64_t bytes = 4 * shape[0] * shape[1];
+    header[name] = {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  const std::string text = header.dump();
+  {
+    std::ofstream out(dir.str() + "/model.safetensors", std::ios::binary);
+    const uint64_t n = text.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << text << std::string(static_cast<size_t>(offset), '\0');
+  }
+  auto r = run_command({TANDEM_CLI, "estimate-memory", dir.str() + "/model.safetensors",
+                        "--num_processes", "4", "--ep_size", "2", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["parameters"], 64 + 16 + 4 * 32);
+  EXPECT_EQ(j["layout"]["ep"], 2);
+  EXPECT_EQ(j["layout"]["rank_parameters"], 64 + 16 + 2 * 32);
+  ASSERT_EQ(j["layout"]["tandem_fp32"].size(), 1u);  // data parallel only
+  auto gpt = run_command({TANDEM_CLI, "estimate-memory", "--params", "1B", "--num_processes", "4",
+                          "--ep_size", "2"});
+  EXPECT_EQ(gpt.exit_code, 2);
+  EXPECT_NE(gpt.output.find("--ep_size needs a checkpoint"), std::string::npos) << gpt.output;
+  auto odd = run_command({TANDEM_CLI, "estimate-memory", dir.str() + "/model.safetensors",
+                          "--num_processes", "4", "--ep_size", "3"});
+  EXPECT_EQ(odd.exit_code, 2);
+  EXPECT_NE(odd.output.find("must divide dp (4)"), std::string::npos) << odd.output;
 }

@@ -48,6 +48,11 @@ EstimateMemoryCommand::EstimateMemoryCommand(CLI::App& app) {
   sub_->add_option(both("cp_size"), cp_, "Layout: context-parallel size")
       ->check(CLI::PositiveNumber)
       ->group("Layout");
+  sub_->add_option(both("ep_size"), ep_,
+                   "Layout: expert-parallel size (within dp; a checkpoint's '.experts.' tensors "
+                   "split over it)")
+      ->check(CLI::PositiveNumber)
+      ->group("Layout");
   sub_->add_option(both("dtypes"), dtypes_,
                    "Rows to show among float32, float16, bfloat16, int8, int4 (default all)")
       ->delimiter(',')
@@ -61,12 +66,20 @@ track::LayoutShare EstimateMemoryCommand::layout_share(const track::ModelSize& m
   l.pp = pp_;
   l.cp = cp_;
   l.virtual_stages = virtual_stages_;
+  l.ep = ep_;
   const int64_t split = static_cast<int64_t>(tp_) * pp_ * cp_;
   if (num_processes_ % split != 0)
     throw Refused("--num_processes " + std::to_string(num_processes_) +
                   " is not a multiple of tp x pp x cp = " + std::to_string(split) +
                   ": the data-parallel size is what remains; give a multiple");
   l.dp = static_cast<int>(num_processes_ / split);
+  if (ep_ > 1 && (l.dp % ep_ != 0 || tp_ > 1 || pp_ > 1 || cp_ > 1))
+    throw Refused("--ep_size " + std::to_string(ep_) + " splits the experts over data-parallel "
+                  "ranks: it must divide dp (" + std::to_string(l.dp) + "), and tandem runs it "
+                  "without --tp_size, --pp_size and --cp_size");
+  if (ep_ > 1 && model_.empty())
+    throw Refused("--ep_size needs a checkpoint whose expert tensors ('.experts.' in their "
+                  "names) it can count; --params and a GPT shape have none");
   if (virtual_stages_ > 1 && pp_ < 2)
     throw Refused("--pp_virtual_stages " + std::to_string(virtual_stages_) +
                   " gives each pipeline rank several stages: give --pp_size 2 or more");
@@ -83,9 +96,21 @@ track::LayoutShare EstimateMemoryCommand::layout_share(const track::ModelSize& m
     l.largest_unit = 0;
     return l;
   }
-  const auto plan_model = model_.empty()
-                              ? trials::gpt_plan_model(layers_, hidden_, 1, vocab_, context_)
-                              : trials::safetensors_plan_model(model_);
+  auto plan_model = model_.empty()
+                        ? trials::gpt_plan_model(layers_, hidden_, 1, vocab_, context_)
+                        : trials::safetensors_plan_model(model_);
+  if (ep_ > 1) {
+    // Note [Expert parallel]: a rank holds 1/ep of each layer's experts.
+    bool any = false;
+    for (auto& t : plan_model.tensors)
+      if (t.name.find(".experts.") != std::string::npos) {
+        t.numel = (t.numel + ep_ - 1) / ep_;
+        any = true;
+      }
+    if (!any)
+      throw Refused("--ep_size " + std::to_string(ep_) + ": " + model_ + " has no expert "
+                    "tensors ('.experts.' in their names) to split");
+  }
   const int64_t children = plan_model.blocks + 2;
   if (static_cast<int64_t>(pp_) * virtual_stages_ > children)
     throw Refused("pp " + std::to_string(pp_) + " x " + std::to_string(virtual_stages_) +
@@ -105,8 +130,9 @@ track::LayoutShare EstimateMemoryCommand::layout_share(const track::ModelSize& m
       l.stage = r.stage;
     }
   }
-  l.counted = "counted per tensor: tensor parallel splits every matrix, pipeline stages take "
-              "whole blocks";
+  l.counted = ep_ > 1 ? "counted per tensor: each expert tensor 1/ep per rank"
+                      : "counted per tensor: tensor parallel splits every matrix, pipeline stages "
+                        "take whole blocks";
   return l;
 }
 
@@ -134,7 +160,7 @@ int EstimateMemoryCommand::run() const {
     } else {
       model = track::count_gpt_parameters({layers_, hidden_, vocab_, context_});
     }
-    const bool layout_given = tp_ > 1 || pp_ > 1 || cp_ > 1 || virtual_stages_ > 1;
+    const bool layout_given = tp_ > 1 || pp_ > 1 || cp_ > 1 || virtual_stages_ > 1 || ep_ > 1;
     track::MemoryEstimate estimate;
     if (!layout_given) {
       estimate = track::estimate_memory(model, num_processes_, dtypes_);

@@ -29,7 +29,7 @@ class EstimateMemoryCommand {
   std::string params_;
   int64_t layers_ = 0, hidden_ = 0, vocab_ = 0, context_ = 0;
   int64_t num_processes_ = 1;
-  int tp_ = 1, pp_ = 1, cp_ = 1, virtual_stages_ = 1;
+  int tp_ = 1, pp_ = 1, cp_ = 1, virtual_stages_ = 1, ep_ = 1;
   std::vector<std::string> dtypes_;
   bool json_ = false;
 };

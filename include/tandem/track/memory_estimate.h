@@ -122,12 +122,13 @@ double default_bucket_bytes(double parameters);
 struct LayoutShare {
   int dp = 1, cp = 1, tp = 1, pp = 1;
   int virtual_stages = 1;  ///< pipeline stages per rank (interleaved 1F1B)
+  int ep = 1;  ///< expert parallel: each layer's experts split over ep of the dp ranks
   int64_t rank_parameters = 0;  ///< parameters on that rank, after tp's split and pp's stages
   int64_t largest_unit = 0;     ///< its largest block or embedding (ZeRO-3's unit)
   int stage = 0;                ///< its pipeline rank
   /// How the share was counted ("per tensor", or an assumption such as an even split).
   std::string counted;
-  /// "pp 2 (2 stages per rank) x dp 2 x cp 2 x tp 2".
+  /// "pp 2 (2 stages per rank) x dp 2 (ep 2) x cp 2 x tp 2".
   std::string name() const;
 };
 
