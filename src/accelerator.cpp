@@ -188,7 +188,10 @@ std::string Accelerator::layout_line() const {
                      ", replicas over dp_replicate " + std::to_string(topology_->dp_replicate())
                : std::string())
        << ")";
-  os << "; mesh " << topology_->summary() << "; precision " << precision_->policy().name() << "; gradient accumulation "
+  os << "; mesh " << topology_->summary();
+  if (expert_parallel_ && expert_parallel_->size() > 1)
+    os << " (experts over ep " << expert_parallel_->size() << " within dp)";
+  os << "; precision " << precision_->policy().name() << "; gradient accumulation "
      << accumulation_steps_ << "; activation checkpointing "
      << (activation_checkpointing_ ? "on" : "off");
   return os.str();

@@ -123,6 +123,8 @@ TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_GE(count_of(ok.output, "expert parallel: ep 2, 2 of every layer's 4 experts per rank"), 1)
       << ok.output;
+  EXPECT_EQ(count_of(ok.output, "mesh pp 1 x dp 2 x tp 1 (experts over ep 2 within dp)"), 1)
+      << ok.output;
   auto with_checkpoints = moe;
   for (const std::string a : {"--checkpoint_every", "1", "--project_dir"})
     with_checkpoints.push_back(a);
