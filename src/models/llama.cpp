@@ -231,8 +231,8 @@ at::Tensor LlamaSparseMoeImpl::forward(const at::Tensor& x) {
   if (is_training() && !tandem::parallel::in_checkpoint_recompute())
     tokens_routed =
         tokens_routed.defined() ? tokens_routed + tokens_per_expert : tokens_per_expert.clone();
-  auto out = torch::zeros_like(h);
   if (ep) return forward_expert_parallel(h, weights, chosen).view({B, T, H});
+  auto out = torch::zeros_like(h);
   // Expert by expert in ascending order (transformers' order of the sums), each on its tokens.
   for (int64_t e = 0; e < E; ++e) {
     auto hit = (chosen == e).nonzero();  // [n, 2]: token, slot
