@@ -118,6 +118,7 @@ Accelerator::Accelerator(AcceleratorOptions options)
       topology_->context_parallel(),
       parallel::context_parallel_comm_from_name(run.cp_comm, "cp_comm_strategy"));
   expert_parallel_ = make_expert_parallel(run);
+  topology_->set_ep(expert_parallel_->size());
   activation_checkpointing_ = run.activation_checkpointing;
   parallel::StrategyContext ctx;
   ctx.pg = topology_->replicas();  // Note [Context parallel]: dp x cp
@@ -337,17 +338,13 @@ void Accelerator::apply_transforms(torch::nn::Module& model, const Transforms& t
           model, config_.sharding ? config_.sharding->transformer_layer_cls_to_wrap()
                                   : std::vector<std::string>{});
   }
-  auto* moe = dynamic_cast<parallel::ExpertParallelModel*>(&model);
-  const auto ep = moe ? moe->expert_parallel() : nullptr;
-  if (ep && ep->size() > 1) {
+  if (const auto held = parallel::held_experts(model)) {
     // Note [Expert parallel]: an expert's replicas start from their first one's copy; every
     // other tensor from rank 0's.
-    std::set<const void*> held;
-    for (const auto& p : moe->expert_parameters()) held.insert(p.unsafeGetTensorImpl());
-    auto expert = [&held](const at::Tensor& t) { return held.count(t.unsafeGetTensorImpl()) > 0; };
+    auto expert = [&held](const at::Tensor& t) { return held.contains(t); };
     parallel::broadcast_module_state(model, *topology_->replicas(), true, true,
                                      [&](const at::Tensor& t) { return !expert(t); });
-    parallel::broadcast_module_state(model, *ep->replicas(), true, false, expert);
+    parallel::broadcast_module_state(model, *held.ep->replicas(), true, false, expert);
   } else {
     parallel::broadcast_module_state(model, *topology_->replicas(), true, true);
   }
@@ -367,9 +364,17 @@ std::shared_ptr<parallel::ExpertParallel> Accelerator::make_expert_parallel(
   if (topology_->tp() > 1 || topology_->pp() > 1 || topology_->cp() > 1)
     refuse("does not combine with tensor, pipeline or context parallel in tandem yet (this "
            "layout: " + topology_->summary() + "); run the experts over data parallel only");
-  if (run.sharding && run.sharding->stage() > 0)
-    refuse("does not combine with ZeRO / FSDP in tandem yet; run it under plain data parallel "
-           "(no --use_deepspeed / --use_fsdp)");
+  // Under ZeRO the experts stay whole (reduced over their replicas) and the rest is sharded over
+  // dp; hybrid sharding's two levels and optimizer state on disk do not know the experts yet.
+  if (run.sharding && run.sharding->stage() > 0 && topology_->dp_replicate() > 1)
+    refuse("does not combine with hybrid sharding (dp_replicate " +
+           std::to_string(topology_->dp_replicate()) + " x dp_shard " +
+           std::to_string(topology_->dp_shard()) + ") in tandem yet; shard over every "
+           "data-parallel rank (FULL_SHARD, or DeepSpeed's ZeRO) or run plain data parallel");
+  if (run.sharding && !run.sharding->nvme_path().empty())
+    refuse("does not combine with optimizer state on disk (" + run.sharding->origin() +
+           ", nvme_path " + run.sharding->nvme_path() + ") in tandem yet; keep the optimizer "
+           "state in memory");
   if (run.comm_hook != "none")
     refuse("reduces the experts' gradients with the default allreduce; leave comm_hook (" +
            run.comm_hook + ") out");

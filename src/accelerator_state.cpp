@@ -62,21 +62,18 @@ std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
   auto tensors = topology_->gather_model_state(strategy_->model_state(model), model);
   // Note [Expert parallel]: the main process holds its own experts; the first ep group sends it
   // the others' (their names, dtypes and shapes first, then the tensors).
-  auto* moe = dynamic_cast<parallel::ExpertParallelModel*>(&model);
-  const auto ep = moe ? moe->expert_parallel() : nullptr;
-  if (!ep || ep->size() == 1 || topology_->data_parallel()->rank() >= ep->size()) return tensors;
-  std::set<const void*> held;
-  for (const auto& p : moe->expert_parameters()) held.insert(p.unsafeGetTensorImpl());
+  const auto held = parallel::held_experts(model);
+  if (!held || topology_->data_parallel()->rank() >= held.ep->size()) return tensors;
   std::vector<at::Tensor> mine;
   std::string listing;
   for (const auto& kv : model.named_parameters()) {
-    if (!held.count(kv.value().unsafeGetTensorImpl())) continue;
+    if (!held.contains(kv.value())) continue;
     mine.push_back(kv.value().detach().contiguous());
     listing += kv.key() + "\t" + std::to_string(static_cast<int>(kv.value().scalar_type()));
     for (auto d : kv.value().sizes()) listing += "\t" + std::to_string(d);
     listing += "\n";
   }
-  auto& group = *ep->group();
+  auto& group = *held.ep->group();
   const auto listings = comm::gather_object(group, listing);
   constexpr int kTag = 78;  // the experts of a saved model
   if (group.rank() != 0) {
@@ -142,12 +139,14 @@ void Accelerator::save_model(const torch::nn::Module& model, const std::string& 
 // The parts, in the order every rank saves and loads them. Loading checks the loaders first, so
 // that a mismatch is refused before anything is changed.
 std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
-  if (expert_parallel_->size() > 1)
+  // Note [Expert-parallel checkpoints]: the sharded optimizer's files hold its units only.
+  if (expert_parallel_->size() > 1 && config_.sharding && config_.sharding->stage() > 0)
     throw ::tandem::Refused(state_.prefix() + " training checkpoints (save_state, load_state, "
-                            "checkpoint_every_steps) of an expert-parallel run (ep_size " +
-                            std::to_string(expert_parallel_->size()) + ") are not written yet: "
-                            "save the trained model with save_model (train_llm --save), or "
-                            "checkpoint without --ep_size");
+                            "checkpoint_every_steps) of an expert-parallel run under ZeRO (ep_size " +
+                            std::to_string(expert_parallel_->size()) + ", " + strategy_->name() +
+                            ") are not written yet: checkpoint the ep run under plain data "
+                            "parallel, which resumes on any layout, or save the trained model "
+                            "with save_model (train_llm --save)");
   using checkpoint::StateReader;
   using checkpoint::StateWriter;
   std::vector<checkpoint::StatePart> parts;

@@ -104,13 +104,16 @@ std::string SavedRunLayout::describe() const {
   if (pp_virtual_stages > 1)
     extra += (extra.empty() ? "" : ", ") + std::to_string(pp_virtual_stages) +
              " pipeline stages per rank";
+  if (ep_size > 1) extra += (extra.empty() ? "" : ", ") + std::string("experts over ep ") +
+                            std::to_string(ep_size);
   return extra.empty() ? out : out + " (" + extra + ")";
 }
 
 std::string run_layout_json(const std::string& mesh, const std::string& strategy,
-                            int pp_virtual_stages) {
+                            int pp_virtual_stages, int ep_size) {
   json doc{{"mesh", mesh}, {"strategy", strategy}};
   if (pp_virtual_stages > 1) doc["pp_virtual_stages"] = pp_virtual_stages;
+  if (ep_size > 1) doc["ep_size"] = ep_size;
   return doc.dump();
 }
 
@@ -148,6 +151,12 @@ SavedRunLayout saved_run_layout(const StateReader& r) {
       if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (1 << 20))
         refuse(kLayoutKey, "holds pp_virtual_stages " + v.dump() + ", expected a count >= 1");
       out.pp_virtual_stages = v.get<int>();
+    }
+    if (doc.contains("ep_size")) {
+      const auto& v = doc["ep_size"];
+      if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (1 << 20))
+        refuse(kLayoutKey, "holds ep_size " + v.dump() + ", expected a count >= 1");
+      out.ep_size = v.get<int>();
     }
     return out;
   }

@@ -24,6 +24,7 @@
 #include "tandem/checkpoint/safetensors.h"
 #include "tandem/checkpoint/training_state.h"
 #include "tandem/comm/process_group.h"
+#include "tandem/parallel/expert_parallel.h"
 #include "tandem/parallel/strategy.h"
 #include "tandem/parallel/tensor_parallel.h"
 #include "tandem/parallel/topology.h"
@@ -41,16 +42,26 @@ namespace layout = checkpoint::layout;
 struct Layout {
   const Topology& topology;
 
-  bool per_rank() const { return topology.model_parallel(); }
+  // Note [Expert-parallel checkpoints]: the ranks of the first ep group hold every expert
+  // between them, each its own; each writes a model.mp<r> and an optimizer.mp<r> as a pipeline
+  // stage does (the first the rest of the model too), and a load takes every tensor by its name.
+  bool experts() const { return topology.ep() > 1; }
+  bool per_rank() const { return topology.model_parallel() || experts(); }
   int rank() const { return topology.world()->rank(); }
   // The model file of this rank's (tp, pp) coordinate: the data-parallel replicas hold the same
   // model, which their first rank writes (gathered, under ZeRO-3).
   std::string model_file(size_t i) const {
     if (!per_rank()) return layout::model_file(i);
+    if (experts()) return layout::model_part_file(i, rank());
     return layout::model_part_file(i, topology.replicas()->global_rank(0));
   }
   bool writes_model(const StateWriter& w) const {
+    if (experts()) return topology.data_parallel()->rank() < topology.ep();
     return per_rank() ? topology.replicas()->rank() == 0 : w.is_main();
+  }
+  // Whether this rank writes its whole optimizers' files.
+  bool writes_optimizers(const StateWriter& w) const {
+    return experts() ? writes_model(w) : per_rank() || w.is_main();
   }
   // This rank's whole optimizer i (add kTensors or kJson) and its masters.
   std::string optimizer_stem(size_t i) const {
@@ -105,6 +116,8 @@ std::string parameter_record(const torch::optim::Optimizer& opt, const ParamName
 bool mesh_changed(const StateReader& r, const Topology& topology) {
   const auto saved = layout::saved_run_layout(r);
   if (!saved.recorded) return false;  // an earlier checkpoint: its own "mesh" check decides
+  // Note [Expert-parallel checkpoints]: experts split on either side: by name.
+  if (saved.ep_size > 1 || topology.ep() > 1) return true;
   // Without model parallel on either side, ZeRO reshards over dp by itself.
   if (!layout::model_parallel_mesh(saved.mesh) && !topology.model_parallel()) return false;
   // Interleaved stages put other entries on each pp rank (Note [Interleaved stages]).
@@ -228,10 +241,22 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                      if (w.is_main())
                        w.set_state(layout::kLayoutKey,
                                    layout::run_layout_json(layout.topology.shape_string(), name(),
-                                                           layout.topology.pp_virtual_stages()));
+                                                           layout.topology.pp_virtual_stages(),
+                                                           layout.topology.ep()));
                      // On every rank together: a sharded strategy gathers unit by unit.
                      for (size_t i = 0; i < models.size(); ++i) {
                        auto tensors = model_state(*models[i]);
+                       // Note [Expert-parallel checkpoints]: the rest once, from ep rank 0.
+                       if (layout.experts() && layout.topology.data_parallel()->rank() > 0) {
+                         const auto held = held_experts(*models[i]);
+                         std::set<std::string> names;
+                         for (const auto& p : models[i]->named_parameters())
+                           if (held.contains(p.value())) names.insert(p.key());
+                         std::vector<std::pair<std::string, at::Tensor>> mine;
+                         for (auto& kv : tensors)
+                           if (names.count(kv.first)) mine.push_back(std::move(kv));
+                         tensors = std::move(mine);
+                       }
                        if (layout.writes_model(w))
                          w.write_tensors(layout.model_file(i), tensors,
                                          layout.per_rank()
@@ -294,7 +319,7 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                          w.write_bytes(stem + layout::kJson, st.json);
                          continue;
                        }
-                       if (!w.is_main() && !layout.per_rank()) continue;
+                       if (!layout.writes_optimizers(w)) continue;
                        auto st = checkpoint::optimizer_state(opt);
                        {
                          auto doc = json::parse(st.json);

@@ -2,6 +2,7 @@
 #include "tandem/parallel/expert_parallel.h"
 
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/nn/module.h>
 
 #include <string>
 
@@ -84,6 +85,27 @@ at::Tensor ExpertParallel::all_to_all(const at::Tensor& rows, const std::vector<
                                       const std::vector<int64_t>& recv_rows) const {
   if (size_ == 1) return rows;
   return AllToAll::apply(rows, send_rows, recv_rows, this);
+}
+
+HeldExperts held_experts(torch::nn::Module& model) {
+  HeldExperts out;
+  auto* moe = dynamic_cast<ExpertParallelModel*>(&model);
+  auto ep = moe ? moe->expert_parallel() : nullptr;
+  if (!ep || ep->size() <= 1) return out;
+  out.ep = std::move(ep);
+  for (const auto& p : moe->expert_parameters()) out.tensors.insert(p.unsafeGetTensorImpl());
+  return out;
+}
+
+HeldExperts held_experts(const std::vector<std::shared_ptr<torch::nn::Module>>& models) {
+  HeldExperts out;
+  for (const auto& m : models) {
+    auto one = held_experts(*m);
+    if (!one) continue;
+    out.ep = one.ep;  // one per run (the Accelerator's)
+    out.tensors.insert(one.tensors.begin(), one.tensors.end());
+  }
+  return out;
 }
 
 }  // namespace tandem::parallel

@@ -39,20 +39,12 @@ class DdpStrategy : public Strategy {
     auto named = model->named_parameters().pairs();
     // Note [Expert parallel]: the experts this rank holds are reduced over their replicas, every
     // other parameter over dp.
-    auto* moe = dynamic_cast<ExpertParallelModel*>(model.get());
-    const auto ep = moe ? moe->expert_parallel() : nullptr;
-    if (ep && ep->size() > 1) {
-      std::set<const void*> held;
-      for (const auto& p : moe->expert_parameters()) held.insert(p.unsafeGetTensorImpl());
+    if (const auto held = held_experts(*model)) {
       std::vector<std::pair<std::string, at::Tensor>> rest, experts;
-      for (auto& kv : named)
-        (held.count(kv.second.unsafeGetTensorImpl()) ? experts : rest).push_back(std::move(kv));
+      for (auto& kv : named) (held.contains(kv.second) ? experts : rest).push_back(std::move(kv));
       named = std::move(rest);
       if (!experts.empty()) {
-        auto expert_options = options;
-        // Every replica joins every reduction, also in a step its experts got no token.
-        expert_options.divide_by(ep->data_parallel_size()).find_unused_parameters(true);
-        auto r = std::make_unique<GradientReducer>(experts, ep->replicas(), expert_options);
+        auto r = detail::make_expert_reducer(experts, held, options);
         expert_reducers_.push_back(r.get());
         reducers_.push_back(std::move(r));
       }
@@ -125,6 +117,19 @@ void Strategy::load_model_tensors(torch::nn::Module& model,
 }
 
 void Strategy::step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
+
+namespace detail {
+
+std::unique_ptr<GradientReducer> make_expert_reducer(
+    const std::vector<std::pair<std::string, at::Tensor>>& experts, const HeldExperts& held,
+    ReducerOptions options) {
+  options.divide_by(held.ep->data_parallel_size()).find_unused_parameters(true);
+  auto r = std::make_unique<GradientReducer>(experts, held.ep->replicas(), options);
+  r->allow_untouched_backward(true);
+  return r;
+}
+
+}  // namespace detail
 
 std::unique_ptr<Strategy> make_strategy(DistributedType type,
                                         const std::optional<ShardingOptions>& sharding,

@@ -120,12 +120,13 @@ checkpoint::StatePart Topology::checkpoint_part(const std::string& strategy) con
             }
             // Note [Resharding a checkpoint]: any other layout loads too; said once.
             checkpoint::layout::SavedRunLayout here{mine, strategy, world_size(), true,
-                                                    pp_virtual_stages()};
+                                                    pp_virtual_stages(), ep()};
             if (world()->rank() == 0 && saved.describe() != here.describe())
               std::cerr << world()->prefix() << " load_state: " << r.dir() << " was saved on "
                         << saved.describe() << "; resuming on " << here.describe()
-                        << ((saved.mesh != mine || saved.pp_virtual_stages != pp_virtual_stages()) &&
-                                    (model_parallel() || checkpoint::layout::model_parallel_mesh(saved.mesh))
+                        << (((saved.mesh != mine || saved.pp_virtual_stages != pp_virtual_stages()) &&
+                             (model_parallel() || checkpoint::layout::model_parallel_mesh(saved.mesh))) ||
+                                    saved.ep_size != ep()
                                 ? ": every tensor is joined from its saved pieces and cut again"
                                 : "")
                         << std::endl;
@@ -159,55 +160,36 @@ double clip_grad_norm(const Topology& topology, Strategy& strategy,
     is_split = [&split](const at::Tensor& t) { return split.count(t.unsafeGetTensorImpl()) > 0; };
   torch::NoGradGuard no_grad;
   const bool inf = std::isinf(norm_type);
-  // Note [Expert parallel]: the experts a rank holds are its ep group's part of the model (ep
-  // runs under plain data parallel only: gradients whole on this rank).
-  std::set<const void*> experts;
-  std::shared_ptr<const ExpertParallel> ep;
-  for (const auto& m : models)
-    if (auto* moe = dynamic_cast<ExpertParallelModel*>(m.get()))
-      if (auto g = moe->expert_parallel(); g && g->size() > 1) {
-        ep = g;
-        for (const auto& p : moe->expert_parameters()) experts.insert(p.unsafeGetTensorImpl());
-      }
-  if (ep) {
-    std::array<double, 2> own{0, 0};  // {experts, the rest}
-    for (const auto& t : tensors) {
-      if (!t.grad().defined()) continue;
-      const double n = t.grad().detach().to(at::kDouble).norm(norm_type).item<double>();
-      auto& part = own[experts.count(t.unsafeGetTensorImpl()) ? 0 : 1];
-      part = inf ? std::max(part, n) : part + std::pow(n, norm_type);
-    }
-    auto sum = at::full({1}, own[0], at::TensorOptions().dtype(at::kDouble));
-    ep->group()->allreduce(sum, inf ? ReduceOp::kMax : ReduceOp::kSum);
-    const double all = inf ? std::max(sum.item<double>(), own[1]) : sum.item<double>() + own[1];
-    const double total = inf ? all : std::pow(all, 1.0 / norm_type);
-    const double coef = max_norm / (total + 1e-6);
-    if (coef < 1)
-      for (const auto& t : tensors)
-        if (t.grad().defined()) t.grad().detach().mul_(coef);
-    return total;
-  }
-  auto parts = strategy.grad_norm_parts(is_split, norm_type);
+  // Note [Expert parallel]: the experts a rank holds (whole, under data parallel and ZeRO alike)
+  // are its ep group's part of the model: their sum goes over the ep group, beside the rest.
+  const auto held = held_experts(models);
+  auto parts = strategy.grad_norm_parts(is_split, norm_type);  // ZeRO: never the experts
   const bool sharded = parts.has_value();
-  if (!sharded) {  // gradients whole on every data-parallel rank: this rank's copy
-    if (!topology.model_parallel())
-      return torch::nn::utils::clip_grad_norm_(tensors, max_norm, norm_type);
-    parts = std::array<double, 2>{0, 0};
-    for (const auto& t : tensors) {
-      if (!t.grad().defined()) continue;
-      const double n = t.grad().detach().to(at::kDouble).norm(norm_type).item<double>();
-      auto& part = (*parts)[is_split && is_split(t) ? 0 : 1];
-      part = inf ? std::max(part, n) : part + std::pow(n, norm_type);
-    }
+  if (!sharded && !topology.model_parallel() && !held)  // whole gradients on every dp rank
+    return torch::nn::utils::clip_grad_norm_(tensors, max_norm, norm_type);
+  std::array<double, 2> own{0, 0};  // this rank's: {split, the rest} or, with experts, {experts, -}
+  for (const auto& t : tensors) {
+    if (!t.grad().defined()) continue;
+    const bool expert = held && held.contains(t);
+    if (sharded && !expert) continue;  // the strategy counted it
+    const double n = t.grad().detach().to(at::kDouble).norm(norm_type).item<double>();
+    auto& part = own[expert || (!held && is_split && is_split(t)) ? 0 : 1];
+    part = inf ? std::max(part, n) : part + std::pow(n, norm_type);
+  }
+  if (!sharded) parts = std::array<double, 2>{held ? 0 : own[0], own[1]};
+  if (held) {
+    auto sum = at::full({1}, own[0], at::TensorOptions().dtype(at::kDouble));
+    held.ep->group()->allreduce(sum, inf ? ReduceOp::kMax : ReduceOp::kSum);
+    const double e = sum.item<double>();
+    (*parts)[1] = inf ? std::max((*parts)[1], e) : (*parts)[1] + e;
   }
   const double total = topology.total_norm(*parts, norm_type);
   const double coef = max_norm / (total + 1e-6);
   if (coef < 1) {
-    if (sharded)
-      strategy.scale_gradients(coef);
-    else
-      for (const auto& t : tensors)
-        if (t.grad().defined()) t.grad().detach().mul_(coef);
+    if (sharded) strategy.scale_gradients(coef);
+    for (const auto& t : tensors)
+      if (t.grad().defined() && (!sharded || (held && held.contains(t))))
+        t.grad().detach().mul_(coef);
   }
   return total;
 }

@@ -5,7 +5,9 @@
 // cannot split its sequences and a pipeline beside cp.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -17,12 +19,14 @@ using tandem::testing::count_of;
 using tandem::testing::launch;
 using tandem::testing::LaunchOptions;
 using tandem::testing::parse_checks;
+using tandem::testing::run_command;
 
 namespace {
 
 const std::string kWorker = CONTEXT_PARALLEL_WORKER;
 const std::string kTrainGpt = TRAIN_GPT;
 const std::string kTrainLlm = TRAIN_LLM;
+const std::string kCli = TANDEM_CLI;
 
 LaunchOptions with_flags(std::vector<std::string> flags = {}) {
   return LaunchOptions().flags(std::move(flags)).timeout_s(180);
@@ -89,8 +93,7 @@ TEST(ContextParallel, TheLauncherRefusesWhatCannotSplitItsSequences) {
 
 // Note [Expert parallel]: --ep_size reaches every rank; a model without ExpertParallelModel (the
 // example GPT) and a model without experts (the default Llama) are refused, and so are an
-// ep_size that does not divide dp, ep beside ZeRO or tensor parallel, and training checkpoints of
-// an ep run (its trained model is saved whole: the oracle's ep layouts).
+// ep_size that does not divide dp, ep beside ZeRO's optimizer state on disk or tensor parallel.
 TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
   auto gpt = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2"}));
   EXPECT_NE(gpt.exit_code, 0) << gpt.output;
@@ -102,15 +105,18 @@ TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
   auto odd = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "3"}));
   EXPECT_NE(odd.exit_code, 0) << odd.output;
   EXPECT_GE(count_of(odd.output, "does not divide the 2 data-parallel ranks"), 1) << odd.output;
-  auto zero = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2", "--use_fsdp"}));
-  EXPECT_NE(zero.exit_code, 0) << zero.output;
-  EXPECT_GE(count_of(zero.output, "does not combine with ZeRO / FSDP"), 1) << zero.output;
+  auto nvme = launch(2, kTrainGpt, {"--steps", "1"},
+                     with_flags({"--ep_size", "2", "--use_deepspeed", "--zero_stage", "3",
+                                 "--offload_optimizer_device", "nvme",
+                                 "--offload_optimizer_nvme_path", "/tmp/tandem-ep-nvme"}));
+  EXPECT_NE(nvme.exit_code, 0) << nvme.output;
+  EXPECT_GE(count_of(nvme.output, "does not combine with optimizer state on disk"), 1)
+      << nvme.output;
   auto tp = launch(4, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2", "--tp_size", "2"}));
   EXPECT_NE(tp.exit_code, 0) << tp.output;
   EXPECT_GE(count_of(tp.output, "does not combine with tensor, pipeline or context parallel"), 1)
       << tp.output;
-  // A small mixture trains under ep 2 (the byte-level default data), and its training
-  // checkpoints are refused by name.
+  // A small mixture trains under ep 2 (the byte-level default data).
   tandem::testing::TempDir dir;
   std::ofstream(dir.str() + "/moe.json")
       << R"({"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32,
@@ -125,12 +131,92 @@ TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
       << ok.output;
   EXPECT_EQ(count_of(ok.output, "mesh pp 1 x dp 2 x tp 1 (experts over ep 2 within dp)"), 1)
       << ok.output;
+  // Under ZeRO it trains (the oracle's layouts); its training checkpoints are refused by name.
   auto with_checkpoints = moe;
   for (const std::string a : {"--checkpoint_every", "1", "--project_dir"})
     with_checkpoints.push_back(a);
   with_checkpoints.push_back(dir.str() + "/project");
-  auto saved = launch(2, kTrainLlm, with_checkpoints, with_flags({"--ep_size", "2"}));
-  EXPECT_NE(saved.exit_code, 0) << saved.output;
-  EXPECT_GE(count_of(saved.output, "of an expert-parallel run (ep_size 2) are not written yet"), 1)
-      << saved.output;
+  auto zero = launch(2, kTrainLlm, with_checkpoints, with_flags({"--ep_size", "2", "--use_fsdp"}));
+  EXPECT_NE(zero.exit_code, 0) << zero.output;
+  EXPECT_GE(count_of(zero.output, "of an expert-parallel run under ZeRO (ep_size 2, zero-3) are "
+                                  "not written yet"), 1)
+      << zero.output;
+}
+
+// Note [Expert-parallel checkpoints]: a mixture's training checkpoint saved under ep 2 resumes
+// on ep 2 bitwise where the uninterrupted ep 2 run ended, and on plain data parallel and on ep 4
+// (4 ranks, the same global batch) within float rounding of it; one saved under plain data
+// parallel resumes on ep 2 likewise; `tandem merge-weights` joins the ep ranks' files into the
+// whole model the uninterrupted run saved (every expert, the same values).
+TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
+  tandem::testing::TempDir dir;
+  const std::string d = dir.str();
+  std::ofstream(d + "/moe.json")
+      << R"({"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32,
+             "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+             "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64})";
+  // A global batch of 4 sequences: 2 per rank on 2 ranks, 1 on 4.
+  auto args = [&](int ranks, std::vector<std::string> extra) {
+    std::vector<std::string> a{"--config", d + "/moe.json", "--seq_len", "16", "--batch_size",
+                               ranks == 2 ? "2" : "1", "--steps", "4"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  auto straight = [&](const std::string& name, std::vector<std::string> flags) {
+    auto r = launch(2, kTrainLlm,
+                    args(2, {"--checkpoint_every", "2", "--project_dir", d + "/" + name,
+                             "--save", d + "/out_" + name}),
+                    with_flags(std::move(flags)));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r;
+  };
+  auto resume = [&](const std::string& from, const std::string& name, int ranks,
+                    std::vector<std::string> flags) {
+    std::filesystem::create_directories(d + "/" + name + "/checkpoints");
+    std::filesystem::copy(d + "/" + from + "/checkpoints/checkpoint_0",
+                          d + "/" + name + "/checkpoints/checkpoint_0",
+                          std::filesystem::copy_options::recursive);
+    auto r = launch(ranks, kTrainLlm,
+                    args(ranks, {"--resume", "--project_dir", d + "/" + name, "--save",
+                                 d + "/out_" + name}),
+                    with_flags(std::move(flags)));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(count_of(r.output, "at step 2"), 1) << r.output;
+    return r;
+  };
+  // The largest difference of any tensor of out_<name> from out_a, relative to out_a's largest
+  // element of that tensor; every tensor of both present.
+  auto worst = [&](const std::string& name, const std::string& file) {
+    auto c = run_command({kWorker, "compare", file, d + "/out_a/model.safetensors"}, {}, 60);
+    EXPECT_EQ(c.exit_code, 0) << c.output;
+    EXPECT_EQ(count_of(c.output, "same names 1"), 1) << name << ": " << c.output;
+    auto checks = parse_checks(c.output);
+    double most = 0;
+    for (const auto& [key, value] : checks.worst) most = std::max(most, value);
+    EXPECT_GE(checks.worst.size(), 20u) << name << ": " << c.output;
+    std::cout << name << ": " << checks.worst.size() << " tensors, largest difference " << most
+              << std::endl;
+    return most;
+  };
+  auto a = straight("a", {"--ep_size", "2"});
+  EXPECT_EQ(count_of(a.output, "expert parallel: ep 2"), 1) << a.output;
+  ASSERT_TRUE(std::filesystem::exists(d + "/a/checkpoints/checkpoint_0/model.mp1.safetensors"))
+      << a.output;
+  EXPECT_EQ(worst("same layout", d + "/out_" + "a" + "/model.safetensors"), 0.0);
+  auto b = resume("a", "b", 2, {"--ep_size", "2"});
+  EXPECT_EQ(worst("ep 2 -> ep 2", d + "/out_b/model.safetensors"), 0.0) << b.output;
+  auto c = resume("a", "c", 2, {});
+  EXPECT_GE(count_of(c.output, "experts over ep 2"), 1) << c.output;
+  EXPECT_LE(worst("ep 2 -> dp 2", d + "/out_c/model.safetensors"), 1e-5) << c.output;
+  auto e = resume("a", "e", 4, {"--ep_size", "4"});
+  EXPECT_LE(worst("ep 2 -> ep 4", d + "/out_e/model.safetensors"), 1e-5) << e.output;
+  straight("f", {});
+  auto g = resume("f", "g", 2, {"--ep_size", "2"});
+  EXPECT_LE(worst("dp 2 -> ep 2", d + "/out_g/model.safetensors"), 1e-5) << g.output;
+  // The step-4 checkpoint's two model files, merged, are the whole model out_a holds.
+  auto merged = run_command({kCli, "merge-weights", d + "/a/checkpoints/checkpoint_1",
+                             d + "/merged"}, {}, 60);
+  ASSERT_EQ(merged.exit_code, 0) << merged.output;
+  EXPECT_EQ(worst("merged", d + "/merged/model.safetensors"), 0.0);
 }

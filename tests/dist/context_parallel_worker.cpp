@@ -16,6 +16,7 @@
 #include <limits>
 #include <string>
 
+#include "../common/compare_weights.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/error.h"
 #include "tandem/parallel/context_parallel.h"
@@ -119,6 +120,10 @@ void refuse(const std::shared_ptr<tandem::ProcessGroup>& world) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "compare" && argc == 4) {  // one process: two safetensors files, tensor by tensor
+    tandem::testing::print_weight_checks(argv[2], argv[3]);
+    return 0;
+  }
   auto state = tandem::ProcessState::from_environment();
   auto world = tandem::ProcessGroup::create(state);
   if (mode == "attention") attention(world);

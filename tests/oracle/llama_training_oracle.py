@@ -12,7 +12,8 @@ parallel on 2, ZeRO-1 on 2, FSDP (ZeRO-3) on 2 with activation checkpointing, te
 and ZeRO-3 x tensor parallel on 4; and on pipeline stages (pp 2, pp 2 x dp 2 and pp 2 x tp 2 on
 4), the Qwen3-MoE (untied) and a Qwen3 with an untied head (Note [Llama pipeline stages]); and a
 Qwen3-MoE of 32 experts (top 1), some chosen on one replica only, on dp 2 and pp 2 x dp 2; and
-both mixtures under expert parallel (ep 2 on 2, ep 2 x dp 2 on 4, ep 4 on 4). For
+both mixtures under expert parallel (ep 2 on 2, ep 2 x dp 2 on 4, ep 4 on 4, and ZeRO on the
+rest: FSDP under ep 2, ZeRO-2 under ep 2 x dp 2). For
 the mixtures, train_llm's tokens per expert of every step (over every rank) are the reference's
 (PyTorch's routers' top-k choices, counted by hooks).
 
@@ -102,6 +103,11 @@ def main():
         ("expert parallel 2", 2, ["--ep_size", "2"], GLOBAL_BATCH // 2),
         ("expert parallel 2 x data parallel 2 on 4", 4, ["--ep_size", "2"], GLOBAL_BATCH // 4),
         ("expert parallel 4", 4, ["--ep_size", "4"], GLOBAL_BATCH // 4),
+        # ZeRO shards the rest over dp; the experts stay whole on their ranks.
+        ("expert parallel 2, FSDP (ZeRO-3) on the rest", 2, ["--ep_size", "2", "--use_fsdp"],
+         GLOBAL_BATCH // 2),
+        ("expert parallel 2 x data parallel 2, ZeRO-2 on the rest on 4", 4,
+         ["--ep_size", "2", "--use_deepspeed", "--zero_stage", "2"], GLOBAL_BATCH // 4),
     ]
     if len(sys.argv) > 4 and sys.argv[4] == "context_parallel":
         for name, config, runs in (("qwen3", dense, contexts), ("qwen3_moe", moe, contexts)):

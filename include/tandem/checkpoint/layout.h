@@ -70,13 +70,15 @@ struct SavedRunLayout {
   bool recorded = false;  // written by a run that records its layout
   /// Pipeline stages per rank (interleaved schedules); the layout records it when above 1.
   int pp_virtual_stages = 1;
+  /// Expert-parallel ranks (Note [Expert parallel]); the layout records it when above 1.
+  int ep_size = 1;
   /// "dp 2 x tp 2 (4 processes, zero-3)"; "pp 2 (2 processes, ddp, 2 pipeline stages per
-  /// rank)".
+  /// rank)"; "dp 4 (4 processes, ddp, experts over ep 2)".
   std::string describe() const;
 };
-/// The "layout" value, a JSON document ("pp_virtual_stages" only when above 1).
+/// The "layout" value, a JSON document ("pp_virtual_stages" and "ep_size" only when above 1).
 std::string run_layout_json(const std::string& mesh, const std::string& strategy,
-                            int pp_virtual_stages = 1);
+                            int pp_virtual_stages = 1, int ep_size = 1);
 /// The "mesh" value, a JSON document.
 std::string mesh_json(const std::string& mesh);
 /// Reads "layout" (or "mesh"), refusing a value that is not what run_layout_json wrote.

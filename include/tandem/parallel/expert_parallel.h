@@ -13,11 +13,15 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <utility>
 #include <vector>
 
 namespace tandem {
 class ProcessGroup;
+}
+namespace torch::nn {
+class Module;
 }
 
 namespace tandem::parallel {
@@ -83,5 +87,17 @@ class ExpertParallelModel {
   /// counted over the ep group in the gradient norm, gathered over it when the model is saved.
   virtual std::vector<at::Tensor> expert_parameters() = 0;
 };
+
+/// What the strategies, clipping and checkpoints ask of an expert-parallel model: the run's
+/// ExpertParallel and the expert parameters this rank holds. Empty (false) when no model splits
+/// its experts (none implements ExpertParallelModel, or ep is 1).
+struct HeldExperts {
+  std::shared_ptr<const ExpertParallel> ep;
+  std::set<const void*> tensors;  // TensorImpl of each held expert parameter
+  explicit operator bool() const { return ep != nullptr; }
+  bool contains(const at::Tensor& t) const { return tensors.count(t.unsafeGetTensorImpl()) > 0; }
+};
+HeldExperts held_experts(torch::nn::Module& model);
+HeldExperts held_experts(const std::vector<std::shared_ptr<torch::nn::Module>>& models);
 
 }  // namespace tandem::parallel

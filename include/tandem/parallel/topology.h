@@ -64,6 +64,11 @@ class Topology {
   /// model's entries each pp rank holds.
   int pp_virtual_stages() const { return pp_virtual_stages_; }
   void set_pp_virtual_stages(int v) { pp_virtual_stages_ = v; }
+  /// Expert parallel: the consecutive data-parallel ranks that split every mixture's experts
+  /// (Note [Expert parallel]; the Accelerator sets it; 1 without). Part of the layout a
+  /// checkpoint records: the ranks of the first ep group write the experts they hold.
+  int ep() const { return ep_; }
+  void set_ep(int ep) { ep_ = ep; }
   const comm::MeshShape& shape() const { return shape_; }
 
   /// The world group.
@@ -125,6 +130,7 @@ class Topology {
   comm::MeshShape shape_;
   comm::DeviceMesh mesh_;
   int pp_virtual_stages_ = 1;
+  int ep_ = 1;
 };
 
 /// Note [Clipping under model parallel]: clips the gradients of `tensors` (the parameters whose

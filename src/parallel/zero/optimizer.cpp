@@ -35,8 +35,8 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
   // The optimizer's parameters in the models' registration order, as data parallel buckets
   // them: with one parameter group the units are exactly data parallel's buckets. Each tensor
   // once; parameters that need no gradient are not sharded.
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  std::vector<int> groups;
+  std::vector<std::pair<std::string, at::Tensor>> named, experts;
+  std::vector<int> groups, expert_groups;
   std::map<const void*, int> registrations;  // names per tensor: tied ones have several
   {
     std::set<const void*> seen;
@@ -47,6 +47,11 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
         auto it = group_of.find(key);
         if (it == group_of.end() || !kv.value().requires_grad() || !seen.insert(key).second)
           continue;
+        if (experts_.contains(kv.value())) {  // Note [Expert parallel]: whole, not sharded
+          experts.emplace_back(name_of.at(it->first), kv.value());
+          expert_groups.push_back(it->second);
+          continue;
+        }
         named.emplace_back(name_of.at(it->first), kv.value());
         groups.push_back(it->second);
       }
@@ -184,12 +189,24 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
     gather_built(*b, pg);
     forget_built(b);
   }
-  // The optimizer steps this rank's chunks, one tensor per unit, in its own groups.
+  // The optimizer steps this rank's chunks, one tensor per unit, in its own groups, and after
+  // them the experts this rank holds whole (Note [Expert parallel]).
   for (size_t g = 0; g < param_groups.size(); ++g) {
     std::vector<at::Tensor> shards;
     for (const auto& u : s->units)
       if (u.group == static_cast<int>(g)) shards.push_back(u.shard_param);
+    for (size_t i = 0; i < experts.size(); ++i)
+      if (expert_groups[i] == static_cast<int>(g)) shards.push_back(experts[i].second);
     param_groups[g].params() = shards;
+  }
+  if (!experts.empty()) {
+    if (ctx_.master_weights)
+      for (const auto& kv : experts)
+        if (precision::is_half(kv.second.scalar_type()))
+          fail("expert " + kv.first + " is " + std::string(c10::toString(kv.second.scalar_type())) +
+               " and ZeRO keeps float32 master weights of the sharded parameters only; load the "
+               "model in float32 (mixed precision computes in half) or run without ZeRO");
+    expert_reducers_.push_back(make_expert_reducer(experts, experts_, ctx_.reducer));
   }
   check_same_layout(*s);
   if (!options_.nvme_path().empty()) {

@@ -27,6 +27,11 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
 
   void prepare_model(const std::shared_ptr<torch::nn::Module>& model) override {
     models_.push_back(model);
+    // Note [Expert parallel]: the experts a rank holds stay whole on it, outside every unit.
+    if (auto held = held_experts(*model)) {
+      experts_.ep = held.ep;
+      experts_.tensors.insert(held.tensors.begin(), held.tensors.end());
+    }
     if (options_.stage() != 3) return;
     const size_t before = units_.size();
     find_units(model);
@@ -50,6 +55,7 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
     int64_t elements = 0;
     for (const auto& p : model.named_parameters()) {
       ++names[p.value().unsafeGetTensorImpl()];
+      if (experts_.contains(p.value())) continue;
       if (p.value().requires_grad() && all.insert(p.value().unsafeGetTensorImpl()).second)
         elements += p.value().numel();
     }
@@ -58,6 +64,7 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
     for (size_t k = before; k < units_.size(); ++k)
       for (const auto& p : units_[k]->parameters()) {
         const void* key = p.unsafeGetTensorImpl();
+        if (experts_.contains(p)) continue;
         if (p.requires_grad() && names[key] == 1 && in_units.insert(key).second)
           unit_elements += p.numel();
       }
@@ -87,6 +94,7 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
       if (in_units.size() < all.size())
         os << "; the rest (tied parameters and those outside every unit) stay whole on every "
               "rank";
+      if (experts_) os << "; the experts stay whole on their expert-parallel ranks";
       std::cerr << os.str() << std::endl;
     }
   }
@@ -129,9 +137,11 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
   void set_sync(bool sync) override {
     sync_ = sync;
     for (auto& s : sharded_) s->reducer->set_sync(sync);
+    for (auto& r : expert_reducers_) r->set_sync(sync);
   }
   void after_backward() override {
     for (auto& s : sharded_) s->reducer->after_backward();
+    for (auto& r : expert_reducers_) r->after_backward();
     // Stage 3 without synchronisation (accumulation micro-steps): no reduction freed the units
     // that backward gathered; free them here.
     if (!sync_)
@@ -152,6 +162,9 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
       for (auto& u : s->units)
         if (u.shard_param.grad().defined())
           u.shard_param.mutable_grad().clamp_(-clip_value, clip_value);
+    for (const auto& r : expert_reducers_)  // Note [Expert parallel]: whole on this rank
+      for (const auto& p : r->parameters())
+        if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().clamp_(-clip_value, clip_value);
     return true;
   }
   void after_step(torch::optim::Optimizer& optimizer) override;
@@ -196,6 +209,7 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
   std::vector<const GradientReducer*> reducers() const override {
     std::vector<const GradientReducer*> out;
     for (const auto& s : sharded_) out.push_back(s->reducer.get());
+    for (const auto& r : expert_reducers_) out.push_back(r.get());
     return out;
   }
   ParameterSharding* parameter_sharding() override {
@@ -335,6 +349,8 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
   std::vector<std::shared_ptr<torch::nn::Module>> units_;  // stage 3: Sharded or hooked modules
   std::vector<std::shared_ptr<UnitHooks>> hooks_;          // of units_, in the same order
   std::vector<std::unique_ptr<ShardedOptimizer>> sharded_;
+  HeldExperts experts_;  // Note [Expert parallel]
+  std::vector<std::unique_ptr<GradientReducer>> expert_reducers_;  // one per optimizer with experts
   bool sync_ = true;
   // Note [Sharded construction]: units built under Accelerator::build, until prepare_optimizer
   // places their parameters.
