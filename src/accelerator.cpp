@@ -191,7 +191,8 @@ std::string Accelerator::layout_line() const {
        << ")";
   os << "; mesh " << topology_->summary();
   if (expert_parallel_ && expert_parallel_->size() > 1)
-    os << " (experts over ep " << expert_parallel_->size() << " within dp)";
+    os << " (experts over ep " << expert_parallel_->size()
+       << (topology_->cp() > 1 ? " within dp x cp)" : " within dp)");
   os << "; precision " << precision_->policy().name() << "; gradient accumulation "
      << accumulation_steps_ << "; activation checkpointing "
      << (activation_checkpointing_ ? "on" : "off");
@@ -351,8 +352,9 @@ void Accelerator::apply_transforms(torch::nn::Module& model, const Transforms& t
   if (t.strategy) t.strategy(model);
 }
 
-// Note [Expert parallel]: ep consecutive data-parallel ranks per ep group, the ranks with one ep
-// coordinate a replica group; the layouts it does not compose with yet refused by name.
+// Note [Expert parallel]: ep consecutive data-parallel ranks (dp x cp with context parallel) per
+// ep group, the ranks with one ep coordinate a replica group; the layouts it does not compose with
+// yet refused by name.
 std::shared_ptr<parallel::ExpertParallel> Accelerator::make_expert_parallel(
     const config::RunConfig& run) {
   const int ep = run.ep_size;
@@ -361,9 +363,9 @@ std::shared_ptr<parallel::ExpertParallel> Accelerator::make_expert_parallel(
     throw ::tandem::Refused(state_.prefix() + " expert parallel (ep_size " + std::to_string(ep) +
                             ") " + what);
   };
-  if (topology_->tp() > 1 || topology_->pp() > 1 || topology_->cp() > 1)
-    refuse("does not combine with tensor, pipeline or context parallel in tandem yet (this "
-           "layout: " + topology_->summary() + "); run the experts over data parallel only");
+  if (topology_->tp() > 1 || topology_->pp() > 1)
+    refuse("does not combine with tensor or pipeline parallel in tandem yet (this layout: " +
+           topology_->summary() + "); run the experts over data (and context) parallel only");
   // Under ZeRO the experts stay whole (reduced over their replicas) and the rest is sharded over
   // dp; hybrid sharding's two levels and optimizer state on disk do not know the experts yet.
   if (run.sharding && run.sharding->stage() > 0 && topology_->dp_replicate() > 1)
@@ -378,11 +380,14 @@ std::shared_ptr<parallel::ExpertParallel> Accelerator::make_expert_parallel(
   if (run.comm_hook != "none")
     refuse("reduces the experts' gradients with the default allreduce; leave comm_hook (" +
            run.comm_hook + ") out");
-  auto dp = topology_->data_parallel();
+  // With context parallel, from dp x cp (as torchtitan): a token is routed wherever its chunk is.
+  auto dp = topology_->replicas();
   const int n = dp->size();
+  const std::string ranks = topology_->cp() > 1 ? " data- x context-parallel ranks"
+                                                : " data-parallel ranks";
   if (n % ep != 0)
-    refuse("does not divide the " + std::to_string(n) + " data-parallel ranks: the ep groups are "
-           "carved from them; give an ep_size that divides " + std::to_string(n));
+    refuse("does not divide the " + std::to_string(n) + ranks + ": the ep groups are carved "
+           "from them; give an ep_size that divides " + std::to_string(n));
   // Every rank of dp builds every group, in the same order (ProcessGroup::new_subgroup).
   std::shared_ptr<ProcessGroup> group, replicas;
   for (int g = 0; g < n / ep; ++g) {

@@ -63,7 +63,7 @@ std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
   // Note [Expert parallel]: the main process holds its own experts; the first ep group sends it
   // the others' (their names, dtypes and shapes first, then the tensors).
   const auto held = parallel::held_experts(model);
-  if (!held || topology_->data_parallel()->rank() >= held.ep->size()) return tensors;
+  if (!held || topology_->replicas()->rank() >= held.ep->size()) return tensors;
   std::vector<at::Tensor> mine;
   std::string listing;
   for (const auto& kv : model.named_parameters()) {

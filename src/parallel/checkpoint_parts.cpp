@@ -56,7 +56,7 @@ struct Layout {
     return layout::model_part_file(i, topology.replicas()->global_rank(0));
   }
   bool writes_model(const StateWriter& w) const {
-    if (experts()) return topology.data_parallel()->rank() < topology.ep();
+    if (experts()) return topology.replicas()->rank() < topology.ep();
     return per_rank() ? topology.replicas()->rank() == 0 : w.is_main();
   }
   // Whether this rank writes its whole optimizers' files.
@@ -247,7 +247,7 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                      for (size_t i = 0; i < models.size(); ++i) {
                        auto tensors = model_state(*models[i]);
                        // Note [Expert-parallel checkpoints]: the rest once, from ep rank 0.
-                       if (layout.experts() && layout.topology.data_parallel()->rank() > 0) {
+                       if (layout.experts() && layout.topology.replicas()->rank() > 0) {
                          const auto held = held_experts(*models[i]);
                          std::set<std::string> names;
                          for (const auto& p : models[i]->named_parameters())

@@ -19,7 +19,9 @@ the mixtures, train_llm's tokens per expert of every step (over every rank) are 
 
 With a fourth argument `context_parallel`, the same against the layouts that split every
 sequence (Note [Context parallel]): cp 2 (by the ring and by allgather), cp 4, dp 2 x cp 2,
-ZeRO-3 over dp_shard x cp, and cp 2 x tp 2, for the Qwen3 and the Qwen3-MoE.
+ZeRO-3 over dp_shard x cp, and cp 2 x tp 2, for the Qwen3 and the Qwen3-MoE; and for the
+Qwen3-MoE with its experts split over ep ranks carved from dp x cp (cp 2 with ep 2, dp 2 x cp 2
+with ep 4, FSDP over dp_shard 2 x cp 2 with ep 2).
 
 Usage: llama_training_oracle.py TRAIN_LLM TANDEM_CLI WORK_DIR [context_parallel]
 """
@@ -109,8 +111,19 @@ def main():
         ("expert parallel 2 x data parallel 2, ZeRO-2 on the rest on 4", 4,
          ["--ep_size", "2", "--use_deepspeed", "--zero_stage", "2"], GLOBAL_BATCH // 4),
     ]
+    # Note [Expert parallel]: ep carved from dp x cp: a token goes to its expert wherever its
+    # chunk is.
+    context_experts = [
+        ("context parallel 2, experts over ep 2", 2, ["--cp_size", "2", "--ep_size", "2"],
+         GLOBAL_BATCH),
+        ("data parallel 2 x context parallel 2, experts over ep 4 on 4", 4,
+         ["--cp_size", "2", "--ep_size", "4"], GLOBAL_BATCH // 2),
+        ("FSDP over dp_shard 2 x cp 2, experts over ep 2 on 4", 4,
+         ["--use_fsdp", "--cp_size", "2", "--ep_size", "2"], GLOBAL_BATCH // 2),
+    ]
     if len(sys.argv) > 4 and sys.argv[4] == "context_parallel":
-        for name, config, runs in (("qwen3", dense, contexts), ("qwen3_moe", moe, contexts)):
+        for name, config, runs in (("qwen3", dense, contexts),
+                                   ("qwen3_moe", moe, contexts + context_experts)):
             check(train_llm, cli, fresh_dir(os.path.join(root, name.replace(" ", "_"))), name,
                   config, runs)
         return

@@ -28,16 +28,18 @@ namespace tandem::parallel {
 
 /// An expert-parallel group and the groups its experts' gradients are reduced over.
 ///
-/// Note [Expert parallel]: ep consecutive data-parallel ranks form an ep group and hold the
-/// experts of each sparse layer in contiguous blocks (rank j of ep: experts [j E/ep, (j+1) E/ep));
+/// Note [Expert parallel]: ep consecutive data-parallel ranks (of dp x cp under context
+/// parallel, as torchtitan carves them: a token's chunk is routed from wherever it is) form an
+/// ep group and hold the experts of each sparse layer in contiguous blocks (rank j of ep:
+/// experts [j E/ep, (j+1) E/ep));
 /// the data-parallel ranks with the same ep coordinate hold the same experts and form its
 /// replica group. A rank routes its own tokens, sends each (token, expert) pair's hidden state to
 /// the rank that holds the expert, runs its experts on what it received, and sends the outputs
 /// back, where they are weighted and summed as without ep: the computation of one process,
 /// spread. An expert's gradient on a rank sums what every rank of its ep group sent it, so the
 /// data-parallel mean divides the sum over its replicas by the whole data-parallel size
-/// (dp = ep x replicas), not by the replicas alone. The router and every other parameter stay
-/// replicated and are averaged over dp as under plain data parallel.
+/// (dp = ep x replicas; dp x cp with context parallel), not by the replicas alone. The router
+/// and every other parameter stay replicated and are averaged over dp (x cp) as without ep.
 class ExpertParallel {
  public:
   /// `group`: this rank's ep group; `replicas`: the ranks holding the same experts;
