@@ -363,9 +363,11 @@ std::shared_ptr<parallel::ExpertParallel> Accelerator::make_expert_parallel(
     throw ::tandem::Refused(state_.prefix() + " expert parallel (ep_size " + std::to_string(ep) +
                             ") " + what);
   };
-  if (topology_->tp() > 1 || topology_->pp() > 1)
-    refuse("does not combine with tensor or pipeline parallel in tandem yet (this layout: " +
-           topology_->summary() + "); run the experts over data (and context) parallel only");
+  // Under tp every tp rank holds its experts whole (their input is whole): ep groups are carved
+  // from the dp ranks of each tp coordinate. A pipeline's stages do not split experts yet.
+  if (topology_->pp() > 1)
+    refuse("does not combine with pipeline parallel in tandem yet (this layout: " +
+           topology_->summary() + "); run the experts over data, context or tensor parallel");
   // Under ZeRO the experts stay whole (reduced over their replicas) and the rest is sharded over
   // dp; hybrid sharding's two levels and optimizer state on disk do not know the experts yet.
   if (run.sharding && run.sharding->stage() > 0 && topology_->dp_replicate() > 1)

@@ -63,7 +63,10 @@ std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
   // Note [Expert parallel]: the main process holds its own experts; the first ep group sends it
   // the others' (their names, dtypes and shapes first, then the tensors).
   const auto held = parallel::held_experts(model);
-  if (!held || topology_->replicas()->rank() >= held.ep->size()) return tensors;
+  // Under tp every tp rank holds its experts whole: the ep group of tp rank 0 sends them.
+  if (!held || topology_->replicas()->rank() >= held.ep->size() ||
+      topology_->coordinate("tp") != 0)
+    return tensors;
   std::vector<at::Tensor> mine;
   std::string listing;
   for (const auto& kv : model.named_parameters()) {

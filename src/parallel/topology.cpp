@@ -167,18 +167,18 @@ double clip_grad_norm(const Topology& topology, Strategy& strategy,
   const bool sharded = parts.has_value();
   if (!sharded && !topology.model_parallel() && !held)  // whole gradients on every dp rank
     return torch::nn::utils::clip_grad_norm_(tensors, max_norm, norm_type);
-  std::array<double, 2> own{0, 0};  // this rank's: {split, the rest} or, with experts, {experts, -}
+  std::array<double, 3> own{0, 0, 0};  // this rank's {split, the rest, experts}
   for (const auto& t : tensors) {
     if (!t.grad().defined()) continue;
     const bool expert = held && held.contains(t);
     if (sharded && !expert) continue;  // the strategy counted it
     const double n = t.grad().detach().to(at::kDouble).norm(norm_type).item<double>();
-    auto& part = own[expert || (!held && is_split && is_split(t)) ? 0 : 1];
+    auto& part = own[expert ? 2 : is_split && is_split(t) ? 0 : 1];
     part = inf ? std::max(part, n) : part + std::pow(n, norm_type);
   }
-  if (!sharded) parts = std::array<double, 2>{held ? 0 : own[0], own[1]};
-  if (held) {
-    auto sum = at::full({1}, own[0], at::TensorOptions().dtype(at::kDouble));
+  if (!sharded) parts = std::array<double, 2>{own[0], own[1]};
+  if (held) {  // whole on every tp rank of the ep group: beside the rest
+    auto sum = at::full({1}, own[2], at::TensorOptions().dtype(at::kDouble));
     held.ep->group()->allreduce(sum, inf ? ReduceOp::kMax : ReduceOp::kSum);
     const double e = sum.item<double>();
     (*parts)[1] = inf ? std::max((*parts)[1], e) : (*parts)[1] + e;

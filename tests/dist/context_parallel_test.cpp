@@ -93,7 +93,7 @@ TEST(ContextParallel, TheLauncherRefusesWhatCannotSplitItsSequences) {
 
 // Note [Expert parallel]: --ep_size reaches every rank; a model without ExpertParallelModel (the
 // example GPT) and a model without experts (the default Llama) are refused, and so are an
-// ep_size that does not divide dp, ep beside ZeRO's optimizer state on disk or tensor parallel.
+// ep_size that does not divide dp, ep beside ZeRO's optimizer state on disk or a pipeline.
 TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
   auto gpt = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2"}));
   EXPECT_NE(gpt.exit_code, 0) << gpt.output;
@@ -112,10 +112,9 @@ TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
   EXPECT_NE(nvme.exit_code, 0) << nvme.output;
   EXPECT_GE(count_of(nvme.output, "does not combine with optimizer state on disk"), 1)
       << nvme.output;
-  auto tp = launch(4, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2", "--tp_size", "2"}));
-  EXPECT_NE(tp.exit_code, 0) << tp.output;
-  EXPECT_GE(count_of(tp.output, "does not combine with tensor or pipeline parallel"), 1)
-      << tp.output;
+  auto pp = launch(4, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2", "--pp_size", "2"}));
+  EXPECT_NE(pp.exit_code, 0) << pp.output;
+  EXPECT_GE(count_of(pp.output, "does not combine with pipeline parallel"), 1) << pp.output;
   // A small mixture trains under ep 2 (the byte-level default data).
   tandem::testing::TempDir dir;
   std::ofstream(dir.str() + "/moe.json")
@@ -144,10 +143,11 @@ TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
 }
 
 // Note [Expert-parallel checkpoints]: a mixture's training checkpoint saved under ep 2 resumes
-// on ep 2 bitwise where the uninterrupted ep 2 run ended, and on plain data parallel and on ep 4
-// (4 ranks, the same global batch) within float rounding of it; one saved under plain data
+// on ep 2 bitwise where the uninterrupted ep 2 run ended, and on plain data parallel, on ep 4 and
+// on ep 2 x tp 2 (4 ranks, the same global batch) within float rounding of it; one saved under plain data
 // parallel resumes on ep 2 likewise; `tandem merge-weights` joins the ep ranks' files into the
-// whole model the uninterrupted run saved (every expert, the same values).
+// whole model the uninterrupted run saved (every expert, the same values); one saved under ep 2 x
+// tp 2 merges and resumes on data parallel too.
 TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
   tandem::testing::TempDir dir;
   const std::string d = dir.str();
@@ -156,39 +156,41 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
              "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
              "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64})";
-  // A global batch of 4 sequences: 2 per rank on 2 ranks, 1 on 4.
-  auto args = [&](int ranks, std::vector<std::string> extra) {
+  // A global batch of 4 sequences: 2 per data-parallel rank on 2, 1 on 4.
+  auto args = [&](int dp, std::vector<std::string> extra) {
     std::vector<std::string> a{"--config", d + "/moe.json", "--seq_len", "16", "--batch_size",
-                               ranks == 2 ? "2" : "1", "--steps", "4"};
+                               dp == 2 ? "2" : "1", "--steps", "4"};
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
-  auto straight = [&](const std::string& name, std::vector<std::string> flags) {
-    auto r = launch(2, kTrainLlm,
-                    args(2, {"--checkpoint_every", "2", "--project_dir", d + "/" + name,
+  auto straight = [&](const std::string& name, int ranks, int dp, std::vector<std::string> flags) {
+    auto r = launch(ranks, kTrainLlm,
+                    args(dp, {"--checkpoint_every", "2", "--project_dir", d + "/" + name,
                              "--save", d + "/out_" + name}),
                     with_flags(std::move(flags)));
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return r;
   };
-  auto resume = [&](const std::string& from, const std::string& name, int ranks,
+  auto resume = [&](const std::string& from, const std::string& name, int ranks, int dp,
                     std::vector<std::string> flags) {
     std::filesystem::create_directories(d + "/" + name + "/checkpoints");
     std::filesystem::copy(d + "/" + from + "/checkpoints/checkpoint_0",
                           d + "/" + name + "/checkpoints/checkpoint_0",
                           std::filesystem::copy_options::recursive);
     auto r = launch(ranks, kTrainLlm,
-                    args(ranks, {"--resume", "--project_dir", d + "/" + name, "--save",
+                    args(dp, {"--resume", "--project_dir", d + "/" + name, "--save",
                                  d + "/out_" + name}),
                     with_flags(std::move(flags)));
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_EQ(count_of(r.output, "at step 2"), 1) << r.output;
     return r;
   };
-  // The largest difference of any tensor of out_<name> from out_a, relative to out_a's largest
-  // element of that tensor; every tensor of both present.
-  auto worst = [&](const std::string& name, const std::string& file) {
-    auto c = run_command({kWorker, "compare", file, d + "/out_a/model.safetensors"}, {}, 60);
+  // The largest difference of any tensor of `file` from out_a's (or `reference`'s), relative to
+  // its largest element; every tensor of both present.
+  auto worst = [&](const std::string& name, const std::string& file,
+                   const std::string& reference = "out_a") {
+    auto c = run_command({kWorker, "compare", file, d + "/" + reference + "/model.safetensors"},
+                         {}, 60);
     EXPECT_EQ(c.exit_code, 0) << c.output;
     EXPECT_EQ(count_of(c.output, "same names 1"), 1) << name << ": " << c.output;
     auto checks = parse_checks(c.output);
@@ -199,24 +201,39 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
               << std::endl;
     return most;
   };
-  auto a = straight("a", {"--ep_size", "2"});
+  auto a = straight("a", 2, 2, {"--ep_size", "2"});
   EXPECT_EQ(count_of(a.output, "expert parallel: ep 2"), 1) << a.output;
   ASSERT_TRUE(std::filesystem::exists(d + "/a/checkpoints/checkpoint_0/model.mp1.safetensors"))
       << a.output;
   EXPECT_EQ(worst("same layout", d + "/out_" + "a" + "/model.safetensors"), 0.0);
-  auto b = resume("a", "b", 2, {"--ep_size", "2"});
+  auto b = resume("a", "b", 2, 2, {"--ep_size", "2"});
   EXPECT_EQ(worst("ep 2 -> ep 2", d + "/out_b/model.safetensors"), 0.0) << b.output;
-  auto c = resume("a", "c", 2, {});
+  auto c = resume("a", "c", 2, 2, {});
   EXPECT_GE(count_of(c.output, "experts over ep 2"), 1) << c.output;
   EXPECT_LE(worst("ep 2 -> dp 2", d + "/out_c/model.safetensors"), 1e-5) << c.output;
-  auto e = resume("a", "e", 4, {"--ep_size", "4"});
+  auto e = resume("a", "e", 4, 4, {"--ep_size", "4"});
   EXPECT_LE(worst("ep 2 -> ep 4", d + "/out_e/model.safetensors"), 1e-5) << e.output;
-  straight("f", {});
-  auto g = resume("f", "g", 2, {"--ep_size", "2"});
+  auto h = resume("a", "h", 4, 2, {"--ep_size", "2", "--tp_size", "2"});
+  EXPECT_LE(worst("ep 2 -> ep 2 x tp 2", d + "/out_h/model.safetensors"), 1e-5) << h.output;
+  straight("f", 2, 2, {});
+  auto g = resume("f", "g", 2, 2, {"--ep_size", "2"});
   EXPECT_LE(worst("dp 2 -> ep 2", d + "/out_g/model.safetensors"), 1e-5) << g.output;
   // The step-4 checkpoint's two model files, merged, are the whole model out_a holds.
   auto merged = run_command({kCli, "merge-weights", d + "/a/checkpoints/checkpoint_1",
                              d + "/merged"}, {}, 60);
   ASSERT_EQ(merged.exit_code, 0) << merged.output;
   EXPECT_EQ(worst("merged", d + "/merged/model.safetensors"), 0.0);
+  // Saved under ep 2 x tp 2: its files (tp shards, each ep rank's experts) merged, and resumed
+  // on plain data parallel. Four steps of tp's sums in another order move it 4.0e-5 from the ep
+  // 2 run (the oracle holds ep 2 x tp 2 to PyTorch: 6.4e-5 of the distance training moved); a
+  // tp shard or an expert restored wrong moves whole steps.
+  straight("t", 4, 2, {"--ep_size", "2", "--tp_size", "2"});
+  const double t_worst = worst("ep 2 x tp 2", d + "/out_t/model.safetensors");
+  EXPECT_LE(t_worst, 2e-4);
+  auto merged_tp = run_command({kCli, "merge-weights", d + "/t/checkpoints/checkpoint_1",
+                                d + "/merged_t"}, {}, 60);
+  ASSERT_EQ(merged_tp.exit_code, 0) << merged_tp.output;
+  EXPECT_EQ(worst("ep 2 x tp 2 merged", d + "/merged_t/model.safetensors", "out_t"), 0.0);
+  auto u = resume("t", "u", 2, 2, {});
+  EXPECT_LE(worst("ep 2 x tp 2 -> dp 2", d + "/out_u/model.safetensors"), 2e-4) << u.output;
 }

@@ -13,7 +13,7 @@ and ZeRO-3 x tensor parallel on 4; and on pipeline stages (pp 2, pp 2 x dp 2 and
 4), the Qwen3-MoE (untied) and a Qwen3 with an untied head (Note [Llama pipeline stages]); and a
 Qwen3-MoE of 32 experts (top 1), some chosen on one replica only, on dp 2 and pp 2 x dp 2; and
 both mixtures under expert parallel (ep 2 on 2, ep 2 x dp 2 on 4, ep 4 on 4, and ZeRO on the
-rest: FSDP under ep 2, ZeRO-2 under ep 2 x dp 2). For
+rest: FSDP under ep 2, ZeRO-2 under ep 2 x dp 2; ep 2 x tp 2 on 4). For
 the mixtures, train_llm's tokens per expert of every step (over every rank) are the reference's
 (PyTorch's routers' top-k choices, counted by hooks).
 
@@ -110,6 +110,9 @@ def main():
          GLOBAL_BATCH // 2),
         ("expert parallel 2 x data parallel 2, ZeRO-2 on the rest on 4", 4,
          ["--ep_size", "2", "--use_deepspeed", "--zero_stage", "2"], GLOBAL_BATCH // 4),
+        # Every tp rank holds its experts whole: ep over the dp ranks of each tp coordinate.
+        ("expert parallel 2 x tensor parallel 2 on 4", 4, ["--ep_size", "2", "--tp_size", "2"],
+         GLOBAL_BATCH // 2),
     ]
     # Note [Expert parallel]: ep carved from dp x cp: a token goes to its expert wherever its
     # chunk is.
