@@ -410,11 +410,18 @@ MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
   const double bucket = default_bucket_bytes(p);
   const std::vector<std::pair<std::string, std::string>> schemes{
       {"ddp", "DDP"}, {"zero1", "ZeRO-1"}, {"zero2", "ZeRO-2"}, {"zero3", "ZeRO-3"}};
-  // tandem runs a pipeline without ZeRO (Note [Pipeline gradient sync]), and expert parallel
-  // under data parallel only (Note [Expert parallel]); ZeRO needs W > 1.
-  const int last = layout.pp > 1 || layout.ep > 1 || w < 2 ? 0 : 3;
+  // tandem runs a pipeline without ZeRO (Note [Pipeline gradient sync]); ZeRO needs W > 1.
+  const int last = layout.pp > 1 || w < 2 ? 0 : 3;
+  // Note [Expert parallel]: under ZeRO the experts a rank holds stay whole (16 bytes each, and
+  // their own reducer's bucket copies, 4 more), and the rest is sharded.
+  const double experts = static_cast<double>(layout.expert_parameters);
   for (int stage = 0; stage <= last; ++stage) {
-    auto m = strategy_memory(stage, p, w, bucket, u, u);
+    auto m = strategy_memory(stage, stage > 0 ? p - experts : p, w, bucket, u, u);
+    if (stage > 0 && experts > 0) {
+      m.states += 16 * experts;
+      m.transient += 4 * experts;
+      m.formula += " + 20E";
+    }
     if (layout.pp > 1) {
       // A pipeline averages its stage's gradients itself, once per step, without buckets.
       m.transient = 0;
@@ -562,7 +569,9 @@ std::string format_memory_estimate(const MemoryEstimate& e) {
                            std::to_string(l.dp * l.cp) +
                            (l.pp > 1 ? " (a pipeline runs without ZeRO and reduces its "
                                        "gradients without buckets)"
-                            : l.ep > 1 ? " (expert parallel runs without ZeRO)"
+                            : l.ep > 1 ? " (under ZeRO the rank's " +
+                                             with_commas(l.expert_parameters) +
+                                             " expert parameters E stay whole)"
                                      : std::string()) +
                            ":",
                        "") +
@@ -617,6 +626,7 @@ std::string memory_estimate_to_json(const MemoryEstimate& e) {
                    {"virtual_stages", l.virtual_stages},
                    {"ep", l.ep},
                    {"rank_parameters", l.rank_parameters},
+                   {"expert_parameters", l.expert_parameters},
                    {"largest_unit", l.largest_unit},
                    {"stage", l.stage},
                    {"counted", l.counted},

@@ -176,7 +176,7 @@ TEST(EstimateMemoryCli, ALayoutGivesTheRankThatHoldsTheMost) {
 
 // Expert parallel splits a checkpoint's expert tensors: a file with one dense block (an
 // attention matrix of 64 and a router of 16) and four experts of 32 each, 4 ranks at ep 2: each
-// rank holds the dense 80 and two experts (64), 144 in all; data parallel only.
+// rank holds the dense 80 and two experts (64), 144 in all; under ZeRO the experts stay whole.
 TEST(EstimateMemoryCli, ExpertParallelSplitsTheExpertTensors) {
   tandem::testing::TempDir dir;
   std::vector<std::pair<std::string, std::vector<int64_t>>> tensors{
@@ -205,7 +205,13 @@ TEST(EstimateMemoryCli, ExpertParallelSplitsTheExpertTensors) {
   EXPECT_EQ(j["parameters"], 64 + 16 + 4 * 32);
   EXPECT_EQ(j["layout"]["ep"], 2);
   EXPECT_EQ(j["layout"]["rank_parameters"], 64 + 16 + 2 * 32);
-  ASSERT_EQ(j["layout"]["tandem_fp32"].size(), 1u);  // data parallel only
+  EXPECT_EQ(j["layout"]["expert_parameters"], 2 * 32);
+  // Under ZeRO the experts stay whole: ZeRO-1 shards the rest's 80 over W = 4 (8P + 8P/W, buckets
+  // of 4 x 144 bytes: 2B) beside the experts' 16E + 4E.
+  ASSERT_EQ(j["layout"]["tandem_fp32"].size(), 4u);
+  EXPECT_EQ(j["layout"]["tandem_fp32"][1]["formula"], "8P + 8P/W + 2B + 20E");
+  EXPECT_DOUBLE_EQ(j["layout"]["tandem_fp32"][1]["bytes_per_device"].get<double>(),
+                   8 * 80 + 8 * 80 / 4 + 2 * 4 * 144 + 20 * 64);
   auto gpt = run_command({TANDEM_CLI, "estimate-memory", "--params", "1B", "--num_processes", "4",
                           "--ep_size", "2"});
   EXPECT_EQ(gpt.exit_code, 2);
@@ -213,5 +219,5 @@ TEST(EstimateMemoryCli, ExpertParallelSplitsTheExpertTensors) {
   auto odd = run_command({TANDEM_CLI, "estimate-memory", dir.str() + "/model.safetensors",
                           "--num_processes", "4", "--ep_size", "3"});
   EXPECT_EQ(odd.exit_code, 2);
-  EXPECT_NE(odd.output.find("must divide dp (4)"), std::string::npos) << odd.output;
+  EXPECT_NE(odd.output.find("must divide dp x cp (4)"), std::string::npos) << odd.output;
 }

@@ -73,10 +73,10 @@ track::LayoutShare EstimateMemoryCommand::layout_share(const track::ModelSize& m
                   " is not a multiple of tp x pp x cp = " + std::to_string(split) +
                   ": the data-parallel size is what remains; give a multiple");
   l.dp = static_cast<int>(num_processes_ / split);
-  if (ep_ > 1 && (l.dp % ep_ != 0 || tp_ > 1 || pp_ > 1 || cp_ > 1))
+  if (ep_ > 1 && ((l.dp * cp_) % ep_ != 0 || pp_ > 1))
     throw Refused("--ep_size " + std::to_string(ep_) + " splits the experts over data-parallel "
-                  "ranks: it must divide dp (" + std::to_string(l.dp) + "), and tandem runs it "
-                  "without --tp_size, --pp_size and --cp_size");
+                  "ranks (dp x cp): it must divide dp x cp (" + std::to_string(l.dp * cp_) +
+                  "), and tandem runs it without --pp_size");
   if (ep_ > 1 && model_.empty())
     throw Refused("--ep_size needs a checkpoint whose expert tensors ('.experts.' in their "
                   "names) it can count; --params and a GPT shape have none");
@@ -101,10 +101,13 @@ track::LayoutShare EstimateMemoryCommand::layout_share(const track::ModelSize& m
                         : trials::safetensors_plan_model(model_);
   if (ep_ > 1) {
     // Note [Expert parallel]: a rank holds 1/ep of each layer's experts.
+    // Every tp rank holds its experts whole (their input is whole).
     bool any = false;
     for (auto& t : plan_model.tensors)
       if (t.name.find(".experts.") != std::string::npos) {
         t.numel = (t.numel + ep_ - 1) / ep_;
+        t.tp_split = false;
+        l.expert_parameters += t.numel;
         any = true;
       }
     if (!any)

@@ -124,6 +124,8 @@ struct LayoutShare {
   int virtual_stages = 1;  ///< pipeline stages per rank (interleaved 1F1B)
   int ep = 1;  ///< expert parallel: each layer's experts split over ep of the dp ranks
   int64_t rank_parameters = 0;  ///< parameters on that rank, after tp's split and pp's stages
+  /// Of those, the experts it holds under ep (whole under ZeRO, which shards the rest).
+  int64_t expert_parameters = 0;
   int64_t largest_unit = 0;     ///< its largest block or embedding (ZeRO-3's unit)
   int stage = 0;                ///< its pipeline rank
   /// How the share was counted ("per tensor", or an assumption such as an even split).
