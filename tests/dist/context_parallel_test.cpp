@@ -201,6 +201,10 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
               << std::endl;
     return most;
   };
+  // Another layout sums in another order; AdamW turns that rounding into fractions of a step
+  // (lr 3e-4) on elements whose gradient is near zero: seen up to 1.1e-5 of a tensor's largest
+  // element. A tensor restored wrong (an expert, a moment, the step) moves whole steps.
+  constexpr double kRounding = 1e-4;
   auto a = straight("a", 2, 2, {"--ep_size", "2"});
   EXPECT_EQ(count_of(a.output, "expert parallel: ep 2"), 1) << a.output;
   ASSERT_TRUE(std::filesystem::exists(d + "/a/checkpoints/checkpoint_0/model.mp1.safetensors"))
@@ -210,14 +214,14 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
   EXPECT_EQ(worst("ep 2 -> ep 2", d + "/out_b/model.safetensors"), 0.0) << b.output;
   auto c = resume("a", "c", 2, 2, {});
   EXPECT_GE(count_of(c.output, "experts over ep 2"), 1) << c.output;
-  EXPECT_LE(worst("ep 2 -> dp 2", d + "/out_c/model.safetensors"), 1e-5) << c.output;
+  EXPECT_LE(worst("ep 2 -> dp 2", d + "/out_c/model.safetensors"), kRounding) << c.output;
   auto e = resume("a", "e", 4, 4, {"--ep_size", "4"});
-  EXPECT_LE(worst("ep 2 -> ep 4", d + "/out_e/model.safetensors"), 1e-5) << e.output;
+  EXPECT_LE(worst("ep 2 -> ep 4", d + "/out_e/model.safetensors"), kRounding) << e.output;
   auto h = resume("a", "h", 4, 2, {"--ep_size", "2", "--tp_size", "2"});
-  EXPECT_LE(worst("ep 2 -> ep 2 x tp 2", d + "/out_h/model.safetensors"), 1e-5) << h.output;
+  EXPECT_LE(worst("ep 2 -> ep 2 x tp 2", d + "/out_h/model.safetensors"), kRounding) << h.output;
   straight("f", 2, 2, {});
   auto g = resume("f", "g", 2, 2, {"--ep_size", "2"});
-  EXPECT_LE(worst("dp 2 -> ep 2", d + "/out_g/model.safetensors"), 1e-5) << g.output;
+  EXPECT_LE(worst("dp 2 -> ep 2", d + "/out_g/model.safetensors"), kRounding) << g.output;
   // The step-4 checkpoint's two model files, merged, are the whole model out_a holds.
   auto merged = run_command({kCli, "merge-weights", d + "/a/checkpoints/checkpoint_1",
                              d + "/merged"}, {}, 60);
