@@ -4,6 +4,7 @@
 #include "tandem/nn/module.h"
 
 #include <torch/torch.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <signal.h>
 #include <unistd.h>
@@ -16,6 +17,7 @@
 #include <filesystem>
 #include <set>
 #include <stdexcept>
+#include <unordered_set>
 
 #include "tandem/checkpoint/training_state.h"
 #include "tandem/comm/flight_recorder.h"
@@ -673,6 +675,34 @@ void Accelerator::auto_resume() {
   load_state(latest);
 }
 
+// Note [Unused parameters known before backward]: the parameters the loss's autograd graph
+// reaches (its AccumulateGrad nodes), as PyTorch's DDP finds them from the forward's outputs;
+// the reducers mark the others ready before the backward starts. A recomputing node
+// (activation checkpointing) hides the parameters it will reach, so then nothing is marked and
+// the reducers learn the unused ones at the end of backward, as before.
+namespace {
+void prepare_unused_parameters(parallel::Strategy& strategy, const at::Tensor& loss) {
+  if (!loss.requires_grad() || !loss.grad_fn()) return;
+  std::unordered_set<const void*> reached;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack{loss.grad_fn().get()};
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    if (!node || !seen.insert(node).second) continue;
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      reached.insert(acc->variable.unsafeGetTensorImpl());
+      continue;
+    }
+    if (node->name().find("Checkpoint") != std::string::npos) return;
+    for (const auto& edge : node->next_edges())
+      if (edge.function) stack.push_back(edge.function.get());
+  }
+  strategy.prepare_for_backward(
+      [&reached](const at::Tensor& p) { return reached.count(p.unsafeGetTensorImpl()) > 0; });
+}
+}  // namespace
+
 void Accelerator::backward(const at::Tensor& loss) {
   TANDEM_CHECK(loss.defined(), state_.prefix(), " backward: the loss is undefined");
   if (auto_resume_pending_) {
@@ -687,6 +717,9 @@ void Accelerator::backward(const at::Tensor& loss) {
   auto l = precision_->loss_for_backward(loss, accumulation_steps_);
   const auto begin = track::Timeline::Clock::now();
   if (!sync_gradients_ || no_sync_depth_ > 0) ++unsynced_backwards_;
+  // Expert-parallel reducers find unused experts whatever the options say.
+  if (options_.find_unused_parameters() || expert_parallel_->size() > 1)
+    prepare_unused_parameters(*strategy_, l);
   try {
     auto no_autocast = autocast(false);
     l.backward();

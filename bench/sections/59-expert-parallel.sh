@@ -1,7 +1,7 @@
 #!/bin/bash
 # bench/run section: expert parallel (Note [Expert parallel]) on a Qwen3-MoE shape: tokens/s and
 # peak resident memory per rank of train_llm on 4 ranks under data parallel, ep 2 and ep 4, and
-# under FSDP (ZeRO-3) with and without ep 4, beside PyTorch 2.12's DistributedDataParallel on the
+# under FSDP (ZeRO-3) with ep 4, beside PyTorch 2.12's DistributedDataParallel on the
 # same config.json and token ids (bench/llm_peer.py: eager PyTorch has no expert parallel of its
 # own), in one run. Runs alone too: bench/sections/59-expert-parallel.sh BUILD_DIR CLI (env REPS,
 # default 3).
@@ -51,10 +51,12 @@ tandem_run() {
   echo "$log" | sed -n 's/.*loss \(fell\|rose\) from [0-9.e+-]* to \([0-9.e+-]*\).*/\2/p' | head -1 > "$work/$name.loss"
   echo "$log" | sed -n 's/.*with \([0-9]*\) parameters,.*/\1/p' | head -1 > "$work/params"
 }
-names=(dp4 ep2 ep4 fsdp4 fsdp_ep4)
+# FSDP without ep is not in the table: ZeRO-3 over a mixture whose experts get no token on some
+# ranks hangs (a unit's reduction waits for the end of backward there and not elsewhere).
+names=(dp4 ep2 ep4 fsdp_ep4)
 labels=("data parallel 4" "ep 2 x dp 2 (experts over 2 ranks)" "ep 4 (experts over 4 ranks)"
-        "FSDP (ZeRO-3) on 4" "FSDP on 4, experts over ep 4")
-flags=("" "--ep_size 2" "--ep_size 4" "--use_fsdp" "--use_fsdp --ep_size 4")
+        "FSDP on 4, experts over ep 4")
+flags=("" "--ep_size 2" "--ep_size 4" "--use_fsdp --ep_size 4")
 for ((r = 1; r <= reps; ++r)); do
   echo "bench/run: expert-parallel repetition $r/$reps" >&2
   for i in "${!names[@]}"; do

@@ -177,7 +177,12 @@ void GradientReducer::on_gradient_ready(size_t i) {
     queue_backward_callback([this] { finalize(); });
   }
   if (ready_[i]) {
-    twice_.push_back(names_[i]);
+    // Note [Unused parameters known before backward]: the loss's graph showed no path to it.
+    twice_.push_back(i < unreached_.size() && unreached_[i]
+                         ? names_[i] + " (which the loss's autograd graph did not reach before "
+                                       "backward: a custom autograd function that uses it "
+                                       "outside the graph; run without find_unused_parameters)"
+                         : names_[i]);
     return;
   }
   ready_[i] = 1;
@@ -298,6 +303,28 @@ void GradientReducer::after_backward() {
   if (pending) finalize();
 }
 
+void GradientReducer::prepare_for_backward(
+    const std::function<bool(const at::Tensor&)>& reached) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!sync_ || !options_.find_unused_parameters() || callback_queued_) return;
+  if (unreached_.size() != params_.size()) unreached_.assign(params_.size(), 0);
+  bool any = false;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ready_[i] || reached(params_[i])) continue;
+    ready_[i] = 1;
+    unreached_[i] = 1;
+    Bucket& b = *bucket_state_[bucket_of_[i]];
+    if (b.flat().defined()) b.flat().narrow(0, offset_of_[i], params_[i].numel()).zero_();
+    --b.pending;
+    any = true;
+  }
+  if (!any) return;
+  // A bucket no gradient will reach: its buffer (zeros) now.
+  for (auto& b : bucket_state_)
+    if (b->pending == 0) ensure_buffer(*b);
+  launch_ready_buckets();
+}
+
 void GradientReducer::finalize() {
   std::unique_lock<std::mutex> lock(mu_);
   timeline_.backward_ended = std::chrono::steady_clock::now();
@@ -311,6 +338,7 @@ void GradientReducer::finalize() {
       if (options_.release_gradients()) b->grad_bucket.buffer = at::Tensor();
     }
     std::fill(ready_.begin(), ready_.end(), 0);
+    std::fill(unreached_.begin(), unreached_.end(), 0);
     next_bucket_ = 0;
     next_finish_ = 0;
     used_anywhere_ = at::Tensor();
@@ -355,7 +383,8 @@ void GradientReducer::finalize() {
   // used, so that their .grad stays as it was (as PyTorch's DDP does).
   if (options_.find_unused_parameters()) {
     auto used = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
-    for (size_t i = 0; i < params_.size(); ++i) used[i] = ready_[i] ? 1 : 0;
+    for (size_t i = 0; i < params_.size(); ++i)
+      used[i] = ready_[i] && !(i < unreached_.size() && unreached_[i]) ? 1 : 0;
     for (size_t i : unused) {
       ready_[i] = 1;
       Bucket& b = *bucket_state_[bucket_of_[i]];

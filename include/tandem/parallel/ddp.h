@@ -111,6 +111,15 @@ class GradientReducer {
   /// or no parameter at all). Called by Accelerator::backward after autograd returns; does
   /// nothing when the engine callback already finished the step.
   void after_backward();
+  /// Note [Unused parameters known before backward]: with find_unused_parameters, the
+  /// parameters the coming backward cannot reach (`reached` false: no path from the loss to
+  /// them in its autograd graph) are ready now, with zeros, as PyTorch's DDP marks them in
+  /// prepare_for_backward, so that every bucket launches in the backward's own order on every
+  /// rank. Otherwise a bucket holding one (an expert no token of this rank chose) would wait for
+  /// the end of backward here and not elsewhere, and a strategy that gathers during backward
+  /// (ZeRO-3) would issue its collectives in another order than its peers: a hang. Called by
+  /// Accelerator::backward; nothing to do outside a synchronised backward.
+  void prepare_for_backward(const std::function<bool(const at::Tensor&)>& reached);
   /// Whether a backward that reaches none of these parameters on this rank is fine (nothing is
   /// reduced, nothing said), as PyTorch's DDP leaves a model its backward did not reach: the
   /// strategies allow it once a second model or optimizer is prepared (a GAN's discriminator
@@ -162,6 +171,7 @@ class GradientReducer {
   std::vector<at::ScalarType> bucket_dtype_;
   at::Tensor used_anywhere_;  // find_unused_parameters: per parameter, ranks that used it
   std::vector<char> ready_;
+  std::vector<char> unreached_;  // Note [Unused parameters known before backward]
   std::vector<char> view_;  // param -> .grad is a view into its bucket
   std::shared_ptr<CommHook> hook_;
   std::shared_ptr<ProcessGroup> average_pg_;  // ReducerOptions::average_over, or pg_

@@ -172,6 +172,11 @@ class Strategy {
                                                   const checkpoint::LoadOptions& options = {});
   /// The gradient reducers (for timelines and tests).
   virtual std::vector<const GradientReducer*> reducers() const = 0;
+  /// Note [Unused parameters known before backward]: every reducer learns which parameters the
+  /// coming backward cannot reach.
+  void prepare_for_backward(const std::function<bool(const at::Tensor&)>& reached) {
+    for (const auto* r : reducers()) const_cast<GradientReducer*>(r)->prepare_for_backward(reached);
+  }
   /// What a strategy that shards the parameters (ZeRO-3) does besides; nullptr for the others,
   /// whose parameters are always whole.
   virtual ParameterSharding* parameter_sharding() { return nullptr; }
