@@ -308,21 +308,24 @@ void GradientReducer::prepare_for_backward(
   std::lock_guard<std::mutex> lock(mu_);
   if (!sync_ || !options_.find_unused_parameters() || callback_queued_) return;
   if (unreached_.size() != params_.size()) unreached_.assign(params_.size(), 0);
-  bool any = false;
+  // A bucket none of whose parameters the backward reaches waits for the end of backward as
+  // before: only then does the unused map say whether some other rank used them (if none did,
+  // the optimizer leaves them alone, as data parallel leaves an unused .grad).
+  std::vector<char> reached_in_bucket(bucket_state_.size(), 0);
+  std::vector<char> is_reached(params_.size(), 0);
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (ready_[i] || reached(params_[i])) {
+      is_reached[i] = 1;
+      reached_in_bucket[bucket_of_[i]] = 1;
+    }
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (ready_[i] || reached(params_[i])) continue;
+    if (is_reached[i] || !reached_in_bucket[bucket_of_[i]]) continue;
     ready_[i] = 1;
     unreached_[i] = 1;
     Bucket& b = *bucket_state_[bucket_of_[i]];
     if (b.flat().defined()) b.flat().narrow(0, offset_of_[i], params_[i].numel()).zero_();
-    --b.pending;
-    any = true;
+    --b.pending;  // never to 0: a reached parameter's hook completes the bucket
   }
-  if (!any) return;
-  // A bucket no gradient will reach: its buffer (zeros) now.
-  for (auto& b : bucket_state_)
-    if (b->pending == 0) ensure_buffer(*b);
-  launch_ready_buckets();
 }
 
 void GradientReducer::finalize() {
