@@ -32,6 +32,17 @@ LaunchOptions with_flags(std::vector<std::string> flags = {}) {
   return LaunchOptions().flags(std::move(flags)).timeout_s(180);
 }
 
+// A small Qwen3-MoE config.json in `dir` (moe.json): 2 layers of 4 experts of width `width`, top
+// `top_k`, byte vocabulary.
+void write_moe(const std::string& dir, int width, int top_k) {
+  std::ofstream(dir + "/moe.json")
+      << R"({"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32,
+             "intermediate_size": 48, "moe_intermediate_size": )"
+      << width << R"(, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": )"
+      << top_k << R"(, "max_position_embeddings": 64})";
+}
+
 }  // namespace
 
 class ContextParallelAttention : public ::testing::TestWithParam<int> {};
@@ -117,11 +128,7 @@ TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
   EXPECT_GE(count_of(pp.output, "does not combine with pipeline parallel"), 1) << pp.output;
   // A small mixture trains under ep 2 (the byte-level default data).
   tandem::testing::TempDir dir;
-  std::ofstream(dir.str() + "/moe.json")
-      << R"({"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32,
-             "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-             "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64})";
+  write_moe(dir.str(), 16, 2);
   const std::vector<std::string> moe{"--config", dir.str() + "/moe.json", "--seq_len", "16",
                                      "--batch_size", "2", "--steps", "2"};
   auto ok = launch(2, kTrainLlm, moe, with_flags({"--ep_size", "2"}));
@@ -151,11 +158,7 @@ TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
 TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
   tandem::testing::TempDir dir;
   const std::string d = dir.str();
-  std::ofstream(d + "/moe.json")
-      << R"({"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32,
-             "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-             "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64})";
+  write_moe(d, 16, 2);
   // A global batch of 4 sequences: 2 per data-parallel rank on 2, 1 on 4.
   auto args = [&](int dp, std::vector<std::string> extra) {
     std::vector<std::string> a{"--config", d + "/moe.json", "--seq_len", "16", "--batch_size",
@@ -250,11 +253,7 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
 // under ep 2.
 TEST(ExpertParallel, ZeroThreeTrainsAMixtureWhoseRanksLeaveExpertsUnused) {
   tandem::testing::TempDir dir;
-  std::ofstream(dir.str() + "/moe.json")
-      << R"({"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32,
-             "intermediate_size": 48, "moe_intermediate_size": 8, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-             "num_experts": 4, "num_experts_per_tok": 1, "max_position_embeddings": 64})";
+  write_moe(dir.str(), 8, 1);
   const std::vector<std::string> args{"--config", dir.str() + "/moe.json", "--seq_len", "8",
                                       "--batch_size", "1", "--steps", "6", "--log_every", "1"};
   for (const auto& flags : std::vector<std::vector<std::string>>{
