@@ -716,9 +716,11 @@ void Accelerator::backward(const at::Tensor& loss) {
   check_model_split("backward");
   auto l = precision_->loss_for_backward(loss, accumulation_steps_);
   const auto begin = track::Timeline::Clock::now();
-  if (!sync_gradients_ || no_sync_depth_ > 0) ++unsynced_backwards_;
-  // Expert-parallel reducers find unused experts whatever the options say.
-  if (options_.find_unused_parameters() || expert_parallel_->size() > 1)
+  const bool synchronised = sync_gradients_ && no_sync_depth_ == 0;
+  if (!synchronised) ++unsynced_backwards_;
+  // Only a synchronised backward reduces; expert-parallel reducers find unused experts whatever
+  // the options say.
+  if (synchronised && (options_.find_unused_parameters() || expert_parallel_->size() > 1))
     prepare_unused_parameters(*strategy_, l);
   try {
     auto no_autocast = autocast(false);

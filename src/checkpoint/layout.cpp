@@ -5,6 +5,7 @@
 #include <limits>
 #include <map>
 #include <stdexcept>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -146,17 +147,14 @@ SavedRunLayout saved_run_layout(const StateReader& r) {
     out.recorded = true;
     out.mesh = checked_mesh(kLayoutKey, doc["mesh"].get<std::string>());
     out.strategy = doc.value("strategy", "");
-    if (doc.contains("pp_virtual_stages")) {
-      const auto& v = doc["pp_virtual_stages"];
+    // The counts recorded when above 1.
+    for (auto [key, count] : {std::pair<const char*, int*>{"pp_virtual_stages", &out.pp_virtual_stages},
+                              std::pair<const char*, int*>{"ep_size", &out.ep_size}}) {
+      if (!doc.contains(key)) continue;
+      const auto& v = doc[key];
       if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (1 << 20))
-        refuse(kLayoutKey, "holds pp_virtual_stages " + v.dump() + ", expected a count >= 1");
-      out.pp_virtual_stages = v.get<int>();
-    }
-    if (doc.contains("ep_size")) {
-      const auto& v = doc["ep_size"];
-      if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (1 << 20))
-        refuse(kLayoutKey, "holds ep_size " + v.dump() + ", expected a count >= 1");
-      out.ep_size = v.get<int>();
+        refuse(kLayoutKey, std::string("holds ") + key + " " + v.dump() + ", expected a count >= 1");
+      *count = v.get<int>();
     }
     return out;
   }

@@ -28,10 +28,7 @@ class ZeroStrategy : public Strategy, public ParameterSharding {
   void prepare_model(const std::shared_ptr<torch::nn::Module>& model) override {
     models_.push_back(model);
     // Note [Expert parallel]: the experts a rank holds stay whole on it, outside every unit.
-    if (auto held = held_experts(*model)) {
-      experts_.ep = held.ep;
-      experts_.tensors.insert(held.tensors.begin(), held.tensors.end());
-    }
+    experts_ = held_experts(models_);
     if (options_.stage() != 3) return;
     const size_t before = units_.size();
     find_units(model);
