@@ -14,7 +14,7 @@ pass then computes the adapters' gradients only) and pipeline 2 x data parallel 
   - refusals: an adapter_config.json with use_dora, a target that matches no module, LoRA on
     pipeline stages that are tensor parallel too.
 
-Usage: llama_lora_oracle.py TRAIN_LLM TANDEM_CLI WORK_DIR
+Usage: llama_lora_oracle.py TRAIN_LLM_JOBS TANDEM_CLI WORK_DIR (TRAIN_LLM_JOBS: tests/train_llm_jobs)
 """
 import json
 import os
@@ -28,7 +28,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-from common import fail, fresh_dir, run  # noqa: E402
+from common import fail, fresh_dir, launch_jobs, run  # noqa: E402
 from llama_common import perturb, train_like_train_llm, write_rows  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ, LR, WD, CLIP = 4, 4, 16, 2e-2, 0.01, 0.05
@@ -83,11 +83,25 @@ def main():
                ("pipeline 2, zero bubble", 2, ["--pp_size", "2", "--pp_schedule", "zero_bubble"],
                 GLOBAL_BATCH),
                ("pipeline 2 x data parallel 2 on 4", 4, ["--pp_size", "2"], GLOBAL_BATCH // 2)]
-    for name, n, flags, batch in layouts:
-        out = os.path.join(work, "out-" + name.replace(" ", "_"))
-        log = run([cli, "launch", "--num_processes", str(n), "--cpu"] + flags +
-                  [train_llm, "--lora_adapter", adapter0, "--batch_size", str(batch), "--save", out]
-                  + common)
+    def out_of(name):
+        return os.path.join(work, "out-" + name.replace(" ", "_"))
+
+    # Fresh adapters (B zero, A drawn from the run's seed): under tensor parallel each adapter is
+    # cut from the dense one the same seed makes, so tp 2 trains to one process's adapter.
+    fresh_runs = (("one process", 1, []), ("tensor parallel 2", 2, ["--tp_size", "2"]))
+
+    def fresh_of(name):
+        return os.path.join(work, "fresh-" + name.replace(" ", "_"))
+
+    # Every run of one size as jobs of one launch (common.launch_jobs).
+    logs = launch_jobs(cli, train_llm, [
+        (n, flags, ["--lora_adapter", adapter0, "--batch_size", str(batch), "--save", out_of(name)]
+         + common) for name, n, flags, batch in layouts] + [
+        (n, flags, ["--lora_r", "4", "--lora_alpha", "8", "--lora_targets", ",".join(TARGETS),
+                    "--batch_size", str(GLOBAL_BATCH), "--save", fresh_of(name)] + common)
+        for name, n, flags in fresh_runs], work)
+    for (name, n, flags, batch), log in zip(layouts, logs):
+        out = out_of(name)
         if "LoRA: r 4 alpha 8 on 6 layers" not in log:
             fail(f"{name}: train_llm did not say what it adapted:\n{log}")
         if "zero bubble" in name and "pipeline: schedule ZeroBubble" not in log:
@@ -105,15 +119,8 @@ def main():
             worst = max(worst, d)
         print(f"{name}: {len(want)} adapter tensors within {worst:.2e} of peft's {STEPS} steps")
 
-    # Fresh adapters (B zero, A drawn from the run's seed): under tensor parallel each adapter is
-    # cut from the dense one the same seed makes, so tp 2 trains to one process's adapter.
-    fresh = {}
-    for name, n, flags in (("one process", 1, []), ("tensor parallel 2", 2, ["--tp_size", "2"])):
-        out = os.path.join(work, "fresh-" + name.replace(" ", "_"))
-        run([cli, "launch", "--num_processes", str(n), "--cpu"] + flags +
-            [train_llm, "--lora_r", "4", "--lora_alpha", "8", "--lora_targets",
-             ",".join(TARGETS), "--batch_size", str(GLOBAL_BATCH), "--save", out] + common)
-        fresh[name] = load_file(os.path.join(out, "adapter_model.safetensors"))
+    fresh = {name: load_file(os.path.join(fresh_of(name), "adapter_model.safetensors"))
+             for name, _, _ in fresh_runs}
     worst = 0.0
     for k, v in fresh["one process"].items():
         d = rel(fresh["tensor parallel 2"][k], v)

@@ -23,7 +23,8 @@ ZeRO-3 over dp_shard x cp, and cp 2 x tp 2, for the Qwen3 and the Qwen3-MoE; and
 Qwen3-MoE with its experts split over ep ranks carved from dp x cp (cp 2 with ep 2, dp 2 x cp 2
 with ep 4, FSDP over dp_shard 2 x cp 2 with ep 2).
 
-Usage: llama_training_oracle.py TRAIN_LLM TANDEM_CLI WORK_DIR [context_parallel]
+Usage: llama_training_oracle.py TRAIN_LLM_JOBS TANDEM_CLI WORK_DIR [context_parallel]
+(TRAIN_LLM_JOBS: tests/train_llm_jobs, examples/train_llm that runs a launch's jobs)
 """
 import os
 import re
@@ -35,7 +36,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 
-from common import fail, fresh_dir, run  # noqa: E402
+from common import fail, fresh_dir, launch_jobs  # noqa: E402
 from llama_common import perturb, train_like_train_llm, write_rows  # noqa: E402
 
 STEPS, GLOBAL_BATCH, SEQ, LR, WD, CLIP = 4, 4, 16, 1e-2, 0.01, 0.5
@@ -157,13 +158,18 @@ def check(train_llm, cli, work, family, config, layouts, against_pytorch=True):
     want = load_file(os.path.join(work, "pytorch", "model.safetensors"))
     whose = "PyTorch's"
 
-    for name, n, flags, batch in layouts:
-        out_dir = os.path.join(work, "out-" + name.replace(" ", "_").replace(",", ""))
-        out = run([cli, "launch", "--num_processes", str(n), "--cpu"] + flags +
-            [train_llm, "--model", model_dir, "--data", data, "--seq_len", str(SEQ),
-             "--batch_size", str(batch), "--steps", str(STEPS), "--lr", str(LR),
-             "--warmup_steps", "1", "--min_lr_ratio", "0.1", "--weight_decay", str(WD),
-             "--clip", str(CLIP), "--log_every", "1", "--save", out_dir])
+    def out_dir_of(name):
+        return os.path.join(work, "out-" + name.replace(" ", "_").replace(",", ""))
+
+    # The layouts of one size train as jobs of one launch (common.launch_jobs).
+    outputs = launch_jobs(cli, train_llm, [
+        (n, flags, ["--model", model_dir, "--data", data, "--seq_len", str(SEQ),
+                    "--batch_size", str(batch), "--steps", str(STEPS), "--lr", str(LR),
+                    "--warmup_steps", "1", "--min_lr_ratio", "0.1", "--weight_decay", str(WD),
+                    "--clip", str(CLIP), "--log_every", "1", "--save", out_dir_of(name)])
+        for name, n, flags, batch in layouts], work)
+    for (name, n, flags, batch), out in zip(layouts, outputs):
+        out_dir = out_dir_of(name)
         if "--cp_size" in flags:  # the model itself splits its sequences, not only the mesh
             cp = flags[flags.index("--cp_size") + 1]
             said = f"context parallel: cp {cp} ("
