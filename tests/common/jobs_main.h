@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 namespace tandem::testing {
 
 /// main() of a worker that can run batched jobs: `return main_with_jobs(argc, argv, run);`,
@@ -26,6 +28,12 @@ namespace tandem::testing {
 /// the job alone would have ended its launch.
 inline int main_with_jobs(int argc, char** argv, const std::function<int(int, char**)>& run) {
   if (argc != 3 || std::string(argv[1]) != "--jobs") return run(argc, argv);
+  // One stream for the jobs' lines: the launcher reads a rank's stdout and stderr from two pipes,
+  // so a job's last line on stderr could reach it after the next job's first line on stdout and
+  // be counted to the wrong job. Through one pipe they keep the order they were written in.
+  std::fflush(nullptr);
+  std::cerr.flush();
+  ::dup2(STDOUT_FILENO, STDERR_FILENO);
   struct Job {
     std::map<std::string, std::optional<std::string>> env;  // nullopt: unset
     std::vector<std::string> args;
@@ -84,6 +92,7 @@ inline int main_with_jobs(int argc, char** argv, const std::function<int(int, ch
     }
     std::cout << std::flush;
     std::cerr << std::flush;
+    std::fflush(nullptr);
     std::cout << "tandem-job-exit " << i << " " << code << std::endl;
     if (code != 0) return code;
   }

@@ -6,7 +6,10 @@ offload (peak resident memory bounded by the cap plus the largest block), on two
 for the int8/int4 weight-only quantized model (`tandem quantize`, read back here; the same model
 quantized on the fly; on disk).
 
-Usage: gpt2_oracle.py GENERATE_GPT2 TANDEM_CLI WORK_DIR LIBTORCH_VERSION
+The runs that do not measure resident memory are jobs of one launch (common.launch_jobs).
+
+Usage: gpt2_oracle.py GENERATE_GPT2_JOBS TANDEM_CLI WORK_DIR LIBTORCH_VERSION
+(GENERATE_GPT2_JOBS: tests/generate_gpt2_jobs, examples/generate_gpt2 that runs a launch's jobs)
 """
 import os
 import re
@@ -17,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from common import fail, fresh_dir, run
+from common import fail, fresh_dir, launch_jobs, run
 
 PROMPTS = [[464, 2068, 7586], [15496, 11, 995, 318], [7]]
 NEW = 20
@@ -44,14 +47,25 @@ def reference(model, prompt):
     return tokens, prompt_logits, steps
 
 
+def tokens_of(out):
+    return [[int(t) for t in m.split(",")]
+            for m in re.findall(r"^(?:\[rank \d+\] )?tokens: (\S+)$", out, re.M)]
+
+
+def args_of(model_dir, prompts, flags, logits):
+    args = [model_dir, "--max_new_tokens", str(NEW)]
+    for p in prompts:
+        args += ["--prompt_ids", ",".join(map(str, p))]
+    if logits:
+        args += ["--logits_out", logits]
+    return args + list(flags)
+
+
 def generate(gen, model_dir, prompts, *flags, launch=None, logits=None, expect_fail=False,
              env=None):
-    cmd = [gen, model_dir, "--max_new_tokens", str(NEW)]
-    for p in prompts:
-        cmd += ["--prompt_ids", ",".join(map(str, p))]
-    if logits:
-        cmd += ["--logits_out", logits]
-    cmd += list(flags)
+    """One run of GENERATE_GPT2_JOBS on its own: a process of its own (resident memory is the
+    process's), under `launch` when given; its tokens and output."""
+    cmd = [gen] + args_of(model_dir, prompts, flags, logits)
     if launch:
         cmd = launch + cmd
     if expect_fail:
@@ -61,9 +75,25 @@ def generate(gen, model_dir, prompts, *flags, launch=None, logits=None, expect_f
             fail(f"{' '.join(cmd)} succeeded; expected a refusal")
         return r.stdout
     out = run(cmd, env=env)
-    tokens = [[int(t) for t in line[len("tokens: "):].split(",")]
-              for line in out.splitlines() if line.startswith("tokens: ")]
-    return tokens, out
+    return tokens_of(out), out
+
+
+class Jobs:
+    """generate_gpt2 runs that need no process of their own: added with add(), run as jobs of
+    one launch (common.launch_jobs), their (tokens, output) read with result()."""
+
+    def __init__(self, gen, cli, work):
+        self.gen, self.cli, self.work, self.jobs, self.outputs = gen, cli, work, [], None
+
+    def add(self, model_dir, prompts, *flags, logits=None):
+        self.jobs.append((1, [], args_of(model_dir, prompts, flags, logits)))
+        return len(self.jobs) - 1
+
+    def run(self):
+        self.outputs = launch_jobs(self.cli, self.gen, self.jobs, self.work)
+
+    def result(self, index):
+        return tokens_of(self.outputs[index]), self.outputs[index]
 
 
 def compare_logits(what, logits_file, refs, tol=TOL):
@@ -109,20 +139,37 @@ def main():
         worst = compare_logits(what, logits_file, refs, tol) if logits_file else None
         rows.append((what, "same tokens", "-" if worst is None else f"{worst:.2e}"))
 
+    # The runs whose resident memory is not measured: jobs of one launch of one process.
+    jobs = Jobs(gen, cli, work)
     kernels = ["manual", "sdpa"] if major >= 2 else ["manual"]
-    for attention in kernels:
-        lf = os.path.join(work, f"logits-{attention}.safetensors")
-        tokens, _ = generate(gen, model_dir, PROMPTS, "--attention", attention, logits=lf)
-        check(f"attention {attention}", tokens, lf)
+    lf_of = {k: os.path.join(work, f"logits-{k}.safetensors")
+             for k in kernels + ["sharded", "nocache"]}
+    kernel_runs = [jobs.add(model_dir, PROMPTS, "--attention", k, logits=lf_of[k])
+                   for k in kernels]
+    sharded_run = jobs.add(sharded_dir, PROMPTS, logits=lf_of["sharded"])
+    nocache_run = jobs.add(model_dir, PROMPTS, "--no_cache", logits=lf_of["nocache"])
+    methods = (("int8", []), ("int4", ["--group_size", "32"]))
+    qdirs = {method: os.path.join(work, f"gpt2-{method}") for method, _ in methods}
+    for method, extra in methods:
+        run([cli, "quantize", model_dir, qdirs[method], f"--{method}"] + extra)
+    quantized_runs = {
+        method: (jobs.add(qdirs[method], PROMPTS,
+                          logits=os.path.join(work, f"logits-{method}.safetensors")),
+                 jobs.add(model_dir, PROMPTS, "--quantize", method, *extra,
+                          logits=os.path.join(work, f"logits-{method}-fly.safetensors")),
+                 jobs.add(qdirs[method], PROMPTS, "--max_memory", "1MB",
+                          logits=os.path.join(work, f"logits-{method}-disk.safetensors")))
+        for method, extra in methods}
+    jobs.run()
+    for k, index in zip(kernels, kernel_runs):
+        check(f"attention {k}", jobs.result(index)[0], lf_of[k])
     if major < 2:
         out = generate(gen, model_dir, PROMPTS[:1], "--attention", "sdpa", expect_fail=True)
         if "scaled_dot_product_attention" not in out:
             fail(f"--attention sdpa on LibTorch 1.x: expected a refusal naming the kernel:\n{out}")
         rows.append(("attention sdpa on 1.x", "refused", "-"))
-    lf = os.path.join(work, "logits-sharded.safetensors")
-    check("sharded checkpoint", generate(gen, sharded_dir, PROMPTS, logits=lf)[0], lf)
-    lf = os.path.join(work, "logits-nocache.safetensors")
-    check("no key/value cache", generate(gen, model_dir, PROMPTS, "--no_cache", logits=lf)[0], lf)
+    check("sharded checkpoint", jobs.result(sharded_run)[0], lf_of["sharded"])
+    check("no key/value cache", jobs.result(nocache_run)[0], lf_of["nocache"])
     check("2 processes", generate(gen, model_dir, PROMPTS, launch=[
         cli, "launch", "--num_processes", "2", "--cpu", "--num_cpu_threads_per_process", "1"])[0])
 
@@ -175,9 +222,8 @@ def main():
     sys.stdout.write(out_cap)
 
     # Weight-only quantization: the checkpoint tool, read back here, and the same on the fly.
-    for method, extra in (("int8", []), ("int4", ["--group_size", "32"])):
-        qdir = os.path.join(work, f"gpt2-{method}")
-        run([cli, "quantize", model_dir, qdir, f"--{method}"] + extra)
+    for method, extra in methods:
+        qdir = qdirs[method]
         f = safe_open(os.path.join(qdir, "model.safetensors"), "pt")
         meta = f.metadata()
         if "tandem_quantization" not in meta:
@@ -204,9 +250,9 @@ def main():
         lf_q = os.path.join(work, f"logits-{method}.safetensors")
         lf_fly = os.path.join(work, f"logits-{method}-fly.safetensors")
         lf_qdisk = os.path.join(work, f"logits-{method}-disk.safetensors")
-        tq, out_q = generate(gen, qdir, PROMPTS, logits=lf_q)
-        tf, _ = generate(gen, model_dir, PROMPTS, "--quantize", method, *extra, logits=lf_fly)
-        td, out_d = generate(gen, qdir, PROMPTS, "--max_memory", "1MB", logits=lf_qdisk)
+        tq, out_q = jobs.result(quantized_runs[method][0])
+        tf, _ = jobs.result(quantized_runs[method][1])
+        td, out_d = jobs.result(quantized_runs[method][2])
         if tq != tf or tq != td:
             fail(f"{method}: tokens from the quantized checkpoint {tq}, on the fly {tf}, "
                  f"on disk {td}")
