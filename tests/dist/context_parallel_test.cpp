@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../common/checks.h"
@@ -26,6 +27,7 @@ namespace {
 const std::string kWorker = CONTEXT_PARALLEL_WORKER;
 const std::string kTrainGpt = TRAIN_GPT;
 const std::string kTrainLlm = TRAIN_LLM;
+const std::string kTrainLlmJobs = TRAIN_LLM_JOBS;  // train_llm that runs a launch's jobs
 const std::string kCli = TANDEM_CLI;
 
 LaunchOptions with_flags(std::vector<std::string> flags = {}) {
@@ -166,13 +168,14 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
+  // The runs from scratch first, then the resumes, each phase as jobs of one launch per number
+  // of ranks (launch_jobs_by_size: one set of processes for the phase's runs of one size).
+  using Run = std::tuple<std::string, int, tandem::testing::Job>;
   auto straight = [&](const std::string& name, int ranks, int dp, std::vector<std::string> flags) {
-    auto r = launch(ranks, kTrainLlm,
-                    args(dp, {"--checkpoint_every", "2", "--project_dir", d + "/" + name,
-                             "--save", d + "/out_" + name}),
-                    with_flags(std::move(flags)));
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    return r;
+    return Run{name, ranks,
+               {args(dp, {"--checkpoint_every", "2", "--project_dir", d + "/" + name, "--save",
+                          d + "/out_" + name}),
+                with_flags(std::move(flags))}};
   };
   auto resume = [&](const std::string& from, const std::string& name, int ranks, int dp,
                     std::vector<std::string> flags) {
@@ -180,13 +183,20 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
     std::filesystem::copy(d + "/" + from + "/checkpoints/checkpoint_0",
                           d + "/" + name + "/checkpoints/checkpoint_0",
                           std::filesystem::copy_options::recursive);
-    auto r = launch(ranks, kTrainLlm,
-                    args(dp, {"--resume", "--project_dir", d + "/" + name, "--save",
-                                 d + "/out_" + name}),
-                    with_flags(std::move(flags)));
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_EQ(count_of(r.output, "at step 2"), 1) << r.output;
-    return r;
+    return Run{name, ranks,
+               {args(dp, {"--resume", "--project_dir", d + "/" + name, "--save",
+                          d + "/out_" + name}),
+                with_flags(std::move(flags))}};
+  };
+  auto run = [&](const std::vector<Run>& runs, bool resumed) {
+    auto results = tandem::testing::launch_jobs_by_size(kTrainLlmJobs, runs);
+    for (const auto& [name, result] : results) {
+      EXPECT_EQ(result.exit_code, 0) << name << ": " << result.output;
+      if (resumed) {
+        EXPECT_EQ(count_of(result.output, "at step 2"), 1) << name << ": " << result.output;
+      }
+    }
+    return results;
   };
   // The largest difference of any tensor of `file` from out_a's (or `reference`'s), relative to
   // its largest element; every tensor of both present.
@@ -208,23 +218,25 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
   // (lr 3e-4) on elements whose gradient is near zero: seen up to 1.1e-5 of a tensor's largest
   // element. A tensor restored wrong (an expert, a moment, the step) moves whole steps.
   constexpr double kRounding = 1e-4;
-  auto a = straight("a", 2, 2, {"--ep_size", "2"});
-  EXPECT_EQ(count_of(a.output, "expert parallel: ep 2"), 1) << a.output;
+  auto first = run({straight("a", 2, 2, {"--ep_size", "2"}), straight("f", 2, 2, {}),
+                    straight("t", 4, 2, {"--ep_size", "2", "--tp_size", "2"})},
+                   false);
+  EXPECT_EQ(count_of(first["a"].output, "expert parallel: ep 2"), 1) << first["a"].output;
   ASSERT_TRUE(std::filesystem::exists(d + "/a/checkpoints/checkpoint_0/model.mp1.safetensors"))
-      << a.output;
+      << first["a"].output;
+  auto then = run({resume("a", "b", 2, 2, {"--ep_size", "2"}), resume("a", "c", 2, 2, {}),
+                   resume("a", "e", 4, 4, {"--ep_size", "4"}),
+                   resume("a", "h", 4, 2, {"--ep_size", "2", "--tp_size", "2"}),
+                   resume("f", "g", 2, 2, {"--ep_size", "2"}), resume("t", "u", 2, 2, {})},
+                  true);
   EXPECT_EQ(worst("same layout", d + "/out_" + "a" + "/model.safetensors"), 0.0);
-  auto b = resume("a", "b", 2, 2, {"--ep_size", "2"});
-  EXPECT_EQ(worst("ep 2 -> ep 2", d + "/out_b/model.safetensors"), 0.0) << b.output;
-  auto c = resume("a", "c", 2, 2, {});
-  EXPECT_GE(count_of(c.output, "experts over ep 2"), 1) << c.output;
-  EXPECT_LE(worst("ep 2 -> dp 2", d + "/out_c/model.safetensors"), kRounding) << c.output;
-  auto e = resume("a", "e", 4, 4, {"--ep_size", "4"});
-  EXPECT_LE(worst("ep 2 -> ep 4", d + "/out_e/model.safetensors"), kRounding) << e.output;
-  auto h = resume("a", "h", 4, 2, {"--ep_size", "2", "--tp_size", "2"});
-  EXPECT_LE(worst("ep 2 -> ep 2 x tp 2", d + "/out_h/model.safetensors"), kRounding) << h.output;
-  straight("f", 2, 2, {});
-  auto g = resume("f", "g", 2, 2, {"--ep_size", "2"});
-  EXPECT_LE(worst("dp 2 -> ep 2", d + "/out_g/model.safetensors"), kRounding) << g.output;
+  EXPECT_EQ(worst("ep 2 -> ep 2", d + "/out_b/model.safetensors"), 0.0) << then["b"].output;
+  EXPECT_GE(count_of(then["c"].output, "experts over ep 2"), 1) << then["c"].output;
+  EXPECT_LE(worst("ep 2 -> dp 2", d + "/out_c/model.safetensors"), kRounding) << then["c"].output;
+  EXPECT_LE(worst("ep 2 -> ep 4", d + "/out_e/model.safetensors"), kRounding) << then["e"].output;
+  EXPECT_LE(worst("ep 2 -> ep 2 x tp 2", d + "/out_h/model.safetensors"), kRounding)
+      << then["h"].output;
+  EXPECT_LE(worst("dp 2 -> ep 2", d + "/out_g/model.safetensors"), kRounding) << then["g"].output;
   // The step-4 checkpoint's two model files, merged, are the whole model out_a holds.
   auto merged = run_command({kCli, "merge-weights", d + "/a/checkpoints/checkpoint_1",
                              d + "/merged"}, {}, 60);
@@ -234,15 +246,14 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
   // on plain data parallel. Four steps of tp's sums in another order move it 4.0e-5 from the ep
   // 2 run (the oracle holds ep 2 x tp 2 to PyTorch: 6.4e-5 of the distance training moved); a
   // tp shard or an expert restored wrong moves whole steps.
-  straight("t", 4, 2, {"--ep_size", "2", "--tp_size", "2"});
   const double t_worst = worst("ep 2 x tp 2", d + "/out_t/model.safetensors");
   EXPECT_LE(t_worst, 2e-4);
   auto merged_tp = run_command({kCli, "merge-weights", d + "/t/checkpoints/checkpoint_1",
                                 d + "/merged_t"}, {}, 60);
   ASSERT_EQ(merged_tp.exit_code, 0) << merged_tp.output;
   EXPECT_EQ(worst("ep 2 x tp 2 merged", d + "/merged_t/model.safetensors", "out_t"), 0.0);
-  auto u = resume("t", "u", 2, 2, {});
-  EXPECT_LE(worst("ep 2 x tp 2 -> dp 2", d + "/out_u/model.safetensors"), 2e-4) << u.output;
+  EXPECT_LE(worst("ep 2 x tp 2 -> dp 2", d + "/out_u/model.safetensors"), 2e-4)
+      << then["u"].output;
 }
 
 // Note [Unused parameters known before backward]: FSDP (ZeRO-3) over a mixture of 4 experts,
