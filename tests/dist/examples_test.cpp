@@ -27,6 +27,7 @@ using tandem::testing::LaunchOptions;
 namespace {
 
 const std::string kTrainGpt = TRAIN_GPT;
+const std::string kTrainGptJobs = TRAIN_GPT_JOBS;  // train_gpt that runs a launch's jobs
 const std::string kTrainMlp = TRAIN_MLP;
 const std::string kTrainLlm = TRAIN_LLM;
 
@@ -81,45 +82,50 @@ double final_loss(const std::string& output) {
 // one process (the same global batch: dp 1), and pp 2 x tp 2 equals pp 2 (the pipeline's GPT has
 // an untied head, so it is its own reference). The main process names the layout once.
 TEST(Examples, TrainGptUnderEveryLayout) {
-  auto one = launch(1, kTrainGpt, gpt_args(), with_flags());
-  ASSERT_EQ(one.exit_code, 0) << one.output;
+  // The runs of one size are jobs of one launch (launch_jobs_by_size), each with exactly the
+  // variables its own launch would give it; the other tests launch the example itself.
+  auto gpt = [](std::vector<std::string> flags) {
+    return tandem::testing::Job{gpt_args(), with_flags(std::move(flags))};
+  };
+  auto runs = tandem::testing::launch_jobs_by_size(kTrainGptJobs, {
+      {"one", 1, gpt({})},
+      {"tp", 2, gpt({"--tp_size", "2"})},
+      {"pp", 2, gpt({"--pp_size", "2"})},
+      {"pptp", 4, gpt({"--pp_size", "2", "--tp_size", "2"})},
+      // The launcher's schedules: interleaved 1F1B with 2 stages per rank (the embedding and
+      // block 1 on rank 0, block 0 and the head on rank 1) and zero bubble train as 1F1B does.
+      {"interleaved", 2, gpt({"--pp_size", "2", "--pp_schedule", "interleaved_1f1b",
+                              "--pp_virtual_stages", "2"})},
+      {"zero bubble", 2, gpt({"--pp_size", "2", "--pp_schedule", "zero_bubble"})},
+      {"dp", 2, gpt({})},
+      {"zero_tp", 4, gpt({"--tp_size", "2", "--use_deepspeed", "--zero_stage", "3"})}});
+  for (const auto& [name, r] : runs) ASSERT_EQ(r.exit_code, 0) << name << ": " << r.output;
+  const auto& one = runs["one"];
   EXPECT_EQ(count_of(one.output, "strategy ddp; mesh pp 1 x dp 1 x tp 1; precision no; "
                                  "gradient accumulation 1"), 1) << one.output;
-  auto tp = launch(2, kTrainGpt, gpt_args(), with_flags({"--tp_size", "2"}));
-  ASSERT_EQ(tp.exit_code, 0) << tp.output;
+  const auto& tp = runs["tp"];
   EXPECT_EQ(count_of(tp.output, "mesh pp 1 x dp 1 x tp 2"), 1) << tp.output;
   EXPECT_NEAR(final_loss(tp.output), final_loss(one.output), 1e-4) << tp.output << one.output;
 
-  auto pp = launch(2, kTrainGpt, gpt_args(), with_flags({"--pp_size", "2"}));
-  ASSERT_EQ(pp.exit_code, 0) << pp.output;
+  const auto& pp = runs["pp"];
   EXPECT_EQ(count_of(pp.output, "mesh pp 2 x dp 1 x tp 1"), 1) << pp.output;
-  auto pptp = launch(4, kTrainGpt, gpt_args(), with_flags({"--pp_size", "2", "--tp_size", "2"}));
-  ASSERT_EQ(pptp.exit_code, 0) << pptp.output;
+  const auto& pptp = runs["pptp"];
   EXPECT_EQ(count_of(pptp.output, "mesh pp 2 x dp 1 x tp 2"), 1) << pptp.output;
   EXPECT_NEAR(final_loss(pptp.output), final_loss(pp.output), 1e-4) << pptp.output << pp.output;
   EXPECT_LT(final_loss(pp.output), 5.0) << pp.output;
   EXPECT_EQ(count_of(pp.output, "pipeline: schedule 1F1B, 1 stage(s) per rank, 2 micro-batches"), 1)
       << pp.output;
-  // The launcher's schedules: interleaved 1F1B with 2 stages per rank (the embedding and block 1
-  // on rank 0, block 0 and the head on rank 1) and zero bubble train as 1F1B does.
-  for (const auto& [flags, line] : std::vector<std::pair<std::vector<std::string>, std::string>>{
-           {{"--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"},
-            "pipeline: schedule Interleaved1F1B, 2 stage(s) per rank"},
-           {{"--pp_schedule", "zero_bubble"}, "pipeline: schedule ZeroBubble, 1 stage(s) per rank"}}) {
-    std::vector<std::string> all = {"--pp_size", "2"};
-    all.insert(all.end(), flags.begin(), flags.end());
-    auto other = launch(2, kTrainGpt, gpt_args(), with_flags(all));
-    ASSERT_EQ(other.exit_code, 0) << other.output;
+  for (const auto& [name, line] : std::vector<std::pair<std::string, std::string>>{
+           {"interleaved", "pipeline: schedule Interleaved1F1B, 2 stage(s) per rank"},
+           {"zero bubble", "pipeline: schedule ZeroBubble, 1 stage(s) per rank"}}) {
+    const auto& other = runs[name];
     EXPECT_EQ(count_of(other.output, line), 1) << other.output;
     EXPECT_NEAR(final_loss(other.output), final_loss(pp.output), 1e-5) << other.output << pp.output;
   }
 
   // dp 2 x tp 2 under ZeRO-3 equals plain data parallel on 2 processes (the same global batch).
-  auto dp = launch(2, kTrainGpt, gpt_args(), with_flags());
-  ASSERT_EQ(dp.exit_code, 0) << dp.output;
-  auto zero_tp = launch(4, kTrainGpt, gpt_args(),
-                        with_flags({"--tp_size", "2", "--use_deepspeed", "--zero_stage", "3"}));
-  ASSERT_EQ(zero_tp.exit_code, 0) << zero_tp.output;
+  const auto& dp = runs["dp"];
+  const auto& zero_tp = runs["zero_tp"];
   EXPECT_EQ(count_of(zero_tp.output, "strategy zero-3 (ZeRO stage 3); mesh pp 1 x dp 2 x tp 2"), 1)
       << zero_tp.output;
   EXPECT_NEAR(final_loss(zero_tp.output), final_loss(dp.output), 1e-4) << zero_tp.output;
@@ -128,36 +134,42 @@ TEST(Examples, TrainGptUnderEveryLayout) {
 // The example GPT's head is tied to its token embedding, and LibTorch's parameters() lists that
 // tensor twice: prepare(optimizer) keeps it once (saying so), so data parallel equals every ZeRO
 // stage, as in PyTorch (before, data parallel stepped it twice: 5.260 against 5.133 after one
-// step).
+// step). The runs are jobs of one launch.
 TEST(Examples, TiedHeadIsSteppedOnceUnderEveryStrategy) {
-  auto ddp = launch(2, kTrainGpt, gpt_args(), with_flags());
+  const std::vector<std::vector<std::string>> strategies{
+      {}, {"--use_deepspeed", "--zero_stage", "1"}, {"--use_deepspeed", "--zero_stage", "2"},
+      {"--use_fsdp"}};
+  std::vector<tandem::testing::Job> jobs;
+  for (const auto& flags : strategies) jobs.push_back({gpt_args(), with_flags(flags)});
+  auto runs = tandem::testing::launch_jobs(2, kTrainGptJobs, jobs);
+  const auto& ddp = runs[0];
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
   EXPECT_EQ(count_of(ddp.output, "prepare: the optimizer listed 1 tensor more than once"), 1)
       << ddp.output;
-  for (const std::vector<std::string>& flags :
-       {std::vector<std::string>{"--use_deepspeed", "--zero_stage", "1"},
-        std::vector<std::string>{"--use_deepspeed", "--zero_stage", "2"},
-        std::vector<std::string>{"--use_fsdp"}}) {
-    auto zero = launch(2, kTrainGpt, gpt_args(), with_flags(flags));
-    ASSERT_EQ(zero.exit_code, 0) << zero.output;
-    EXPECT_NEAR(final_loss(zero.output), final_loss(ddp.output), 2e-5)
-        << flags[0] << "\n" << zero.output << ddp.output;
+  for (size_t i = 1; i < runs.size(); ++i) {
+    ASSERT_EQ(runs[i].exit_code, 0) << runs[i].output;
+    EXPECT_NEAR(final_loss(runs[i].output), final_loss(ddp.output), 2e-5)
+        << strategies[i][0] << "\n" << runs[i].output << ddp.output;
   }
 }
 
 // --activation_checkpointing recomputes the blocks in backward and changes nothing else: on 2
 // data-parallel processes and under ZeRO-3 the example's losses equal those without it. (The
 // tied head is left to the plain backward: checkpointed, its weight got its gradient twice.)
+// The runs are jobs of one launch.
 TEST(Examples, TrainGptUnderActivationCheckpointingEqualsWithout) {
-  auto plain = launch(2, kTrainGpt, gpt_args(), with_flags());
-  ASSERT_EQ(plain.exit_code, 0) << plain.output;
-  auto ckpt = launch(2, kTrainGpt, gpt_args(), with_flags({"--activation_checkpointing"}));
-  ASSERT_EQ(ckpt.exit_code, 0) << ckpt.output;
+  auto runs = tandem::testing::launch_jobs(
+      2, kTrainGptJobs,
+      {{gpt_args(), with_flags()},
+       {gpt_args(), with_flags({"--activation_checkpointing"})},
+       {gpt_args(),
+        with_flags({"--activation_checkpointing", "--use_deepspeed", "--zero_stage", "3"})}});
+  for (const auto& r : runs) ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto& plain = runs[0];
+  const auto& ckpt = runs[1];
+  const auto& zero3 = runs[2];
   EXPECT_EQ(count_of(ckpt.output, "activation checkpointing on"), 1) << ckpt.output;
   EXPECT_NEAR(final_loss(ckpt.output), final_loss(plain.output), 1e-5) << ckpt.output;
-  auto zero3 = launch(2, kTrainGpt, gpt_args(),
-                      with_flags({"--activation_checkpointing", "--use_deepspeed", "--zero_stage", "3"}));
-  ASSERT_EQ(zero3.exit_code, 0) << zero3.output;
   EXPECT_NEAR(final_loss(zero3.output), final_loss(plain.output), 1e-4) << zero3.output;
 }
 
