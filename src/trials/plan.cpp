@@ -137,7 +137,20 @@ PlanModel safetensors_plan_model(const std::string& path, int64_t heads) {
       t.block = embedding ? PlanTensor::kBeforeBlocks : PlanTensor::kAfterBlocks;
     else
       blocks.insert(t.block);
-    t.tp_split = shape.size() >= 2 && !contains(name, "wpe") && !contains(name, "position");
+    // Note [Expert parallel]: every tp rank holds its experts whole.
+    t.expert = contains(name, ".experts.");
+    t.tp_split = shape.size() >= 2 && !contains(name, "wpe") && !contains(name, "position") &&
+                 !t.expert;
+    if (t.expert) {
+      const auto at = name.find(".experts.") + 9;
+      const auto end = name.find('.', at);
+      const std::string index = name.substr(at, end == std::string::npos ? end : end - at);
+      if (!index.empty() && index.size() < 9 &&
+          std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        m.experts = std::max<int64_t>(m.experts, std::stoll(index) + 1);
+      else if (shape.size() == 3)  // transformers' fused experts: [experts, out, in]
+        m.experts = std::max<int64_t>(m.experts, shape[0]);
+    }
     if (embedding && shape.size() == 2 && !contains(name, "wpe") && !contains(name, "position")) {
       m.vocab = std::max<int64_t>(m.vocab, shape[0]);
       m.hidden = shape[1];
@@ -169,6 +182,9 @@ PlanModel safetensors_plan_model(const std::string& path, int64_t heads) {
         if (heads == 0 && j.contains(k) && j[k].is_number_integer()) m.heads = j[k].get<int64_t>();
       for (const char* k : {"n_positions", "max_position_embeddings"})
         if (j.contains(k) && j[k].is_number_integer()) m.context = j[k].get<int64_t>();
+      for (const char* k : {"num_experts", "num_local_experts"})
+        if (m.experts == 0 && j.contains(k) && j[k].is_number_integer())
+          m.experts = j[k].get<int64_t>();
     } catch (const std::exception&) {
       // A config.json that is not JSON says nothing about heads; --heads can.
     }
@@ -179,6 +195,7 @@ PlanModel safetensors_plan_model(const std::string& path, int64_t heads) {
 std::string Layout::name() const {
   std::string s = "dp" + std::to_string(dp);
   if (cp > 1) s += " cp" + std::to_string(cp);
+  if (ep > 1) s += " ep" + std::to_string(ep);
   if (tp > 1) s += " tp" + std::to_string(tp);
   if (pp > 1) s += " pp" + std::to_string(pp);
   if (pp > 1 && virtual_stages > 1) s += " v" + std::to_string(virtual_stages);
@@ -195,7 +212,7 @@ bool Layout::operator==(const Layout& o) const {
   return dp == o.dp && tp == o.tp && pp == o.pp && zero_stage == o.zero_stage &&
          activation_checkpointing == o.activation_checkpointing && micro_batch == o.micro_batch &&
          accumulation == o.accumulation && microbatches == o.microbatches && offload == o.offload &&
-         virtual_stages == o.virtual_stages && cp == o.cp;
+         virtual_stages == o.virtual_stages && cp == o.cp && ep == o.ep;
 }
 
 namespace {
@@ -223,14 +240,35 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
   std::map<std::string, std::set<std::string>> why;  // rule -> the shapes it removed
   auto out_by = [&](const std::string& rule, const std::string& what) { why[rule].insert(what); };
   std::vector<Layout> layouts;
+  for (int ep : search.expert_parallel)
   for (int cp : search.context_parallel)
   for (int tp = 1; tp <= n; ++tp) {
-    if (cp < 1 || n % (tp * cp)) continue;
+    if (ep < 1 || cp < 1 || n % (tp * cp)) continue;
     for (int pp = 1; pp * tp * cp <= n; ++pp) {
       if ((n / tp / cp) % pp) continue;
       const int dp = n / tp / pp / cp;
       const std::string shape = "tp" + std::to_string(tp) + " pp" + std::to_string(pp) + " dp" +
-                                std::to_string(dp) + (cp > 1 ? " cp" + std::to_string(cp) : "");
+                                std::to_string(dp) + (cp > 1 ? " cp" + std::to_string(cp) : "") +
+                                (ep > 1 ? " ep" + std::to_string(ep) : "");
+      // Note [Expert parallel]: ep groups are carved from dp x cp (of each tp coordinate).
+      if (ep > 1 && model.experts == 0) {
+        out_by("expert parallel needs a mixture of experts (the model has no \".experts.\" "
+               "tensors)", shape);
+        continue;
+      }
+      if (ep > 1 && model.experts % ep) {
+        out_by("ep must divide the " + std::to_string(model.experts) + " experts of a layer",
+               shape);
+        continue;
+      }
+      if (ep > 1 && (dp * cp) % ep) {
+        out_by("ep is carved from dp x cp and must divide it", shape);
+        continue;
+      }
+      if (ep > 1 && pp > 1) {
+        out_by("expert parallel does not combine with a pipeline in tandem", shape);
+        continue;
+      }
       if (cp > 1 && pp > 1) {
         out_by("context parallel does not combine with a pipeline in tandem", shape);
         continue;
@@ -279,7 +317,13 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
       for (int zero : stages) {
         std::vector<std::string> offloads{""};
         if (zero > 0 && machine.cuda) offloads.push_back("cpu");
-        if (zero > 0 && !search.offload_dir.empty()) offloads.push_back("nvme");
+        if (zero > 0 && !search.offload_dir.empty()) {
+          if (ep > 1)
+            out_by("optimizer state on disk does not combine with expert parallel in tandem",
+                   shape);
+          else
+            offloads.push_back("nvme");
+        }
         for (const auto& offload : offloads)
           for (bool ckpt : {false, true}) {
             if (ckpt && !search.search_checkpointing) continue;
@@ -312,6 +356,7 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
                 Layout l;
                 l.dp = dp;
                 l.cp = cp;
+                l.ep = ep;
                 l.tp = tp;
                 l.pp = pp;
                 l.virtual_stages = v;
@@ -385,9 +430,14 @@ std::vector<RankParameters> rank_parameters(const PlanModel& model, const Layout
     RankParameters r;
     r.stage = s;
     std::map<int64_t, int64_t> units;  // child -> parameters on this rank
+    const int ep = std::max(1, layout.ep);
     for (const auto& t : model.tensors) {
-      const int64_t n = t.tp_split ? (t.numel + layout.tp - 1) / layout.tp : t.numel;
+      int64_t n = t.tp_split ? (t.numel + layout.tp - 1) / layout.tp : t.numel;
+      if (t.expert) n = (n + ep - 1) / ep;
       const int64_t c = child_of(t);
+      if (held(s, c) && t.expert) r.expert_parameters += n;
+      // Under expert parallel the experts are outside every unit (counted apart below).
+      if (held(s, c) && t.expert && ep > 1) continue;
       if (held(s, c)) units[c] += n;
       // Stages share no tensor: the last stage keeps its own copy of a tied head.
       if (pp > 1 && t.tied_to_head && s == pp - 1 && c != children - 1) units[children - 1] += n;
@@ -399,6 +449,7 @@ std::vector<RankParameters> rank_parameters(const PlanModel& model, const Layout
       r.parameters += n;
       r.largest_unit = std::max(r.largest_unit, n);
     }
+    if (ep > 1) r.parameters += r.expert_parameters;
     // Under 1F1B the stage holds min(m, pp - s) micro-batches; interleaved, up to its warm-up
     // plus one of its stages' micro-batches, each about 1/v of the rank's activations.
     r.activation_share = pp > 1 ? weight / total_weight / v : 1.0;
@@ -462,7 +513,13 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
       1.0 - probe.tp_split_fraction + probe.tp_split_fraction / static_cast<double>(layout.tp);
   for (const auto& r : rank_parameters(model, layout)) {
     MemoryPrediction p;
-    const double n = static_cast<double>(r.parameters), l = static_cast<double>(r.largest_unit);
+    // Note [Expert parallel]: under a ZeRO stage the rank's experts stay whole outside its
+    // shards, held as data parallel holds them (16E of states, 4E of buckets); the formulas
+    // below take the rest.
+    const double experts = layout.ep > 1 && layout.zero_stage > 0
+                               ? static_cast<double>(r.expert_parameters) : 0.0;
+    const double n = static_cast<double>(r.parameters) - experts;
+    const double l = static_cast<double>(r.largest_unit);
     const bool disk = layout.offload == "nvme";
     const bool host = layout.offload == "cpu";  // on a GPU: moments (and the step) in host memory
     // Note [One memory model]: the library's terms for the stage; offloaded moments leave the
@@ -490,6 +547,9 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
       const auto it = probe.zero3_accumulation.find(layout.tp);
       p.buffers += (it != probe.zero3_accumulation.end() ? it->second : 8.0) * n / w;
     }
+    p.model_states += 16 * experts;
+    p.buffers += 4 * experts;
+    forward_buffers += 4 * experts;
     p.forward_buffers = forward_buffers;
     if (disk) p.buffers += 3 * 8 * l / w;  // each unit's moments streamed through 3 buffers
     p.activations = per_sample * static_cast<double>(layout.micro_batch) * r.activation_share *
@@ -517,6 +577,7 @@ double layout_cost(const Layout& l) {
   }
   c *= 1.0 + 0.15 * (l.tp - 1);  // two all-reduces per block, forward and backward
   c *= 1.0 + 0.1 * (std::max(1, l.cp) - 1);  // keys and values around the ring, every layer
+  c *= 1.0 + 0.05 * (std::max(1, l.ep) - 1);  // tokens to their experts and back, every MoE layer
   c *= 1.0 + 0.02 * l.zero_stage + (l.zero_stage == 3 ? 0.1 : 0.0);
   if (!l.offload.empty()) c *= 1.5;
   c *= 1.0 + 0.5 / static_cast<double>(l.micro_batch);  // small matrices, per-step overheads
@@ -537,6 +598,7 @@ std::vector<std::string> launch_flags(const Layout& l, const PlanMachine& machin
     if (l.offload == "nvme") f.insert(f.end(), {"--offload_optimizer_nvme_path", offload_dir});
   }
   if (l.cp > 1) f.insert(f.end(), {"--cp_size", std::to_string(l.cp)});
+  if (l.ep > 1) f.insert(f.end(), {"--ep_size", std::to_string(l.ep)});
   if (l.tp > 1) f.insert(f.end(), {"--tp_size", std::to_string(l.tp)});
   if (l.pp > 1) f.insert(f.end(), {"--pp_size", std::to_string(l.pp)});
   if (l.pp > 1 && l.virtual_stages > 1)
@@ -569,6 +631,7 @@ config::LaunchConfig layout_config(const Layout& l, const PlanMachine& machine,
   }
   if (l.accumulation > 1) set("gradient_accumulation_steps", std::to_string(l.accumulation));
   if (l.cp > 1) set("parallelism_config.parallelism_config_cp_size", std::to_string(l.cp));
+  if (l.ep > 1) set("parallelism_config.parallelism_config_ep_size", std::to_string(l.ep));
   if (l.tp > 1) set("parallelism_config.parallelism_config_tp_size", std::to_string(l.tp));
   if (l.pp > 1) set("parallelism_config.pp_size", std::to_string(l.pp));
   if (l.pp > 1 && l.virtual_stages > 1) {

@@ -510,6 +510,7 @@ std::string plan_to_json(const PlanResult& res, const PlannerOptions& o) {
                         {"microbatches", p.layout.microbatches},
                         {"virtual_stages", p.layout.virtual_stages},
                         {"cp", p.layout.cp},
+                        {"ep", p.layout.ep},
                         {"offload", p.layout.offload},
                         {"fits", p.fits},
                         {"winner", res.winner && *res.winner == i},

@@ -408,3 +408,102 @@ TEST(Predict, ContextParallelSplitsActivationsAndShardsOverDpTimesCp) {
       tandem::config::to_yaml(tt::layout_config(cp, machine(4), "")), "plan.yaml");
   EXPECT_EQ(cfg.parallelism_config.at("parallelism_config_cp_size"), "2");
 }
+
+// Note [Expert parallel]: a mixture's experts found in a checkpoint's names (kept whole under
+// tp), ep enumerated where it divides the experts and dp x cp (not with a pipeline nor optimizer
+// state on disk), and under ZeRO the rank's 1/ep of the experts held whole beside the shards:
+// 16E of states and 4E of buckets, the rest by the stage's formula.
+TEST(Predict, ExpertParallelSplitsTheExpertsAndKeepsThemWholeUnderZero) {
+  tandem::testing::TempDir dir;
+  tandem::checkpoint::NamedTensors t{{"model.embed_tokens.weight", torch::zeros({64, 8})},
+                                     {"model.norm.weight", torch::zeros({8})},
+                                     {"lm_head.weight", torch::zeros({64, 8})}};
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string p = "model.layers." + std::to_string(layer);
+    t.emplace_back(p + ".self_attn.q_proj.weight", torch::zeros({8, 8}));
+    t.emplace_back(p + ".mlp.gate.weight", torch::zeros({4, 8}));
+    for (int e = 0; e < 4; ++e)
+      t.emplace_back(p + ".mlp.experts." + std::to_string(e) + ".up_proj.weight",
+                     torch::zeros({16, 8}));
+  }
+  tandem::checkpoint::save_safetensors(dir.str() + "/model.safetensors", t);
+  auto m = tt::safetensors_plan_model(dir.str(), /*heads=*/2);
+  m.context = 16;
+  EXPECT_EQ(m.experts, 4);
+  int64_t experts = 0;
+  for (const auto& x : m.tensors) {
+    EXPECT_EQ(x.expert, x.name.find(".experts.") != std::string::npos) << x.name;
+    if (x.expert) {
+      experts += x.numel;
+      EXPECT_FALSE(x.tp_split) << x.name;  // every tp rank holds its experts whole
+    }
+  }
+  EXPECT_EQ(experts, 2 * 4 * 16 * 8);
+  const int64_t rest = m.num_parameters() - experts;
+
+  tt::PlanSearch search;
+  search.global_batch = 4;
+  search.offload_dir = dir.str();
+  search.expert_parallel = {1, 2, 4, 3};
+  std::vector<std::string> excluded;
+  std::set<int> eps;
+  for (const auto& x : tt::enumerate_layouts(m, machine(4), search, &excluded)) {
+    eps.insert(x.ep);
+    if (x.ep > 1) {
+      EXPECT_EQ(x.pp, 1) << x.name();
+      EXPECT_EQ(x.dp * x.cp % x.ep, 0) << x.name();
+      EXPECT_NE(x.offload, "nvme") << x.name();
+    }
+  }
+  EXPECT_EQ(eps, (std::set<int>{1, 2, 4}));
+  auto said = [&](const std::string& what) {
+    return std::any_of(excluded.begin(), excluded.end(),
+                       [&](const std::string& e) { return e.find(what) != std::string::npos; });
+  };
+  EXPECT_TRUE(said("ep must divide the 4 experts of a layer"));
+  EXPECT_TRUE(said("expert parallel does not combine with a pipeline"));
+  EXPECT_TRUE(said("ep is carved from dp x cp"));  // ep 4 beside tp 2: dp 2
+  EXPECT_TRUE(said("optimizer state on disk does not combine with expert parallel"));
+  excluded.clear();
+  search.expert_parallel = {2};
+  EXPECT_TRUE(tt::enumerate_layouts(tt::gpt_plan_model(4, 256, 4, 256, 64), machine(4), search,
+                                    &excluded).empty());
+  EXPECT_TRUE(said("expert parallel needs a mixture of experts"));
+
+  tt::ProbeFigures none;  // model states and buffers only
+  tt::Layout dp;
+  dp.dp = 4;
+  dp.ep = 2;
+  const double e = static_cast<double>(experts) / 2, r = static_cast<double>(rest);
+  const auto plain = tt::predict_memory(m, dp, none);
+  EXPECT_EQ(plain.parameters, rest + experts / 2);
+  EXPECT_DOUBLE_EQ(plain.model_states, 16 * (r + e));
+  tt::Layout zero1 = dp;
+  zero1.zero_stage = 1;
+  const auto z1 = tt::predict_memory(m, zero1, none);
+  EXPECT_DOUBLE_EQ(z1.model_states, 8 * r + 8 * r / 4 + 16 * e);
+  const auto shared = tandem::track::strategy_memory(
+      1, r, 4, tandem::track::default_bucket_bytes(r), 0, 0);
+  EXPECT_DOUBLE_EQ(z1.buffers, shared.transient + 4 * e);
+  tt::Layout zero3 = dp;
+  zero3.zero_stage = 3;
+  const auto ranks = tt::rank_parameters(m, zero3);
+  ASSERT_EQ(ranks.size(), 1u);
+  EXPECT_EQ(ranks[0].expert_parameters, experts / 2);
+  // Outside the units: the largest is the head (and final norm), where with the experts inside
+  // it was a block (attention, router, four experts).
+  EXPECT_EQ(ranks[0].largest_unit, 64 * 8 + 8);
+  tt::Layout whole = zero3;
+  whole.ep = 1;
+  EXPECT_EQ(tt::rank_parameters(m, whole)[0].largest_unit, 64 + 32 + 4 * 128);
+  EXPECT_DOUBLE_EQ(tt::predict_memory(m, zero3, none).model_states, 16 * r / 4 + 16 * e);
+
+  EXPECT_EQ(zero3.name(), "dp4 ep2 zero3 mb1");
+  const auto flags = tt::launch_flags(zero3, machine(4), "");
+  const auto at = std::find(flags.begin(), flags.end(), "--ep_size");
+  ASSERT_NE(at, flags.end());
+  EXPECT_EQ(*(at + 1), "2");
+  auto cfg = tandem::config::parse_config(
+      tandem::config::to_yaml(tt::layout_config(zero3, machine(4), "")), "plan.yaml");
+  EXPECT_EQ(cfg.parallelism_config.at("parallelism_config_ep_size"), "2");
+}

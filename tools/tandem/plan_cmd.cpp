@@ -16,7 +16,7 @@ namespace tandem::cli {
 PlanCommand::PlanCommand(CLI::App& app) {
   sub_ = app.add_subcommand(
       "plan",
-      "Pick the layout (dp, ZeRO stage, tp, pp, activation checkpointing, micro-batch, offload) "
+      "Pick the layout (dp, ZeRO stage, tp, pp, cp, ep, activation checkpointing, micro-batch, offload) "
       "that fits a model on these machines and trains fastest: predicts each one's peak memory "
       "per process, times the best with the real program, writes the winner's config file");
   sub_->footer(
@@ -73,6 +73,13 @@ PlanCommand::PlanCommand(CLI::App& app) {
                    "Context-parallel sizes to try, e.g. 1,2 (above 1: every sequence split over "
                    "that many ranks; the program's model must split its sequences, as train_llm's "
                    "does; default 1)")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->group(run);
+  sub_->add_option(both("ep_size"), expert_parallel_,
+                   "Expert-parallel sizes to try, e.g. 1,2 (above 1: every mixture layer's "
+                   "experts split over that many ranks of dp x cp, as train_llm's Qwen3-MoE and "
+                   "Mixtral do; the model must have experts; default 1)")
       ->delimiter(',')
       ->check(CLI::PositiveNumber)
       ->group(run);
@@ -192,6 +199,7 @@ int PlanCommand::run(const std::string& tandem_exe) const {
     o.search.search_checkpointing = !no_checkpointing_;
     if (!virtual_stages_.empty()) o.search.virtual_stages = virtual_stages_;
     if (!context_parallel_.empty()) o.search.context_parallel = context_parallel_;
+    if (!expert_parallel_.empty()) o.search.expert_parallel = expert_parallel_;
     if (!command_.empty()) {
       o.program = command_[0];
       o.args.assign(command_.begin() + 1, command_.end());

@@ -31,6 +31,7 @@ class PlanCommand {
   bool measure_all_ = false, no_checkpointing_ = false, cpu_ = false;
   std::vector<int> virtual_stages_;  // --pp_virtual_stages 1,2
   std::vector<int> context_parallel_;  // --cp_size 1,2
+  std::vector<int> expert_parallel_;   // --ep_size 1,2
 };
 
 }  // namespace tandem::cli

@@ -29,6 +29,10 @@ struct PlanTensor {
   /// A tensor that a module after the blocks uses too (a head tied to the token embedding):
   /// a pipeline keeps a copy of it on its last stage, since stages share no tensor.
   bool tied_to_head = false;
+  /// A routed expert's tensor (".experts." in its name): expert parallel keeps 1/ep of every
+  /// layer's experts per rank, whole (tensor parallel does not split them), outside ZeRO's
+  /// units (Note [Expert parallel]).
+  bool expert = false;
 };
 
 /// The model as the planner sees it.
@@ -38,6 +42,8 @@ struct PlanModel {
   /// Attention heads, hidden width and vocabulary (0: unknown): tensor parallel splits whole
   /// heads, 4 x hidden (the MLP) and the vocabulary.
   int64_t heads = 0, hidden = 0, vocab = 0, context = 0;
+  /// Routed experts per mixture-of-experts layer (0: a dense model).
+  int64_t experts = 0;
   /// Where it came from ("GPT 4 x 256, ...", "safetensors: model.safetensors").
   std::string source;
   int64_t num_parameters() const;
@@ -56,7 +62,10 @@ PlanModel gpt_plan_model(int64_t layers, int64_t hidden, int64_t heads, int64_t 
 /// either, as track::read_safetensors_model_size). Blocks by the first numeric name component;
 /// names outside blocks whose name says embedding ("emb", "wte", "wpe") go before the blocks,
 /// the rest after. Tensor parallel splits every tensor of two or more dimensions except
-/// position embeddings ("wpe", "position"). `heads`: 0 when unknown (read from a config.json
+/// position embeddings ("wpe", "position") and experts (".experts." in the name, kept whole on
+/// every tp rank; their count per layer from the largest index after ".experts.", from the first
+/// dimension of transformers' fused expert tensors, or from config.json's num_experts or
+/// num_local_experts). `heads`: 0 when unknown (read from a config.json
 /// beside the checkpoint when it names n_head or num_attention_heads).
 PlanModel safetensors_plan_model(const std::string& path, int64_t heads = 0);
 
@@ -75,6 +84,8 @@ struct Layout {
   int dp = 1, tp = 1, pp = 1;
   /// Context parallel: every sequence split over cp ranks (dp x cp x tp x pp = processes).
   int cp = 1;
+  /// Expert parallel: every mixture layer's experts split over ep ranks carved from dp x cp.
+  int ep = 1;
   int zero_stage = 0;
   bool activation_checkpointing = false;
   /// Sequences per data-parallel rank in one forward (a pipeline's micro-batch).
@@ -91,7 +102,8 @@ struct Layout {
   /// Sequences per data-parallel rank per micro-step: what the program's loader batches
   /// (micro_batch x microbatches).
   int64_t batch_per_rank() const { return micro_batch * microbatches; }
-  /// "dp2 zero1 mb4 ga2", "dp1 tp2 pp2 mb2 m4 ckpt", "dp1 pp2 v2 mb1 m4", "dp2 cp2 mb1", ...
+  /// "dp2 zero1 mb4 ga2", "dp1 tp2 pp2 mb2 m4 ckpt", "dp1 pp2 v2 mb1 m4", "dp2 cp2 mb1",
+  /// "dp4 ep2 zero3 mb1", ...
   std::string name() const;
   bool operator==(const Layout& o) const;
 };
@@ -115,13 +127,18 @@ struct PlanSearch {
   /// program whose model splits its sequences, such as train_llm; not with a pipeline, and the
   /// context a multiple of 2 c). `tandem plan --cp_size 1,2`.
   std::vector<int> context_parallel{1};
+  /// Expert-parallel sizes tried (1: none; e > 1 splits a mixture's experts over e ranks, for a
+  /// model with experts: e divides the experts per layer and dp x cp; not with a pipeline, nor
+  /// with optimizer state on disk). `tandem plan --ep_size 1,2`.
+  std::vector<int> expert_parallel{1};
 };
 
 /// Every layout the rules allow, each once, with why the others are out in `excluded` (one
 /// line per rule that removed some): dp x tp x pp = processes; tp divides the heads, the MLP
 /// width and the vocabulary, and stays within a machine; a pipeline has at most as many stages
 /// as the model has children (blocks + 2) and no ZeRO stage (tandem refuses the pair) and no
-/// accumulation, with at least pp micro-batches; ZeRO stages 1-3 only where dp x cp > 1; the global
+/// accumulation, with at least pp micro-batches; ep dividing the experts and dp x cp, without a
+/// pipeline or offload to disk; ZeRO stages 1-3 only where dp x cp > 1; the global
 /// batch divisible by dp, the micro-batch dividing each rank's share; offload only with a ZeRO
 /// stage (and a directory, on the CPU).
 std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine& machine,
@@ -132,6 +149,9 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
 struct RankParameters {
   int64_t parameters = 0;
   int64_t largest_unit = 0;  ///< the largest block (or embedding) on that rank: a ZeRO-3 unit
+  /// The experts among `parameters` (1/ep of each layer's); under expert parallel they are
+  /// outside every unit (largest_unit counts the rest).
+  int64_t expert_parameters = 0;
   int stage = 0;
   /// Share of the model's activations per sample on that stage (1 without a pipeline).
   double activation_share = 1.0;
@@ -194,7 +214,10 @@ struct MemoryPrediction {
 ///   ZeRO-3          16P/W + max(16L (+ 8P/W with accumulation), 8L + activations)
 /// plus the probe's workspace; a ZeRO stage's probed buffers (ProbeFigures::zero_buffers)
 /// replace its term; optimizer state on disk (or, on a GPU, in host memory) drops
-/// Adam's 8P/W for three unit-sized buffers. Resident memory adds the probe's baseline and
+/// Adam's 8P/W for three unit-sized buffers. Under expert parallel with a ZeRO stage, the rank's
+/// experts E stay whole outside the shards: P is the rest and the experts add 16E of states and
+/// 4E of their own buckets (held through the forward), as data parallel holds them (Note [One
+/// memory model]: estimate-memory's `+ 20E`). Resident memory adds the probe's baseline and
 /// overhead, and its per-peer overhead for every other process.
 MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
                                 const ProbeFigures& probe);
