@@ -177,6 +177,65 @@ TEST(Plan, ABudgetDropsTheLayoutsOverItAndPredictsWithoutAProgram) {
       << r.output;
 }
 
+// `tandem plan --ep_size` over a mixture's checkpoint (Note [Expert parallel]): the experts found
+// by their names, the ep layouts listed beside the others with their launch flags, and the ep
+// sizes the rules leave out named with the rule. The file is written byte by byte here (a
+// safetensors header and zeros), as any tool writes one.
+TEST(Plan, SearchesExpertParallelOverAMixturesCheckpoint) {
+  TempDir dir;
+  nlohmann::json header;
+  int64_t offset = 0;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape) {
+    int64_t n = 4;
+    for (auto d : shape) n *= d;
+    header[name] = {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", {offset, offset + n}}};
+    offset += n;
+  };
+  add("model.embed_tokens.weight", {64, 16});
+  add("model.norm.weight", {16});
+  add("lm_head.weight", {64, 16});
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string p = "model.layers." + std::to_string(layer);
+    add(p + ".self_attn.q_proj.weight", {16, 16});
+    add(p + ".mlp.gate.weight", {4, 16});
+    for (int e = 0; e < 4; ++e)
+      add(p + ".mlp.experts." + std::to_string(e) + ".up_proj.weight", {32, 16});
+  }
+  const std::string text = header.dump();
+  {
+    std::ofstream out(dir.str() + "/model.safetensors", std::ios::binary);
+    const uint64_t size = text.size();
+    out.write(reinterpret_cast<const char*>(&size), 8);
+    out << text << std::string(static_cast<size_t>(offset), '\0');
+  }
+  std::ofstream(dir.str() + "/config.json")
+      << R"({"num_attention_heads": 4, "max_position_embeddings": 32, "num_experts": 4})";
+  // ep 2 and 3 only: every layout listed splits the experts over 2 ranks, and the winner's
+  // launch flags say so.
+  auto r = run_command({TANDEM_CLI, "plan", dir.str(), "--num_processes", "4",
+                        "--global_batch_size", "8", "--ep_size", "2,3", "--output",
+                        dir.str() + "/plan.yaml"},
+                       {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("dp4 ep2 "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("launch flags: --num_processes 4 --cpu"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--ep_size 2"), std::string::npos) << r.output;
+  const auto cfg = tandem::config::load_config_file(dir.str() + "/plan.yaml");
+  EXPECT_EQ(cfg.parallelism_config.at("parallelism_config_ep_size"), "2");
+  EXPECT_NE(r.output.find("ep must divide the 4 experts of a layer: tp1 pp1 dp4 ep3"),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("expert parallel does not combine with a pipeline in tandem"),
+            std::string::npos) << r.output;
+  // A dense model: every ep layout out, and why.
+  r = run_command({TANDEM_CLI, "plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab",
+                   "256", "--seq_len", "32", "--num_processes", "2", "--ep_size", "1,2"},
+                  {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find(" ep2 "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("expert parallel needs a mixture of experts"), std::string::npos)
+      << r.output;
+}
+
 TEST(Plan, RefusesWhatCannotTakeEffect) {
   TempDir dir;
   // A program whose arguments do not take the layout's batch.
