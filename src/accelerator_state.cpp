@@ -142,14 +142,6 @@ void Accelerator::save_model(const torch::nn::Module& model, const std::string& 
 // The parts, in the order every rank saves and loads them. Loading checks the loaders first, so
 // that a mismatch is refused before anything is changed.
 std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
-  // Note [Expert-parallel checkpoints]: the sharded optimizer's files hold its units only.
-  if (expert_parallel_->size() > 1 && config_.sharding && config_.sharding->stage() > 0)
-    throw ::tandem::Refused(state_.prefix() + " training checkpoints (save_state, load_state, "
-                            "checkpoint_every_steps) of an expert-parallel run under ZeRO (ep_size " +
-                            std::to_string(expert_parallel_->size()) + ", " + strategy_->name() +
-                            ") are not written yet: checkpoint the ep run under plain data "
-                            "parallel, which resumes on any layout, or save the trained model "
-                            "with save_model (train_llm --save)");
   using checkpoint::StateReader;
   using checkpoint::StateWriter;
   std::vector<checkpoint::StatePart> parts;

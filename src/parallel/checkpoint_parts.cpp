@@ -45,6 +45,9 @@ struct Layout {
   // Note [Expert-parallel checkpoints]: the ranks of the first ep group hold every expert
   // between them, each its own; each writes a model.mp<r> and an optimizer.mp<r> as a pipeline
   // stage does (the first the rest of the model too), and a load takes every tensor by its name.
+  // Under ZeRO every rank writes its shards (optimizer.rank<r>) and, beside the units, the
+  // experts it holds whole, each named in the file's "zero" record (ZeroStrategy::
+  // optimizer_shard_state); SavedTensors indexes them by name like any other tensor.
   bool experts() const { return topology.ep() > 1; }
   bool per_rank() const { return topology.model_parallel() || experts(); }
   int rank() const { return topology.world()->rank(); }

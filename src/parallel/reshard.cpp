@@ -232,6 +232,21 @@ struct SavedTensors::Impl {
         offset += n;
       }
     }
+    // Note [Expert-parallel checkpoints]: each rank's experts, whole, by name (the replicas of
+    // an expert hold the same state: the first copy serves).
+    for (const auto& [q, file] : files) {
+      const auto& doc = file.second;
+      for (const auto& e : doc["zero"].value("experts", json::array())) {
+        const auto key = e.at("key").get<std::string>();
+        const auto name = e.at("name").get<std::string>();
+        if (!doc["state"].contains(key)) continue;
+        const auto& entry = doc["state"][key];
+        if (entry.contains("step")) o.steps.emplace(name, entry["step"].get<int64_t>());
+        for (const auto& f : entry["tensors"])
+          add(o.fields[name][f.get<std::string>()], "", 0, 1,
+              whole(file.first + layout::kTensors, key + "." + f.get<std::string>()));
+      }
+    }
     if (o.json.empty()) {
       auto doc = first;
       doc.erase("zero");

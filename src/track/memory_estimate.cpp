@@ -281,8 +281,12 @@ ModelSize read_safetensors_model_size(const std::string& path_text) {
 std::vector<std::string> memory_dtypes() { return {"float32", "float16/bfloat16", "int8", "int4"}; }
 
 StrategyMemory strategy_memory(int stage, double parameters, double world, double bucket_bytes,
-                               double largest_parameter, double largest_unit) {
-  const double p = parameters, w = std::max(1.0, world);
+                               double largest_parameter, double largest_unit, double experts) {
+  // Note [Expert parallel]: under a ZeRO stage the experts a rank holds stay whole, held as data
+  // parallel holds them (16 bytes each, and their own reducer's bucket copies, 4 more); the
+  // stage's formula takes the rest.
+  const double e = stage > 0 ? std::clamp(experts, 0.0, parameters) : 0.0;
+  const double p = parameters - e, w = std::max(1.0, world);
   StrategyMemory m;
   switch (stage) {
     case 0:
@@ -308,6 +312,12 @@ StrategyMemory strategy_memory(int stage, double parameters, double world, doubl
     default:
       throw ::tandem::Refused("strategy_memory: ZeRO stage " + std::to_string(stage) +
                               "; expected 0 (data parallel), 1, 2 or 3");
+  }
+  if (e > 0) {
+    m.states += 16 * e;
+    m.expert_transient = 4 * e;
+    m.transient += m.expert_transient;
+    m.formula += " + 20E";
   }
   return m;
 }
@@ -407,21 +417,15 @@ MemoryEstimate estimate_memory(const ModelSize& model, int64_t num_processes,
   const double p = static_cast<double>(layout.rank_parameters);
   const double u = static_cast<double>(layout.largest_unit);
   const double w = static_cast<double>(layout.dp) * layout.cp;
-  const double bucket = default_bucket_bytes(p);
+  const double experts = static_cast<double>(layout.expert_parameters);
   const std::vector<std::pair<std::string, std::string>> schemes{
       {"ddp", "DDP"}, {"zero1", "ZeRO-1"}, {"zero2", "ZeRO-2"}, {"zero3", "ZeRO-3"}};
   // tandem runs a pipeline without ZeRO (Note [Pipeline gradient sync]); ZeRO needs W > 1.
   const int last = layout.pp > 1 || w < 2 ? 0 : 3;
-  // Note [Expert parallel]: under ZeRO the experts a rank holds stay whole (16 bytes each, and
-  // their own reducer's bucket copies, 4 more), and the rest is sharded.
-  const double experts = static_cast<double>(layout.expert_parameters);
   for (int stage = 0; stage <= last; ++stage) {
-    auto m = strategy_memory(stage, stage > 0 ? p - experts : p, w, bucket, u, u);
-    if (stage > 0 && experts > 0) {
-      m.states += 16 * experts;
-      m.transient += 4 * experts;
-      m.formula += " + 20E";
-    }
+    // The buckets over what the stage shards (under ZeRO the experts stay whole).
+    const double bucket = default_bucket_bytes(stage > 0 ? p - experts : p);
+    auto m = strategy_memory(stage, p, w, bucket, u, u, experts);
     if (layout.pp > 1) {
       // A pipeline averages its stage's gradients itself, once per step, without buckets.
       m.transient = 0;

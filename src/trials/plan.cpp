@@ -73,14 +73,18 @@ PlanModel gpt_plan_model(int64_t layers, int64_t hidden, int64_t heads, int64_t 
 
 namespace {
 
+// A name component that is an index: digits only, short enough for an int.
+bool is_index(const std::string& part) {
+  return !part.empty() && part.size() < 9 &&
+         std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
 // The first name component that is a number ("model.layers.3.mlp" -> 3), or -1.
 int block_of(const std::string& name) {
   std::stringstream ss(name);
   std::string part;
   while (std::getline(ss, part, '.'))
-    if (!part.empty() && part.size() < 9 &&
-        std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      return std::stoi(part);
+    if (is_index(part)) return std::stoi(part);
   return -1;
 }
 
@@ -145,8 +149,7 @@ PlanModel safetensors_plan_model(const std::string& path, int64_t heads) {
       const auto at = name.find(".experts.") + 9;
       const auto end = name.find('.', at);
       const std::string index = name.substr(at, end == std::string::npos ? end : end - at);
-      if (!index.empty() && index.size() < 9 &&
-          std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      if (is_index(index))
         m.experts = std::max<int64_t>(m.experts, std::stoll(index) + 1);
       else if (shape.size() == 3)  // transformers' fused experts: [experts, out, in]
         m.experts = std::max<int64_t>(m.experts, shape[0]);
@@ -514,32 +517,33 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
   for (const auto& r : rank_parameters(model, layout)) {
     MemoryPrediction p;
     // Note [Expert parallel]: under a ZeRO stage the rank's experts stay whole outside its
-    // shards, held as data parallel holds them (16E of states, 4E of buckets); the formulas
-    // below take the rest.
-    const double experts = layout.ep > 1 && layout.zero_stage > 0
-                               ? static_cast<double>(r.expert_parameters) : 0.0;
-    const double n = static_cast<double>(r.parameters) - experts;
+    // shards (strategy_memory's 20E); n is the rest, which the stage shards and the probes scale.
+    const double experts = layout.ep > 1 ? static_cast<double>(r.expert_parameters) : 0.0;
+    const double n =
+        static_cast<double>(r.parameters) - (layout.zero_stage > 0 ? experts : 0.0);
     const double l = static_cast<double>(r.largest_unit);
     const bool disk = layout.offload == "nvme";
     const bool host = layout.offload == "cpu";  // on a GPU: moments (and the step) in host memory
     // Note [One memory model]: the library's terms for the stage; offloaded moments leave the
     // rank. `p.buffers` peak after the activations are gone (end of backward, the step), except
-    // under data parallel, whose buckets live through the forward as well.
-    const auto shared = track::strategy_memory(layout.zero_stage, n, w,
-                                               track::default_bucket_bytes(n), l, l);
+    // under data parallel, whose buckets live through the forward as well, as do the experts'.
+    const auto shared =
+        track::strategy_memory(layout.zero_stage, static_cast<double>(r.parameters), w,
+                               track::default_bucket_bytes(n), l, l, experts);
     p.model_states = shared.states - ((disk || host) && layout.zero_stage > 0 ? 8 * n / w : 0.0);
     p.buffers = shared.transient;
-    double forward_buffers = 0;
+    double forward_buffers = shared.expert_transient;
     if (layout.zero_stage == 0) {
       // A pipeline averages its stage's gradients itself, once per step, without buckets.
       p.buffers = w > 1 && layout.pp == 1 ? shared.transient : 0;
       forward_buffers = p.buffers;
     } else if (layout.zero_stage == 3) {
-      forward_buffers = 8 * l;  // two units gathered during the forward
+      forward_buffers += 8 * l;  // two units gathered during the forward
     }
+    // A probed figure replaces the formula's transient for the sharded rest.
     if (auto it = probe.zero_buffers.find({layout.zero_stage, layout.tp});
         it != probe.zero_buffers.end())
-      p.buffers = it->second * (layout.zero_stage == 3 ? l : n);
+      p.buffers = it->second * (layout.zero_stage == 3 ? l : n) + shared.expert_transient;
     // Under ZeRO-3 with accumulation, the micro-steps between reductions keep more gradient
     // (measured on the example GPT: 8.8-10.6 bytes per parameter of the shard with LibTorch
     // 1.13, about 4.4 with 2.12, whose zero_grad frees gradients): probed where it can be.
@@ -547,9 +551,6 @@ MemoryPrediction predict_memory(const PlanModel& model, const Layout& layout,
       const auto it = probe.zero3_accumulation.find(layout.tp);
       p.buffers += (it != probe.zero3_accumulation.end() ? it->second : 8.0) * n / w;
     }
-    p.model_states += 16 * experts;
-    p.buffers += 4 * experts;
-    forward_buffers += 4 * experts;
     p.forward_buffers = forward_buffers;
     if (disk) p.buffers += 3 * 8 * l / w;  // each unit's moments streamed through 3 buffers
     p.activations = per_sample * static_cast<double>(layout.micro_batch) * r.activation_share *

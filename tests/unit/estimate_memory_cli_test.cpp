@@ -206,12 +206,12 @@ TEST(EstimateMemoryCli, ExpertParallelSplitsTheExpertTensors) {
   EXPECT_EQ(j["layout"]["ep"], 2);
   EXPECT_EQ(j["layout"]["rank_parameters"], 64 + 16 + 2 * 32);
   EXPECT_EQ(j["layout"]["expert_parameters"], 2 * 32);
-  // Under ZeRO the experts stay whole: ZeRO-1 shards the rest's 80 over W = 4 (8P + 8P/W, buckets
-  // of 4 x 144 bytes: 2B) beside the experts' 16E + 4E.
+  // Under ZeRO the experts stay whole: ZeRO-1 shards the rest's 80 over W = 4 (8P + 8P/W, its
+  // buckets over those 80: 2B = 2 x 4 x 80 bytes) beside the experts' 16E + 4E (their own bucket).
   ASSERT_EQ(j["layout"]["tandem_fp32"].size(), 4u);
   EXPECT_EQ(j["layout"]["tandem_fp32"][1]["formula"], "8P + 8P/W + 2B + 20E");
   EXPECT_DOUBLE_EQ(j["layout"]["tandem_fp32"][1]["bytes_per_device"].get<double>(),
-                   8 * 80 + 8 * 80 / 4 + 2 * 4 * 144 + 20 * 64);
+                   8 * 80 + 8 * 80 / 4 + 2 * 4 * 80 + 20 * 64);
   auto gpt = run_command({TANDEM_CLI, "estimate-memory", "--params", "1B", "--num_processes", "4",
                           "--ep_size", "2"});
   EXPECT_EQ(gpt.exit_code, 2);

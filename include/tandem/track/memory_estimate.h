@@ -98,19 +98,27 @@ struct ZeroMemory {
 ///   ZeRO-3         16P/W                   + 16U (two units in use: the one computing, its
 ///                                            gathered weights and its gradient; the one in
 ///                                            flight, its bucket and the receive buffer)
+///   with E of P experts held whole under expert parallel (Note [Expert parallel]): a ZeRO stage
+///   shards P - E by its formula and adds 16E of states and 4E of the experts' own buckets.
 /// P: the rank's parameters; W: the data-parallel size; B: the largest bucket's bytes (a bucket
 /// closes at the first parameter that reaches the cap); G: the largest parameter's elements;
 /// U: the largest unit's elements.
 struct StrategyMemory {
   double states = 0;     ///< weights, gradients, Adam's two moments the rank keeps
   double transient = 0;  ///< buckets, receive buffers and gathered units at their peak
+  /// Of `transient`, the whole experts' buckets (4E under ZeRO), which live through the forward
+  /// too and which a measured figure for the sharded rest does not include.
+  double expert_transient = 0;
   std::string formula;   ///< e.g. "4P + 12P/W + 2B + 4G"
   double total() const { return states + transient; }
 };
 
-/// The terms of Note [One memory model] for ZeRO stage `stage` (0: data parallel).
+/// The terms of Note [One memory model] for ZeRO stage `stage` (0: data parallel), of which
+/// `experts` of the `parameters` stay whole under a ZeRO stage (expert parallel). The bucket,
+/// largest parameter and unit are the sharded rest's.
 StrategyMemory strategy_memory(int stage, double parameters, double world, double bucket_bytes,
-                               double largest_parameter, double largest_unit);
+                               double largest_parameter, double largest_unit,
+                               double experts = 0);
 
 /// A bucket's bytes for a model of `parameters` fp32 elements under the default cap (25 MiB;
 /// a model smaller than that is one bucket).

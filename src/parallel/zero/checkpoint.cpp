@@ -38,6 +38,18 @@ checkpoint::OptimizerState ZeroStrategy::optimizer_shard_state(
                  {"rank", ctx_.pg->rank()},
                  {"stage", options_.stage()},
                  {"units", units}};
+  // Note [Expert-parallel checkpoints]: the experts this rank holds, whole, by name (their state
+  // is among the optimizer's, under their keys).
+  if (!s->experts.empty()) {
+    json experts = json::array();
+    const auto at = expert_index_in_group(*s);
+    for (size_t j = 0; j < s->experts.size(); ++j)
+      experts.push_back(
+          {{"key", checkpoint::optimizer_param_key(static_cast<size_t>(s->experts[j].group), at[j])},
+           {"name", s->experts[j].name},
+           {"shape", s->experts[j].param.sizes().vec()}});
+    doc["zero"]["experts"] = experts;
+  }
   st.json = doc.dump(2);
   return st;
 }
@@ -71,6 +83,23 @@ void ZeroStrategy::load_optimizer_shards(
                 "the saved run's");
     unit_of_key[units[k]["key"].get<std::string>()] = k;
   }
+  // Note [Expert-parallel checkpoints]: each expert this rank holds, whole, from the entry that
+  // names it: saved key -> this run's key (its index in its group here).
+  std::map<std::string, std::string> expert_key;
+  {
+    std::map<std::string, std::string> saved_key;
+    for (const auto& e : doc["zero"].value("experts", json::array()))
+      saved_key[e.at("name").get<std::string>()] = e.at("key").get<std::string>();
+    const auto at = expert_index_in_group(*s);
+    for (size_t j = 0; j < s->experts.size(); ++j) {
+      auto it = saved_key.find(s->experts[j].name);
+      TANDEM_CHECK(it != saved_key.end(), pg.prefix(), " load_state: the checkpoint's sharded "
+                  "optimizer holds no state for the expert ", s->experts[j].name,
+                  " this rank holds: it was saved without that expert on this rank");
+      expert_key[it->second] =
+          checkpoint::optimizer_param_key(static_cast<size_t>(s->experts[j].group), at[j]);
+    }
+  }
   // Each tensor of this rank's new chunk, assembled from the saved chunks that overlap it.
   auto assemble = [&](const Unit& u, const std::string& name) {
     // A chunk that is padding only (a 3-element unit on 4 ranks) has no pieces: zeros.
@@ -82,7 +111,17 @@ void ZeroStrategy::load_optimizer_shards(
     }
     return out;
   };
+  json state_here = json::object();  // under this run's keys
   for (auto& [key, entry] : doc["state"].items()) {
+    if (auto e = expert_key.find(key); e != expert_key.end()) {
+      for (const auto& field : entry["tensors"]) {
+        const std::string f = field.get<std::string>();
+        state.tensors.emplace_back(e->second + "." + f, tensor_of(0, key + "." + f));
+      }
+      state_here[e->second] = entry;
+      continue;
+    }
+    state_here[key] = entry;
     auto it = unit_of_key.find(key);
     TANDEM_CHECK(it != unit_of_key.end(), pg.prefix(), " load_state: optimizer state for ", key,
                 " belongs to no unit");
@@ -100,6 +139,11 @@ void ZeroStrategy::load_optimizer_shards(
   for (size_t k = 0; k < s->units.size(); ++k)
     doc["param_groups"][static_cast<size_t>(s->units[k].group)]["shapes"][index[k]] =
         {s->units[k].shard.numel};
+  const auto at = expert_index_in_group(*s);
+  for (size_t j = 0; j < s->experts.size(); ++j)
+    doc["param_groups"][static_cast<size_t>(s->experts[j].group)]["shapes"][at[j]] =
+        s->experts[j].param.sizes().vec();
+  doc["state"] = state_here;
   doc.erase("zero");
   state.json = doc.dump();
   checkpoint::load_optimizer_state(optimizer, state);
@@ -140,7 +184,12 @@ std::vector<std::pair<std::string, at::Tensor>> ZeroStrategy::model_state(
       release_unit(u);
     }
   std::vector<std::pair<std::string, at::Tensor>> out;
-  if (!main) return out;  // only the main process writes models
+  if (!main) {  // only the main process writes models, the others the experts they hold
+    for (const auto& kv : model.named_parameters())
+      if (kv.value().defined() && experts_.contains(kv.value()))
+        out.emplace_back(kv.key(), kv.value().detach());
+    return out;
+  }
   for (const auto& kv : model.named_parameters()) {
     if (!kv.value().defined()) continue;
     auto it = copies.find(kv.value().unsafeGetTensorImpl());
@@ -184,18 +233,42 @@ void ZeroStrategy::load_optimizer_resharded(torch::optim::Optimizer& optimizer,
     if (auto step = saved.step(u.names.front())) entry["step"] = *step;
     state[key] = entry;
   }
+  // Note [Expert-parallel checkpoints]: the experts this rank holds, whole, by name.
+  json experts = json::array();
+  std::map<std::string, std::string> expert_of_key;
+  const auto at = expert_index_in_group(*s);
+  for (size_t j = 0; j < s->experts.size(); ++j) {
+    const auto& e = s->experts[j];
+    ++per_group[static_cast<size_t>(e.group)];
+    const auto key = checkpoint::optimizer_param_key(static_cast<size_t>(e.group), at[j]);
+    experts.push_back({{"key", key}, {"name", e.name}});
+    expert_of_key[key] = e.name;
+    const auto fields = saved.fields(e.name);
+    if (fields.empty()) continue;
+    json entry{{"tensors", fields}};
+    if (auto step = saved.step(e.name)) entry["step"] = *step;
+    state[key] = entry;
+  }
   for (size_t g = 0; g < groups; ++g) {
     doc["param_groups"][g]["num_params"] = per_group[g];
     doc["param_groups"][g]["shapes"] = json::array();
+    for (size_t i = 0; i < per_group[g]; ++i) doc["param_groups"][g]["shapes"].push_back(json::array());
   }
   doc["state"] = state;
-  doc["zero"] = {{"world", 1}, {"rank", 0}, {"stage", options_.stage()}, {"units", units}};
+  doc["zero"] = {{"world", 1}, {"rank", 0}, {"stage", options_.stage()}, {"units", units},
+                 {"experts", experts}};
   const std::string text = doc.dump();
   load_optimizer_shards(
       optimizer, [&](int) { return text; },
       [&](int, const std::string& name) {
         const auto dot = name.rfind('.');
         const auto key = name.substr(0, dot), field = name.substr(dot + 1);
+        if (auto e = expert_of_key.find(key); e != expert_of_key.end()) {
+          auto t = saved.field(e->second, field);
+          TANDEM_CHECK(t.defined(), pg.prefix(), " load_state: the checkpoint has no ", field,
+                      " for the expert ", e->second);
+          return t;
+        }
         const Unit& u = *unit_of_key.at(key);
         std::vector<at::Tensor> parts;
         for (const auto& n : u.names) {

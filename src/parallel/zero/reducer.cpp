@@ -92,6 +92,14 @@ std::vector<size_t> index_in_group(const ShardedOptimizer& s) {
   return out;
 }
 
+std::vector<size_t> expert_index_in_group(const ShardedOptimizer& s) {
+  std::map<int, size_t> next;
+  for (const auto& u : s.units) ++next[u.group];
+  std::vector<size_t> out;
+  for (const auto& e : s.experts) out.push_back(next[e.group]++);
+  return out;
+}
+
 Work ZeroHook::start(ProcessGroup& pg, GradBucket& b) {
   Unit& u = owner_->units[owner_->unit_of_bucket[b.index]];
   // Stage 3: every gradient of the unit is in its bucket, so its backward is over: its

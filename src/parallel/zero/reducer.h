@@ -79,6 +79,14 @@ struct ShardedOptimizer {
   std::shared_ptr<ProcessGroup> pg;
   std::shared_ptr<ProcessGroup> replicas;  // Note [Hybrid sharding]; null without replicas
   std::unique_ptr<StateOnDisk> disk;       // Note [Optimizer state on disk]; null: in memory
+  // Note [Expert parallel]: the experts this rank holds whole, stepped after the units of their
+  // parameter group, in this order.
+  struct Expert {
+    std::string name;  // qualified, as the units name their parameters
+    at::Tensor param;
+    int group = 0;
+  };
+  std::vector<Expert> experts;
   ~ShardedOptimizer() { markers->drop(); }
 };
 
@@ -88,5 +96,7 @@ void plant_markers(ShardedOptimizer& s, Unit& u);
 // Each unit's index among its parameter group's units: the index of its shard in the
 // optimizer's group, which names its state in checkpoints (optimizer_param_key).
 std::vector<size_t> index_in_group(const ShardedOptimizer& s);
+/// The same for each of its experts, which follow the units of their group.
+std::vector<size_t> expert_index_in_group(const ShardedOptimizer& s);
 
 }  // namespace tandem::parallel::detail::zero
