@@ -431,14 +431,16 @@ int main(int argc, char** argv) {
       if (tp > 1) acc.parallelize(*model, models::llama_tensor_parallel_plan(cfg));
       add_lora();
     }
+    if (!pipeline) model = acc.prepare(model);
+    // prepare (prepare_pipeline: each stage's layers, Note [Expert parallel beside a pipeline])
+    // kept this rank's experts.
+    if (ep > 1)
+      acc.print("expert parallel: ep " + std::to_string(ep) + ", " +
+                std::to_string(cfg.num_experts / ep) + " of every layer's " +
+                std::to_string(cfg.num_experts) + " experts per rank");
     if (!pipeline) {
-      model = acc.prepare(model);
       if (!model_dir.empty() && !whole) acc.load_model(*model, model_dir, load_options);
       trained = model.ptr();
-      if (ep > 1)
-        acc.print("expert parallel: ep " + std::to_string(ep) + ", " +
-                  std::to_string(cfg.num_experts / ep) + " of every layer's " +
-                  std::to_string(cfg.num_experts) + " experts per rank");
       // Note [Context parallel]: prepare handed the model the cp group.
       if (const auto& cp = model->context_parallel)
         acc.print("context parallel: cp " + std::to_string(cp->size()) + " (" +

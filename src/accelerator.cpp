@@ -366,10 +366,8 @@ std::shared_ptr<parallel::ExpertParallel> Accelerator::make_expert_parallel(
                             ") " + what);
   };
   // Under tp every tp rank holds its experts whole (their input is whole): ep groups are carved
-  // from the dp ranks of each tp coordinate. A pipeline's stages do not split experts yet.
-  if (topology_->pp() > 1)
-    refuse("does not combine with pipeline parallel in tandem yet (this layout: " +
-           topology_->summary() + "); run the experts over data, context or tensor parallel");
+  // from the dp ranks of each tp coordinate, and under a pipeline from those of each stage (Note
+  // [Expert parallel beside a pipeline]).
   // Under ZeRO the experts stay whole (reduced over their replicas) and the rest is sharded over
   // dp; hybrid sharding's two levels and optimizer state on disk do not know the experts yet.
   if (run.sharding && run.sharding->stage() > 0 && topology_->dp_replicate() > 1)
@@ -582,6 +580,34 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   // Every rank of pp agrees on the plan's entries before any stage is split (stage_plan counts
   // the matches over pp).
   const auto mine = plan.entries.empty() ? plan : stage_plan(plan, *stage, *pp);
+  // Note [Expert parallel beside a pipeline]: the ranks of an ep group hold the same stage and
+  // run the same schedule, so their sparse layers' all-to-alls meet micro-batch by micro-batch,
+  // forward and backward. Every mixture layer of the stage keeps its experts before anything
+  // sees its parameters; the stages count their layers together, so every rank refuses alike a
+  // model with none.
+  if (expert_parallel_->size() > 1) {
+    if (options.schedule() == parallel::ScheduleKind::kZeroBubble)
+      throw ::tandem::Refused(
+          state_.prefix() + " prepare_pipeline: expert parallel (ep_size " +
+          std::to_string(expert_parallel_->size()) + ") beside the zero-bubble schedule, whose "
+          "weight gradients would run the experts' all-to-all backward a second time, is not "
+          "supported in tandem; use the 1f1b, gpipe or interleaved_1f1b schedule with ep");
+    int64_t layers = 0;
+    for (const auto& m : stage->modules(/*include_self=*/false))
+      if (auto* layer = dynamic_cast<parallel::ExpertParallelLayer*>(m.get())) {
+        layer->keep_experts(expert_parallel_);
+        ++layers;
+      }
+    auto count = at::full({1}, layers, at::kLong);
+    pp->allreduce(count, ReduceOp::kSum);
+    if (count.item<int64_t>() == 0)
+      throw ::tandem::Refused(
+          state_.prefix() + " prepare_pipeline: this run has ep_size " +
+          std::to_string(expert_parallel_->size()) +
+          " (tandem launch --ep_size, or parallelism_config ep_size), but no stage of the model "
+          "holds a layer that splits its experts (tandem::parallel::ExpertParallelLayer, as "
+          "tandem::models::LlamaSparseMoe); run without --ep_size");
+  }
   Transforms steps;
   steps.tp_plan = &mine;
   steps.checkpoint_entries = &stage;

@@ -58,15 +58,19 @@ void Accelerator::register_for_checkpointing(const std::string& name,
 
 std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
     torch::nn::Module& model) {
+  auto tensors = strategy_->model_state(model);
   // Under model parallel the topology joins the tp shards and the pp stages.
-  auto tensors = topology_->gather_model_state(strategy_->model_state(model), model);
-  // Note [Expert parallel]: the main process holds its own experts; the first ep group sends it
-  // the others' (their names, dtypes and shapes first, then the tensors).
+  auto gathered = [&] { return topology_->gather_model_state(std::move(tensors), model); };
+  // Note [Expert parallel]: the first ep group's rank 0 (the stage's first data-parallel rank)
+  // holds its own experts; the others of the group send it theirs (their names, dtypes and
+  // shapes first, then the tensors), before the stages go to the main process (Note [Expert
+  // parallel beside a pipeline]).
   const auto held = parallel::held_experts(model);
-  // Under tp every tp rank holds its experts whole: the ep group of tp rank 0 sends them.
+  // Under tp every tp rank holds its experts whole: the ep group of tp rank 0 sends them (the
+  // tp gather keeps tp rank 0's whole tensors).
   if (!held || topology_->replicas()->rank() >= held.ep->size() ||
       topology_->coordinate("tp") != 0)
-    return tensors;
+    return gathered();
   std::vector<at::Tensor> mine;
   std::string listing;
   for (const auto& kv : model.named_parameters()) {
@@ -81,7 +85,7 @@ std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
   constexpr int kTag = 78;  // the experts of a saved model
   if (group.rank() != 0) {
     group.send(mine, 0, kTag, "experts to the main process");
-    return tensors;
+    return gathered();
   }
   const auto device = mine.empty() ? c10::Device(c10::kCPU) : mine.front().device();
   for (int r = 1; r < group.size(); ++r) {
@@ -102,7 +106,7 @@ std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
     group.recv(buffers, r, kTag, "experts of ep rank " + std::to_string(r));
     for (auto& kv : got) tensors.push_back(std::move(kv));
   }
-  return tensors;
+  return gathered();
 }
 
 checkpoint::LoadReport Accelerator::load_model(torch::nn::Module& model, const std::string& path,

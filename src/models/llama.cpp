@@ -216,6 +216,13 @@ void LlamaSparseMoeImpl::keep_experts(std::shared_ptr<const tandem::parallel::Ex
   ep = std::move(group);
 }
 
+std::vector<at::Tensor> LlamaSparseMoeImpl::held_expert_parameters() {
+  std::vector<at::Tensor> out;
+  for (auto& e : experts)
+    for (auto& p : e->parameters()) out.push_back(p);
+  return out;
+}
+
 at::Tensor LlamaSparseMoeImpl::forward(const at::Tensor& x) {
   const auto B = x.size(0), T = x.size(1), H = x.size(2);
   auto h = x;
@@ -351,8 +358,7 @@ std::vector<at::Tensor> LlamaForCausalLMImpl::expert_parameters() {
   std::vector<at::Tensor> out;
   for (auto& layer : model->layers)
     if (!layer->moe.is_empty())
-      for (auto& e : layer->moe->experts)
-        for (auto& p : e->parameters()) out.push_back(p);
+      for (auto& p : layer->moe->held_expert_parameters()) out.push_back(p);
   return out;
 }
 

@@ -89,11 +89,22 @@ at::Tensor ExpertParallel::all_to_all(const at::Tensor& rows, const std::vector<
 
 HeldExperts held_experts(torch::nn::Module& model) {
   HeldExperts out;
-  auto* moe = dynamic_cast<ExpertParallelModel*>(&model);
-  auto ep = moe ? moe->expert_parallel() : nullptr;
-  if (!ep || ep->size() <= 1) return out;
-  out.ep = std::move(ep);
-  for (const auto& p : moe->expert_parameters()) out.tensors.insert(p.unsafeGetTensorImpl());
+  if (auto* moe = dynamic_cast<ExpertParallelModel*>(&model)) {
+    auto ep = moe->expert_parallel();
+    if (!ep || ep->size() <= 1) return out;
+    out.ep = std::move(ep);
+    for (const auto& p : moe->expert_parameters()) out.tensors.insert(p.unsafeGetTensorImpl());
+    return out;
+  }
+  // A pipeline stage: the layers it holds (Note [Expert parallel beside a pipeline]).
+  for (const auto& m : model.modules(/*include_self=*/true)) {
+    auto* layer = dynamic_cast<ExpertParallelLayer*>(m.get());
+    auto ep = layer ? layer->layer_expert_parallel() : nullptr;
+    if (!ep || ep->size() <= 1) continue;
+    out.ep = std::move(ep);
+    for (const auto& p : layer->held_expert_parameters())
+      out.tensors.insert(p.unsafeGetTensorImpl());
+  }
   return out;
 }
 

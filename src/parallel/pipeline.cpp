@@ -16,6 +16,7 @@
 
 #include "../compat/c10d.h"
 #include "tandem/comm/process_group.h"
+#include "tandem/parallel/expert_parallel.h"
 
 namespace tandem::parallel {
 namespace {
@@ -355,13 +356,27 @@ double Pipeline::step(const at::Tensor& input, const at::Tensor& target) {
 // expert no token of a replica's batch chose) has no gradient on those: it counts as zeros
 // there, as under DistributedDataParallel with find_unused_parameters; one no replica used keeps
 // no gradient. Which is which, one small allreduce of a flag per parameter says first.
+//
+// Note [Expert parallel beside a pipeline]: the experts a stage holds under ep are reduced over
+// their replicas only (the stage's data-parallel ranks with the same ep coordinate), their sum
+// divided by the whole data-parallel size, as ExpertParallel says; the rest as above.
 void Pipeline::reduce_gradients() {
   if (!dp_ || dp_->size() == 1) return;
-  auto params = module_->parameters();
+  const auto held = held_experts(*module_);
+  std::vector<at::Tensor> rest, experts;
+  for (auto& p : module_->parameters()) (held.contains(p) ? experts : rest).push_back(p);
+  reduce_gradients(rest, *dp_, 1.0, "pipeline gradient allreduce (data parallel)");
+  if (held)
+    reduce_gradients(experts, *held.ep->replicas(), held.ep->data_parallel_size(),
+                     "pipeline expert gradient allreduce (expert replicas)");
+}
+
+void Pipeline::reduce_gradients(std::vector<at::Tensor>& params, ProcessGroup& group,
+                                double divide_sum_by, const std::string& what) {
   auto used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
   auto* flag = used.data_ptr<int32_t>();
   for (size_t i = 0; i < params.size(); ++i) flag[i] = params[i].grad().defined() ? 1 : 0;
-  dp_->allreduce(used, ReduceOp::kSum);
+  if (group.size() > 1) group.allreduce(used, ReduceOp::kSum);
   flag = used.data_ptr<int32_t>();
   for (size_t i = 0; i < params.size(); ++i)
     if (flag[i] > 0 && !params[i].grad().defined())
@@ -375,7 +390,12 @@ void Pipeline::reduce_gradients() {
     std::vector<at::Tensor> flat;
     for (auto& g : grads) flat.push_back(g.reshape({-1}));
     auto wire = at::cat(flat).to(compat::gloo_sum_dtype(key.first, grads[0].device().type()));
-    dp_->allreduce_async({wire}, ReduceOp::kMean, "pipeline gradient allreduce (data parallel)").wait();
+    if (divide_sum_by == 1.0) {
+      group.allreduce_async({wire}, ReduceOp::kMean, what).wait();
+    } else {
+      if (group.size() > 1) group.allreduce_async({wire}, ReduceOp::kSum, what).wait();
+      wire.div_(divide_sum_by);
+    }
     int64_t at = 0;
     for (auto& g : grads) {
       g.copy_(wire.narrow(0, at, g.numel()).view(g.sizes()));

@@ -447,10 +447,11 @@ TEST(Predict, ExpertParallelSplitsTheExpertsAndKeepsThemWholeUnderZero) {
   search.expert_parallel = {1, 2, 4, 3};
   std::vector<std::string> excluded;
   std::set<int> eps;
+  bool beside_pipeline = false;  // Note [Expert parallel beside a pipeline]
   for (const auto& x : tt::enumerate_layouts(m, machine(4), search, &excluded)) {
     eps.insert(x.ep);
     if (x.ep > 1) {
-      EXPECT_EQ(x.pp, 1) << x.name();
+      beside_pipeline = beside_pipeline || x.pp > 1;
       EXPECT_EQ(x.dp * x.cp % x.ep, 0) << x.name();
       EXPECT_NE(x.offload, "nvme") << x.name();
     }
@@ -461,7 +462,8 @@ TEST(Predict, ExpertParallelSplitsTheExpertsAndKeepsThemWholeUnderZero) {
                        [&](const std::string& e) { return e.find(what) != std::string::npos; });
   };
   EXPECT_TRUE(said("ep must divide the 4 experts of a layer"));
-  EXPECT_TRUE(said("expert parallel does not combine with a pipeline"));
+  EXPECT_TRUE(beside_pipeline);
+  EXPECT_FALSE(said("expert parallel does not combine with a pipeline"));
   EXPECT_TRUE(said("ep is carved from dp x cp"));  // ep 4 beside tp 2: dp 2
   EXPECT_TRUE(said("optimizer state on disk does not combine with expert parallel"));
   excluded.clear();

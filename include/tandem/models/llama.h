@@ -154,7 +154,7 @@ TANDEM_MODULE(LlamaMLP);
 /// logits (renormalised over the k when norm_topk_prob), each expert a SwiGLU of its own under
 /// `experts.<e>` (one module per expert, so that an expert-parallel split keeps the names), their
 /// outputs summed with those weights. Dropless: every token reaches its k experts.
-struct LlamaSparseMoeImpl : torch::nn::Module {
+struct LlamaSparseMoeImpl : torch::nn::Module, tandem::parallel::ExpertParallelLayer {
   explicit LlamaSparseMoeImpl(const LlamaConfig& c);
   /// x [B, T, hidden] -> [B, T, hidden]; keeps this forward's router logits [B * T, experts].
   at::Tensor forward(const at::Tensor& x);
@@ -170,7 +170,11 @@ struct LlamaSparseMoeImpl : torch::nn::Module {
   int64_t num_experts = 0;  ///< the layer's experts, on every rank
   /// Note [Expert parallel]: keeps this rank's experts of `ep` (the others' modules dropped) and
   /// dispatches tokens to their ranks from now on.
-  void keep_experts(std::shared_ptr<const tandem::parallel::ExpertParallel> ep);
+  void keep_experts(std::shared_ptr<const tandem::parallel::ExpertParallel> ep) override;
+  std::shared_ptr<const tandem::parallel::ExpertParallel> layer_expert_parallel() const override {
+    return ep;
+  }
+  std::vector<at::Tensor> held_expert_parameters() override;
   at::Tensor forward_expert_parallel(const at::Tensor& h, const at::Tensor& weights,
                                      const at::Tensor& chosen);
   std::shared_ptr<const tandem::parallel::ExpertParallel> ep;

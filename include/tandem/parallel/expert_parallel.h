@@ -90,9 +90,25 @@ class ExpertParallelModel {
   virtual std::vector<at::Tensor> expert_parameters() = 0;
 };
 
+/// A mixture-of-experts layer that splits its experts over an ep group itself
+/// (tandem::models::LlamaSparseMoe does). A pipeline stage is a Sequential of a model's entries,
+/// not the model: Accelerator::prepare_pipeline hands the run's ExpertParallel to every such
+/// layer of its stage, and held_experts finds them there.
+class ExpertParallelLayer {
+ public:
+  virtual ~ExpertParallelLayer() = default;
+  /// From now on the layer keeps only this rank's experts and sends tokens to their ranks.
+  virtual void keep_experts(std::shared_ptr<const ExpertParallel> ep) = 0;
+  /// The ExpertParallel it was handed (null before keep_experts).
+  virtual std::shared_ptr<const ExpertParallel> layer_expert_parallel() const = 0;
+  /// The parameters of the experts it holds.
+  virtual std::vector<at::Tensor> held_expert_parameters() = 0;
+};
+
 /// What the strategies, clipping and checkpoints ask of an expert-parallel model: the run's
 /// ExpertParallel and the expert parameters this rank holds. Empty (false) when no model splits
-/// its experts (none implements ExpertParallelModel, or ep is 1).
+/// its experts (none implements ExpertParallelModel nor holds an ExpertParallelLayer that was
+/// handed one, or ep is 1).
 struct HeldExperts {
   std::shared_ptr<const ExpertParallel> ep;
   std::set<const void*> tensors;  // TensorImpl of each held expert parameter

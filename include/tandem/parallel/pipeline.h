@@ -181,6 +181,10 @@ class Pipeline {
  private:
   void check_microbatches(const at::Tensor& t, const char* what) const;
   void reduce_gradients();
+  // Averages `params`' gradients over `group` (divide_sum_by 1: the mean; else the sum divided
+  // by it); a parameter with no gradient on some ranks counts as zeros there.
+  void reduce_gradients(std::vector<at::Tensor>& params, ProcessGroup& group,
+                        double divide_sum_by, const std::string& what);
 
   std::shared_ptr<torch::nn::Module> module_;
   std::vector<std::shared_ptr<torch::nn::Module>> chunk_modules_;
