@@ -582,16 +582,11 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   const auto mine = plan.entries.empty() ? plan : stage_plan(plan, *stage, *pp);
   // Note [Expert parallel beside a pipeline]: the ranks of an ep group hold the same stage and
   // run the same schedule, so their sparse layers' all-to-alls meet micro-batch by micro-batch,
-  // forward and backward. Every mixture layer of the stage keeps its experts before anything
+  // forward and backward (under the zero-bubble schedule the weight pass runs the backward of
+  // the all-to-alls it goes through once more, on every rank of the group alike). Every mixture layer of the stage keeps its experts before anything
   // sees its parameters; the stages count their layers together, so every rank refuses alike a
   // model with none.
   if (expert_parallel_->size() > 1) {
-    if (options.schedule() == parallel::ScheduleKind::kZeroBubble)
-      throw ::tandem::Refused(
-          state_.prefix() + " prepare_pipeline: expert parallel (ep_size " +
-          std::to_string(expert_parallel_->size()) + ") beside the zero-bubble schedule, whose "
-          "weight gradients would run the experts' all-to-all backward a second time, is not "
-          "supported in tandem; use the 1f1b, gpipe or interleaved_1f1b schedule with ep");
     int64_t layers = 0;
     for (const auto& m : stage->modules(/*include_self=*/false))
       if (auto* layer = dynamic_cast<parallel::ExpertParallelLayer*>(m.get())) {

@@ -107,8 +107,7 @@ TEST(ContextParallel, TheLauncherRefusesWhatCannotSplitItsSequences) {
 
 // Note [Expert parallel]: --ep_size reaches every rank; a model without ExpertParallelModel (the
 // example GPT) and a model without experts (the default Llama) are refused, and so are an
-// ep_size that does not divide dp, ep beside ZeRO's optimizer state on disk or beside the
-// zero-bubble pipeline schedule.
+// ep_size that does not divide dp and ep beside ZeRO's optimizer state on disk.
 TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
   auto gpt = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2"}));
   EXPECT_NE(gpt.exit_code, 0) << gpt.output;
@@ -132,11 +131,20 @@ TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
   write_moe(dir.str(), 16, 2);
   const std::vector<std::string> moe{"--config", dir.str() + "/moe.json", "--seq_len", "16",
                                      "--batch_size", "2", "--steps", "2"};
-  // Note [Expert parallel beside a pipeline]: the zero-bubble schedule is refused beside ep.
-  auto zb = launch(4, kTrainLlm, moe,
-                   with_flags({"--ep_size", "2", "--pp_size", "2", "--pp_schedule", "zero_bubble"}));
-  EXPECT_NE(zb.exit_code, 0) << zb.output;
-  EXPECT_GE(count_of(zb.output, "beside the zero-bubble schedule"), 1) << zb.output;
+  // Beside a pipeline (Note [Expert parallel beside a pipeline]): no stage of a dense model (its
+  // head untied, so that it splits into stages) has a mixture layer.
+  std::ofstream(dir.str() + "/dense.json")
+      << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 64, "tie_word_embeddings": false})";
+  auto dense_pp = launch(4, kTrainLlm,
+                         {"--config", dir.str() + "/dense.json", "--seq_len", "16", "--batch_size",
+                          "2", "--steps", "1"},
+                         with_flags({"--ep_size", "2", "--pp_size", "2"}));
+  EXPECT_NE(dense_pp.exit_code, 0) << dense_pp.output;
+  EXPECT_GE(count_of(dense_pp.output, "no stage of the model holds a layer that splits its "
+                                      "experts"), 1)
+      << dense_pp.output;
   auto ok = launch(2, kTrainLlm, moe, with_flags({"--ep_size", "2"}));
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_GE(count_of(ok.output, "expert parallel: ep 2, 2 of every layer's 4 experts per rank"), 1)
@@ -277,8 +285,8 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
       << then["u"].output;
 }
 
-// Note [Expert parallel beside a pipeline]: the mixture under ep 2 x pp 2 (4 ranks, 1F1B) and
-// under ep 2 x pp 2 with 2 stages per rank (interleaved 1F1B) trains equal, within float
+// Note [Expert parallel beside a pipeline]: the mixture under ep 2 x pp 2 (4 ranks, 1F1B),
+// with 2 stages per rank (interleaved 1F1B) and under the zero-bubble schedule trains equal, within float
 // rounding, to one process on the same global batch; its checkpoint resumes bitwise on the same
 // layout and within rounding on pp 2 x dp 2 without ep, and one saved there resumes under ep; the
 // saved model holds every expert of every stage.
@@ -317,11 +325,16 @@ TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
                         {args(2, "v", {}),
                          with_flags({"--ep_size", "2", "--pp_size", "2", "--pp_virtual_stages",
                                      "2"})}},
+                       {"z", 4,
+                        {args(2, "z", {}),
+                         with_flags({"--ep_size", "2", "--pp_size", "2", "--pp_schedule",
+                                     "zero_bubble"})}},
                        {"p", 4, {args(2, "p", ckpt("p")), with_flags(pp)}}});
   check(first);
   EXPECT_EQ(count_of(first["a"].output, "expert parallel: ep 2, 2 of every layer's 4 experts"), 1)
       << first["a"].output;
   EXPECT_EQ(count_of(first["v"].output, "2 stage(s) per rank"), 1) << first["v"].output;
+  EXPECT_EQ(count_of(first["z"].output, "schedule ZeroBubble"), 1) << first["z"].output;
   auto then = tandem::testing::launch_jobs_by_size(
       kTrainLlmJobs, std::vector<Run>{{"b", 4, {args(2, "b", resume("a", "b")), with_flags(epp)}},
                                       {"c", 4, {args(2, "c", resume("a", "c")), with_flags(pp)}},
@@ -352,6 +365,8 @@ TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
   EXPECT_LE(worst("p", "dense"), kRounding) << first["p"].output;
   EXPECT_LE(worst("a", "p"), 1e-5) << first["a"].output;
   EXPECT_LE(worst("v", "p"), 1e-5) << first["v"].output;
+  EXPECT_LE(worst("z", "dense"), kRounding) << first["z"].output;
+  EXPECT_LE(worst("z", "p"), 1e-5) << first["z"].output;
   // AdamW forgives a gradient scaled as a whole (an expert's sum divided by its replicas instead
   // of dp would be): the step-4 gradient norm, before clipping, does not.
   auto grad_norm = [](const std::string& output) {
@@ -365,6 +380,7 @@ TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
   EXPECT_GT(norm, 0) << first["p"].output;
   EXPECT_NEAR(grad_norm(first["a"].output), norm, 1e-5 * norm) << first["a"].output;
   EXPECT_NEAR(grad_norm(first["v"].output), norm, 1e-5 * norm) << first["v"].output;
+  EXPECT_NEAR(grad_norm(first["z"].output), norm, 1e-5 * norm) << first["z"].output;
   EXPECT_EQ(worst("b", "a"), 0.0) << then["b"].output;
   EXPECT_LE(worst("c", "a"), kRounding) << then["c"].output;
   EXPECT_LE(worst("g", "p"), kRounding) << then["g"].output;
