@@ -415,8 +415,12 @@ int main(int argc, char** argv) {
       add_lora();
       // Note [Llama pipeline stages]: the whole model as a Sequential; this rank keeps its
       // stage of it, split over tp too.
-      auto loss = [](const torch::Tensor& logits, const torch::Tensor& labels) {
-        return models::causal_lm_loss(logits, labels);
+      // Note [Context parallel beside a pipeline]: under cp the stages compute this rank's
+      // chunks of each sequence, and the loss is that of the chunks (the labels stay whole).
+      auto cp_group = cp > 1 ? acc.context_parallel() : nullptr;
+      auto loss = [cp_group](const torch::Tensor& logits, const torch::Tensor& labels) {
+        return cp_group ? models::context_parallel_causal_lm_loss(*cp_group, logits, labels)
+                        : models::causal_lm_loss(logits, labels);
       };
       auto popts = tandem::parallel::PipelineOptions().microbatches(static_cast<int>(microbatches));
       auto seq = models::llama_sequential(model);
@@ -441,12 +445,15 @@ int main(int argc, char** argv) {
     if (!pipeline) {
       if (!model_dir.empty() && !whole) acc.load_model(*model, model_dir, load_options);
       trained = model.ptr();
-      // Note [Context parallel]: prepare handed the model the cp group.
-      if (const auto& cp = model->context_parallel)
-        acc.print("context parallel: cp " + std::to_string(cp->size()) + " (" +
-                  tandem::parallel::to_string(cp->comm()) + "), " +
-                  std::to_string(seq_len / cp->size()) + " of every " + std::to_string(seq_len) +
-                  " positions per rank");
+    }
+    // Note [Context parallel]: prepare handed the model the cp group (prepare_pipeline each
+    // stage's attention layers).
+    if (cp > 1) {
+      const auto& group = acc.context_parallel();
+      acc.print("context parallel: cp " + std::to_string(cp) + " (" +
+                tandem::parallel::to_string(group->comm()) + "), " +
+                std::to_string(seq_len / cp) + " of every " + std::to_string(seq_len) +
+                " positions per rank");
     }
     // A tied head is one tensor under two names: the optimizer lists it once. Under LoRA only
     // the adapters train; under a pipeline, this stage's parameters.
@@ -537,7 +544,8 @@ int main(int argc, char** argv) {
         torch::Tensor loss;
         if (pipeline) {
           // The micro-batches' mean loss over this stage's data-parallel peers, on every rank.
-          loss = torch::tensor(pipeline->step(b.data, b.target));
+          loss = torch::tensor(pipeline->step(
+              cp > 1 ? acc.context_parallel()->shard(b.data, 1) : b.data, b.target));
         } else {
           loss = model->loss(b.data, b.target);
           acc.backward(loss);

@@ -603,6 +603,29 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
           "holds a layer that splits its experts (tandem::parallel::ExpertParallelLayer, as "
           "tandem::models::LlamaSparseMoe); run without --ep_size");
   }
+  // Note [Context parallel beside a pipeline]: the ranks of a cp group hold the same stage and
+  // run the same schedule, so their ring attention meets micro-batch by micro-batch; every
+  // attention layer of the stage takes the run's ContextParallel, and the program feeds the
+  // pipeline this rank's chunks (ContextParallel::shard) and a loss of its chunks (as
+  // models::context_parallel_causal_lm_loss). The stage's gradients are averaged over the
+  // replicas, which are dp x cp, as without a pipeline.
+  if (context_parallel_->size() > 1) {
+    int64_t layers = 0;
+    for (const auto& m : stage->modules(/*include_self=*/false))
+      if (auto* layer = dynamic_cast<parallel::ContextParallelLayer*>(m.get())) {
+        layer->set_layer_context_parallel(context_parallel_);
+        ++layers;
+      }
+    auto count = at::full({1}, layers, at::kLong);
+    pp->allreduce(count, ReduceOp::kSum);
+    if (count.item<int64_t>() == 0)
+      throw ::tandem::Refused(
+          state_.prefix() + " prepare_pipeline: this run has cp_size " +
+          std::to_string(context_parallel_->size()) +
+          " (tandem launch --cp_size, or parallelism_config cp_size), but no stage of the model "
+          "holds an attention layer that splits its sequences (tandem::parallel::"
+          "ContextParallelLayer, as tandem::models::LlamaAttention); run without --cp_size");
+  }
   Transforms steps;
   steps.tp_plan = &mine;
   steps.checkpoint_entries = &stage;

@@ -645,13 +645,6 @@ void validate(const LaunchConfig& c) {
                                   " (--tp_size, --cp_size, --pp_size, --dp_replicate_size, --dp_shard_size)");
     }
   }
-  // Note [Context parallel]: not beside a pipeline; refused before any rank starts.
-  if (shape.pp > 1 && shape.cp > 1)
-    throw ::tandem::Refused("parallelism_config" + where + ": context parallel (cp_size " +
-                            std::to_string(shape.cp) + ") does not combine with pipeline "
-                            "parallel (pp_size " + std::to_string(shape.pp) +
-                            ") in tandem yet; drop one of the two (cp combines with dp, ZeRO "
-                            "and --tp_size)");
   // Note [Pipelines and ZeRO]: refused before any rank starts, naming both settings as given.
   if (shape.pp > 1) {
     auto from_flag = [&](const std::string& key) {

@@ -149,13 +149,6 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
         " (tandem launch --pp_size, or AcceleratorOptions().parallelism) with ZeRO (--use_deepspeed "
         "--zero_stage, --use_fsdp, or AcceleratorOptions().sharding); the pipeline averages each "
         "stage's gradients itself. Drop one of the two (ZeRO combines with --tp_size)");
-  // Note [Context parallel]: the pipeline's stages pass whole sequences between them, and its
-  // gradient averaging knows no cp; refused before any group is built.
-  if (c.mesh_shape.pp > 1 && c.mesh_shape.cp > 1)
-    throw ::tandem::Refused(
-        prefix + "context parallel (cp_size " + std::to_string(c.mesh_shape.cp) +
-        ") does not combine with pipeline parallel (pp_size " + std::to_string(c.mesh_shape.pp) +
-        ") in tandem yet; drop one of the two (cp combines with dp, ZeRO and --tp_size)");
   with_prefix([&] {
     c.activation_checkpointing =
         options.activation_checkpointing().value_or(activation_checkpointing_of(map, env));

@@ -373,16 +373,14 @@ void LlamaForCausalLMImpl::set_context_parallel(
                   "sequences rather than the whole batch; set output_router_logits to false in "
                   "config.json, or train without cp_size");
   context_parallel = cp;
-  for (auto& layer : model->layers) layer->self_attn->cp = cp;
+  for (auto& layer : model->layers) layer->self_attn->set_layer_context_parallel(cp);
 }
-
-namespace {
 
 // Note [Context parallel]: the causal-LM loss of the whole batch from this rank's chunks: the
 // labels shifted over the whole sequence first, this rank's sum of token losses scaled so that
 // the average over cp is the whole batch's mean; its value is that mean on every cp rank.
-at::Tensor context_parallel_loss(const tandem::parallel::ContextParallel& cp,
-                                 const at::Tensor& logits, const at::Tensor& labels) {
+at::Tensor context_parallel_causal_lm_loss(const tandem::parallel::ContextParallel& cp,
+                                           const at::Tensor& logits, const at::Tensor& labels) {
   TANDEM_CHECK(labels.dim() == 2, "LlamaForCausalLM::loss: labels [B, T] expected, got ",
                labels.sizes());
   const auto T = labels.size(1), V = logits.size(2);
@@ -401,11 +399,9 @@ at::Tensor context_parallel_loss(const tandem::parallel::ContextParallel& cp,
   return scaled + (value - scaled).detach();
 }
 
-}  // namespace
-
 at::Tensor LlamaForCausalLMImpl::loss(const at::Tensor& ids, const at::Tensor& labels) {
   auto l = context_parallel
-               ? context_parallel_loss(*context_parallel,
+               ? context_parallel_causal_lm_loss(*context_parallel,
                                        lm_head(model(context_parallel->shard(ids, 1))), labels)
                : causal_lm_loss(forward(ids), labels);
   if (config.num_experts > 0 && config.output_router_logits) {

@@ -268,10 +268,6 @@ std::vector<Layout> enumerate_layouts(const PlanModel& model, const PlanMachine&
         out_by("ep is carved from dp x cp and must divide it", shape);
         continue;
       }
-      if (cp > 1 && pp > 1) {
-        out_by("context parallel does not combine with a pipeline in tandem", shape);
-        continue;
-      }
       if (cp > 1 && (model.context <= 0 || model.context % (2 * cp))) {
         out_by("context parallel needs a context that is a multiple of 2 x cp", shape);
         continue;

@@ -364,13 +364,12 @@ TEST(Predict, ContextParallelSplitsActivationsAndShardsOverDpTimesCp) {
   const auto m = tt::gpt_plan_model(4, 512, 4, 256, 64);
   tt::PlanSearch search;
   search.global_batch = 4;
+  bool beside_pipeline = false;  // Note [Context parallel beside a pipeline]
   auto with_cp = [&](int cp, std::vector<std::string>* excluded) {
     int n = 0;
     for (const auto& x : tt::enumerate_layouts(m, machine(4), search, excluded)) {
       n += x.cp == cp;
-      if (x.cp > 1) {
-        EXPECT_EQ(x.pp, 1) << x.name();
-      }
+      beside_pipeline = beside_pipeline || (x.cp > 1 && x.pp > 1);
       EXPECT_EQ(x.dp * x.cp * x.tp * x.pp, 4) << x.name();
     }
     return n;
@@ -380,9 +379,10 @@ TEST(Predict, ContextParallelSplitsActivationsAndShardsOverDpTimesCp) {
   std::vector<std::string> excluded;
   EXPECT_GT(with_cp(2, &excluded), 0);
   EXPECT_GT(with_cp(1, nullptr), 0);
+  EXPECT_TRUE(beside_pipeline);
   bool said = false;
   for (const auto& e : excluded) said |= e.find("context parallel does not combine") != std::string::npos;
-  EXPECT_TRUE(said);
+  EXPECT_FALSE(said);
   const auto odd = tt::gpt_plan_model(4, 512, 4, 256, 66);  // 66 is not a multiple of 2 x 2
   excluded.clear();
   for (const auto& x : tt::enumerate_layouts(odd, machine(4), search, &excluded))

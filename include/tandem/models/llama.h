@@ -116,7 +116,7 @@ at::Tensor llama_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            std::optional<int64_t> window, double dropout, bool training,
                            tandem::nn::AttentionKernel kernel);
 
-struct LlamaAttentionImpl : torch::nn::Module {
+struct LlamaAttentionImpl : torch::nn::Module, tandem::parallel::ContextParallelLayer {
   LlamaAttentionImpl(const LlamaConfig& c, int64_t layer);
   /// x [B, T, hidden] -> [B, T, hidden]. Heads are counted from the projections' outputs, so a
   /// tensor-parallel plan that splits q/k/v by whole heads leaves this rank its share.
@@ -136,6 +136,10 @@ struct LlamaAttentionImpl : torch::nn::Module {
   /// Context parallel (LlamaForCausalLM::set_context_parallel): x holds this rank's chunks of
   /// each sequence, RoPE takes their positions and attention runs over the cp group.
   std::shared_ptr<const tandem::parallel::ContextParallel> cp;
+  void set_layer_context_parallel(
+      std::shared_ptr<const tandem::parallel::ContextParallel> group) override {
+    cp = group && group->size() > 1 ? std::move(group) : nullptr;
+  }
 };
 TANDEM_MODULE(LlamaAttention);
 
@@ -277,6 +281,12 @@ TORCH_MODULE(LlamaForCausalLM);
 /// at positions 0..T-2 against labels [B, T] at 1..T-1, in float32, mean over the labels that
 /// are not -100.
 at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels);
+/// The same loss of the whole batch from this rank's chunks under context parallel: `logits`
+/// [B, T / cp, V] of this rank's chunks (ContextParallel::shard of the ids), `labels` [B, T]
+/// whole; its value is the whole batch's mean on every cp rank, and averaging its gradients over
+/// cp gives the whole batch's (Note [Context parallel]).
+at::Tensor context_parallel_causal_lm_loss(const tandem::parallel::ContextParallel& cp,
+                                           const at::Tensor& logits, const at::Tensor& labels);
 
 /// transformers' base_model_tp_plan for the family: q/k/v and gate/up column-parallel, o and down
 /// row-parallel (Megatron's split; the embedding, norms and head stay whole); Qwen3's q/k norms,

@@ -79,4 +79,17 @@ class ContextParallelModel {
   virtual void set_context_parallel(std::shared_ptr<const ContextParallel> cp) = 0;
 };
 
+/// An attention layer that computes its part of each sequence over a cp group itself
+/// (tandem::models::LlamaAttention does). A pipeline stage is a Sequential of a model's entries,
+/// not the model: Accelerator::prepare_pipeline hands the run's ContextParallel to every such
+/// layer of its stage, and the program feeds the pipeline this rank's chunks of each sequence
+/// (ContextParallel::shard) and computes the loss of its chunks (Note [Context parallel beside a
+/// pipeline]).
+class ContextParallelLayer {
+ public:
+  virtual ~ContextParallelLayer() = default;
+  /// From now on the layer takes this rank's chunks and attends over `cp`.
+  virtual void set_layer_context_parallel(std::shared_ptr<const ContextParallel> cp) = 0;
+};
+
 }  // namespace tandem::parallel
