@@ -580,52 +580,50 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   // Every rank of pp agrees on the plan's entries before any stage is split (stage_plan counts
   // the matches over pp).
   const auto mine = plan.entries.empty() ? plan : stage_plan(plan, *stage, *pp);
-  // Note [Expert parallel beside a pipeline]: the ranks of an ep group hold the same stage and
-  // run the same schedule, so their sparse layers' all-to-alls meet micro-batch by micro-batch,
-  // forward and backward (under the zero-bubble schedule the weight pass runs the backward of
-  // the all-to-alls it goes through once more, on every rank of the group alike). Every mixture layer of the stage keeps its experts before anything
-  // sees its parameters; the stages count their layers together, so every rank refuses alike a
-  // model with none.
-  if (expert_parallel_->size() > 1) {
+  // Hands the run's group to every layer of the stage that is a `Layer`; every rank refuses
+  // alike (the stages count their layers together) a model with none, naming `what`.
+  auto hand_to_layers = [&](auto give, const std::string& what) {
     int64_t layers = 0;
     for (const auto& m : stage->modules(/*include_self=*/false))
-      if (auto* layer = dynamic_cast<parallel::ExpertParallelLayer*>(m.get())) {
-        layer->keep_experts(expert_parallel_);
-        ++layers;
-      }
+      if (give(*m)) ++layers;
     auto count = at::full({1}, layers, at::kLong);
     pp->allreduce(count, ReduceOp::kSum);
     if (count.item<int64_t>() == 0)
-      throw ::tandem::Refused(
-          state_.prefix() + " prepare_pipeline: this run has ep_size " +
-          std::to_string(expert_parallel_->size()) +
-          " (tandem launch --ep_size, or parallelism_config ep_size), but no stage of the model "
-          "holds a layer that splits its experts (tandem::parallel::ExpertParallelLayer, as "
-          "tandem::models::LlamaSparseMoe); run without --ep_size");
-  }
+      throw ::tandem::Refused(state_.prefix() + " prepare_pipeline: this run has " + what);
+  };
+  // Note [Expert parallel beside a pipeline]: the ranks of an ep group hold the same stage and
+  // run the same schedule, so their sparse layers' all-to-alls meet micro-batch by micro-batch,
+  // forward and backward (under the zero-bubble schedule the weight pass runs the backward of
+  // the all-to-alls it goes through once more, on every rank of the group alike). Every mixture
+  // layer of the stage keeps its experts before anything sees its parameters.
+  if (expert_parallel_->size() > 1)
+    hand_to_layers(
+        [this](torch::nn::Module& m) {
+          auto* layer = dynamic_cast<parallel::ExpertParallelLayer*>(&m);
+          if (layer) layer->keep_experts(expert_parallel_);
+          return layer != nullptr;
+        },
+        "ep_size " + std::to_string(expert_parallel_->size()) +
+            " (tandem launch --ep_size, or parallelism_config ep_size), but no stage of the model "
+            "holds a layer that splits its experts (tandem::parallel::ExpertParallelLayer, as "
+            "tandem::models::LlamaSparseMoe); run without --ep_size");
   // Note [Context parallel beside a pipeline]: the ranks of a cp group hold the same stage and
   // run the same schedule, so their ring attention meets micro-batch by micro-batch; every
   // attention layer of the stage takes the run's ContextParallel, and the program feeds the
   // pipeline this rank's chunks (ContextParallel::shard) and a loss of its chunks (as
   // models::context_parallel_causal_lm_loss). The stage's gradients are averaged over the
   // replicas, which are dp x cp, as without a pipeline.
-  if (context_parallel_->size() > 1) {
-    int64_t layers = 0;
-    for (const auto& m : stage->modules(/*include_self=*/false))
-      if (auto* layer = dynamic_cast<parallel::ContextParallelLayer*>(m.get())) {
-        layer->set_layer_context_parallel(context_parallel_);
-        ++layers;
-      }
-    auto count = at::full({1}, layers, at::kLong);
-    pp->allreduce(count, ReduceOp::kSum);
-    if (count.item<int64_t>() == 0)
-      throw ::tandem::Refused(
-          state_.prefix() + " prepare_pipeline: this run has cp_size " +
-          std::to_string(context_parallel_->size()) +
-          " (tandem launch --cp_size, or parallelism_config cp_size), but no stage of the model "
-          "holds an attention layer that splits its sequences (tandem::parallel::"
-          "ContextParallelLayer, as tandem::models::LlamaAttention); run without --cp_size");
-  }
+  if (context_parallel_->size() > 1)
+    hand_to_layers(
+        [this](torch::nn::Module& m) {
+          auto* layer = dynamic_cast<parallel::ContextParallelLayer*>(&m);
+          if (layer) layer->set_layer_context_parallel(context_parallel_);
+          return layer != nullptr;
+        },
+        "cp_size " + std::to_string(context_parallel_->size()) +
+            " (tandem launch --cp_size, or parallelism_config cp_size), but no stage of the model "
+            "holds an attention layer that splits its sequences (tandem::parallel::"
+            "ContextParallelLayer, as tandem::models::LlamaAttention); run without --cp_size");
   Transforms steps;
   steps.tp_plan = &mine;
   steps.checkpoint_entries = &stage;
