@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/nn/module.h>
 
+#include <functional>
 #include <string>
 
 #include "tandem/comm/process_group.h"
@@ -96,15 +97,20 @@ HeldExperts held_experts(torch::nn::Module& model) {
     for (const auto& p : moe->expert_parameters()) out.tensors.insert(p.unsafeGetTensorImpl());
     return out;
   }
-  // A pipeline stage: the layers it holds (Note [Expert parallel beside a pipeline]).
-  for (const auto& m : model.modules(/*include_self=*/true)) {
-    auto* layer = dynamic_cast<ExpertParallelLayer*>(m.get());
-    auto ep = layer ? layer->layer_expert_parallel() : nullptr;
-    if (!ep || ep->size() <= 1) continue;
-    out.ep = std::move(ep);
-    for (const auto& p : layer->held_expert_parameters())
-      out.tensors.insert(p.unsafeGetTensorImpl());
-  }
+  // A pipeline stage: the layers it holds (Note [Expert parallel beside a pipeline]), found
+  // through children() (Module::modules() needs the module in a shared_ptr, which one being
+  // built is not yet).
+  std::function<void(torch::nn::Module&)> visit = [&](torch::nn::Module& m) {
+    if (auto* layer = dynamic_cast<ExpertParallelLayer*>(&m)) {
+      if (auto ep = layer->layer_expert_parallel(); ep && ep->size() > 1) {
+        out.ep = std::move(ep);
+        for (const auto& p : layer->held_expert_parameters())
+          out.tensors.insert(p.unsafeGetTensorImpl());
+      }
+    }
+    for (const auto& c : m.children()) visit(*c);
+  };
+  visit(model);
   return out;
 }
 
