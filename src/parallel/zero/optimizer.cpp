@@ -195,15 +195,14 @@ bool ZeroStrategy::prepare_optimizer(torch::optim::Optimizer& optimizer) {
     std::vector<at::Tensor> shards;
     for (const auto& u : s->units)
       if (u.group == static_cast<int>(g)) shards.push_back(u.shard_param);
+    // s->experts in the order each group steps them (expert_index_in_group).
     for (size_t i = 0; i < experts.size(); ++i)
-      if (expert_groups[i] == static_cast<int>(g)) shards.push_back(experts[i].second);
+      if (expert_groups[i] == static_cast<int>(g)) {
+        shards.push_back(experts[i].second);
+        s->experts.push_back({experts[i].first, experts[i].second, expert_groups[i]});
+      }
     param_groups[g].params() = shards;
   }
-  // In the order each group steps them (expert_index_in_group).
-  for (size_t g = 0; g < param_groups.size(); ++g)
-    for (size_t i = 0; i < experts.size(); ++i)
-      if (expert_groups[i] == static_cast<int>(g))
-        s->experts.push_back({experts[i].first, experts[i].second, expert_groups[i]});
   if (!experts.empty()) {
     if (ctx_.master_weights)
       for (const auto& kv : experts)
