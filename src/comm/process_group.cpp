@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -223,6 +224,14 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
   if (options.backend() != "auto" && options.backend() != "gloo" && options.backend() != "nccl")
     throw ::tandem::Refused(st.prefix() + " unknown process group backend '" +
                                 options.backend() + "': use auto, gloo or nccl");
+  // Note [Secondary failures]: Gloo writes to its sockets with writev(), which raises SIGPIPE
+  // when a peer has gone; left at its default that signal kills this rank before its collective
+  // can say why (and the launcher would name it instead of the rank that failed first). Ignored,
+  // as Python ignores it under torch.distributed, the write fails with EPIPE and the collective
+  // reports the lost peer. A handler the program installed is left alone.
+  struct sigaction pipe_action {};
+  if (::sigaction(SIGPIPE, nullptr, &pipe_action) == 0 && pipe_action.sa_handler == SIG_DFL)
+    ::signal(SIGPIPE, SIG_IGN);
   auto impl = std::make_unique<Impl>();
   impl->rank = st.rank;
   impl->size = st.world_size;

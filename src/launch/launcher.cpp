@@ -231,8 +231,11 @@ void spawn(Child& c, const LaunchOptions& opts) {
 }
 
 // Note [Secondary failures]: tandem's collectives write "peer" into TANDEM_ERROR_FILE when they
-// fail because another rank went away (comm/process_group.cpp); the launcher reads it here.
+// fail because another rank went away (comm/process_group.cpp); the launcher reads it here. A
+// rank killed by SIGPIPE wrote to a socket whose peer had gone (a program that put SIGPIPE back
+// to its default): a consequence too.
 bool failed_because_of_peer(const Child& c) {
+  if (WIFSIGNALED(c.status) && WTERMSIG(c.status) == SIGPIPE) return true;
   auto it = c.plan.env.find(config::var::kErrorFile);
   if (it == c.plan.env.end()) return false;
   std::ifstream f(it->second);

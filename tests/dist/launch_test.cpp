@@ -239,6 +239,19 @@ TEST(Launch, StoppingTheRanksIsNotAReceivedSignal) {
   }
 }
 
+// Note [Secondary failures]: a rank killed by SIGPIPE wrote to a socket whose peer had gone; the
+// rank that failed first is named and its exit code is the job's. Rank 0 dies of SIGPIPE at
+// once, rank 1 exits with code 3 a moment later.
+TEST(Launch, ARankKilledBySigpipeIsNotNamedAsTheCause) {
+  auto r = run_command({kCli, "launch", "--num_processes", "2", "--cpu", "/bin/sh", "-c",
+                        "if [ \"$RANK\" = 0 ]; then kill -PIPE $$; else sleep 0.3; exit 3; fi"},
+                       {}, 60);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("rank 0 (pid"), std::string::npos) << r.output;
+}
+
 // Each message carries the CLI's prefix once.
 TEST(Launch, MessagesCarryTheirPrefixOnce) {
   for (std::vector<std::string> argv :
