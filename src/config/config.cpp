@@ -293,7 +293,9 @@ void set_parallelism(LaunchConfig& c, std::string key, const std::string& value,
     c.parallelism_config[prefix + key] =
         parallel::to_string(parallel::context_parallel_comm_from_name(trim(value), origin));
   } else if (key == "sp_size" || key == "sp_backend") {
-    note_ignored(c, "parallelism_config." + prefix + key + ": " + trim(value));
+    note_ignored(c, "parallelism_config." + prefix + key + ": " + trim(value) +
+                        " (DeepSpeed's sequence parallel; its all-to-all of heads is cp_size with "
+                        "cp_comm_strategy: ulysses)");
   } else {
     throw ::tandem::Refused(origin + ": unknown parallelism_config key '" + key +
                                 "'; expected parallelism_config_dp_replicate_size, "

@@ -93,7 +93,7 @@ const std::vector<EnvVar>& run_environment_table() {
       {var::kEpSize, "parallelism_config.parallelism_config_ep_size", "--ep_size", K::kPositiveInt, R::kRunConfig, true, "2",
        "expert-parallel ranks: each mixture-of-experts layer's experts split over them (within dp)"},
       {var::kCpComm, "parallelism_config.parallelism_config_cp_comm_strategy", "--cp_comm_strategy", K::kChoice, R::kRunConfig, true, "alltoall",
-       "context parallel keys/values: alltoall (ring) or allgather"},
+       "context parallel keys/values: alltoall (ring), allgather or ulysses (heads by all-to-all)"},
       {"TANDEM_FP8_FORMAT", "fp8_config.fp8_format", "", K::kChoice, R::kRunConfig, true, "E4M3",
        "HYBRID or E4M3 (mixed_precision fp8)"},
       {"TANDEM_FP8_AMAX_HISTORY_LEN", "fp8_config.amax_history_len", "", K::kInt, R::kRunConfig, true, "16",

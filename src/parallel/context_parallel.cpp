@@ -37,6 +37,16 @@
 // blocks' key and value gradients summed to their owners by one reduce-scatter. Grouped-query
 // heads travel unexpanded (the KV heads), expanded for each block's product and summed back.
 //
+// Ulysses (cp_comm_strategy: ulysses, DeepSpeed's): one all-to-all swaps the split, from this
+// rank's chunks of every head to every token of H / n heads (head group j to rank j), the
+// tokens put back in sequence order (rank j's chunks j and 2n-1-j from their positions); the
+// attention of those heads over the whole sequence is then dense (float32, masked by position,
+// autograd's own backward); a second all-to-all swaps the output back. The backward of each
+// all-to-all is the other. The heads must divide: H by n, and KV by n (or the KV heads are
+// expanded to H first, when n does not divide them). Each rank holds the whole sequence's
+// scores for its heads (H / n of [T, T]) where the ring holds [T / n, T / n] blocks: Ulysses
+// moves 4 activations' worth per layer once, the ring passes n - 1 key/value blocks.
+//
 // The loss (LlamaForCausalLM::loss under cp): the labels are shifted over the whole sequence
 // before the split (position t predicts label t + 1, the last position none), so no pair crosses
 // a chunk boundary; rank r's sum s_r of token losses is scaled to cp s_r / N (N the labelled
@@ -326,6 +336,61 @@ class Unshard : public torch::autograd::Function<Unshard> {
   }
 };
 
+// Ulysses (Note [Context parallel]): [B, Hx, L, D], this rank's chunks of every head, to
+// [B, Hx / n, T, D], every token of head group `rank` in sequence order; and back.
+at::Tensor sequence_order(int n, int64_t L, c10::Device device) {  // rank-order index -> position
+  std::vector<at::Tensor> parts;
+  for (int j = 0; j < n; ++j) parts.push_back(positions_of(j, n, L, device));
+  return torch::cat(parts);
+}
+at::Tensor to_heads(const at::Tensor& x, const ContextParallel& cp) {
+  const int n = cp.size();
+  const auto B = x.size(0), Hx = x.size(1), L = x.size(2), D = x.size(3);
+  auto rows = x.reshape({B, n, Hx / n, L, D}).transpose(0, 1).contiguous().view({n, -1});
+  const std::vector<int64_t> one(static_cast<size_t>(n), 1);
+  auto got = cp.group()->all_to_all_v(rows, one, one);  // row j: rank j's chunks of my heads
+  auto by_rank = got.view({n, B, Hx / n, L, D}).permute({1, 2, 0, 3, 4}).reshape({B, Hx / n, n * L, D});
+  auto order = sequence_order(n, L, x.device());
+  return torch::empty_like(by_rank).index_copy_(2, order, by_rank);
+}
+at::Tensor to_sequence(const at::Tensor& y, const ContextParallel& cp) {
+  const int n = cp.size();
+  const auto B = y.size(0), Hg = y.size(1), T = y.size(2), D = y.size(3), L = T / n;
+  auto by_rank = y.index_select(2, sequence_order(n, L, y.device()));
+  auto rows = by_rank.view({B, Hg, n, L, D}).permute({2, 0, 1, 3, 4}).contiguous().view({n, -1});
+  const std::vector<int64_t> one(static_cast<size_t>(n), 1);
+  auto got = cp.group()->all_to_all_v(rows, one, one);  // row j: my chunks of head group j
+  return got.view({n, B, Hg, L, D}).transpose(0, 1).reshape({B, n * Hg, L, D});
+}
+
+class ToHeads : public torch::autograd::Function<ToHeads> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const ContextParallel* cp) {
+    ctx->saved_data["cp"] = reinterpret_cast<int64_t>(cp);
+    return to_heads(x, *cp);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* cp = reinterpret_cast<const ContextParallel*>(ctx->saved_data["cp"].toInt());
+    return {to_sequence(grads[0].contiguous(), *cp), at::Tensor()};
+  }
+};
+
+class ToSequence : public torch::autograd::Function<ToSequence> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y,
+                            const ContextParallel* cp) {
+    ctx->saved_data["cp"] = reinterpret_cast<int64_t>(cp);
+    return to_sequence(y, *cp);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto* cp = reinterpret_cast<const ContextParallel*>(ctx->saved_data["cp"].toInt());
+    return {to_heads(grads[0].contiguous(), *cp), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 ContextParallel::ContextParallel(std::shared_ptr<ProcessGroup> group, ContextParallelComm comm)
@@ -377,7 +442,35 @@ at::Tensor ContextParallel::attention(const at::Tensor& q, const at::Tensor& k,
                "multiple of KV expected, got ", q.sizes(), ", ", k.sizes(), " and ", v.sizes());
   TANDEM_CHECK(q.size(2) % 2 == 0, "ContextParallel::attention: the local length ", q.size(2),
                " is not two chunks (shard() gives an even one)");
+  if (comm_ == ContextParallelComm::kUlysses && size_ > 1) return ulysses_attention(q, k, v, causal, window);
   return RingAttention::apply(q, k, v, this, causal, window ? *window : int64_t{-1});
+}
+
+at::Tensor ContextParallel::ulysses_attention(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, bool causal,
+                                              std::optional<int64_t> window) const {
+  const auto H = q.size(1), KV = k.size(1), L = q.size(2), D = q.size(3);
+  if (H % size_ != 0)
+    throw ::tandem::Refused(group_->prefix() + " context parallel: cp_comm_strategy ulysses " +
+                            "splits the attention heads over the cp ranks, and " +
+                            std::to_string(H) + " heads do not divide by cp_size " +
+                            std::to_string(size_) + "; choose a cp_size that divides them, or " +
+                            "cp_comm_strategy alltoall (the ring) or allgather, which have no " +
+                            "such rule");
+  // Grouped-query heads travel unexpanded when the KV heads divide too (head group j of the
+  // queries uses KV head group j); otherwise they are expanded to H first.
+  const bool expand = KV % size_ != 0;
+  auto kx = expand ? expand_heads(k, H) : k, vx = expand ? expand_heads(v, H) : v;
+  auto qh = ToHeads::apply(q.contiguous(), this).to(torch::kFloat);
+  auto kh = expand_heads(ToHeads::apply(kx.contiguous(), this).to(torch::kFloat), H / size_);
+  auto vh = expand_heads(ToHeads::apply(vx.contiguous(), this).to(torch::kFloat), H / size_);
+  const auto T = L * size_;
+  auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(q.device()));
+  auto scores = (torch::matmul(qh, kh.transpose(-2, -1)) / std::sqrt(static_cast<double>(D)))
+                    .masked_fill(masked_of(pos, pos, causal, window),
+                                 -std::numeric_limits<float>::infinity());
+  auto out = torch::matmul(torch::softmax(scores, -1), vh);
+  return ToSequence::apply(out.to(q.scalar_type()).contiguous(), this);
 }
 
 }  // namespace tandem::parallel

@@ -75,18 +75,19 @@ class ContextParallelAttention : public ::testing::TestWithParam<int> {};
 
 // Every rank's output and q/k/v gradients against the matching part of dense float64 attention
 // (4 query heads over 2 key/value heads, 8 positions per rank): within 1e-5, on every rank, for
-// both ways of moving the keys and values and each mask.
+// the three ways of moving the keys and values (ring, allgather, Ulysses) and each mask.
 TEST_P(ContextParallelAttention, EqualsDenseAttentionWithItsGradients) {
   const int n = GetParam();
   auto r = launch(n, kWorker, {"attention"}, with_flags());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto c = parse_checks(r.output);
-  EXPECT_EQ(c.worst.size(), 2u * 3u * 4u) << r.output;
+  EXPECT_EQ(c.worst.size(), 3u * 3u * 4u) << r.output;
   for (const auto& [name, worst] : c.worst) {
     EXPECT_LE(worst, 1e-5) << name << "\n" << r.output;
     EXPECT_EQ(c.count[name], n) << name;
   }
-  for (const char* name : {"alltoall causal dq", "alltoall window dk", "allgather full dv"})
+  for (const char* name : {"alltoall causal dq", "alltoall window dk", "allgather full dv",
+                           "ulysses causal dq", "ulysses window dk", "ulysses full out"})
     EXPECT_EQ(c.count[name], n) << name << "\n" << r.output;
 }
 
@@ -108,6 +109,8 @@ TEST(ContextParallel, ShardsLoadBalancedChunksAndRefusesAnUnevenSequence) {
   EXPECT_EQ(count_of(bad.output, "a sequence of 5 tokens cannot be split over cp_size 2"), 2)
       << bad.output;
   EXPECT_EQ(count_of(bad.output, "multiple of 2 x cp_size = 4"), 2) << bad.output;
+  EXPECT_EQ(count_of(bad.output, "3 heads do not divide by cp_size 2"), 2) << bad.output;
+  EXPECT_EQ(count_of(bad.output, "refused: no"), 0) << bad.output;
 }
 
 // --cp_size reaches every rank; a model that does not split its sequences (the example GPT) is

@@ -60,7 +60,9 @@ void attention(const std::shared_ptr<tandem::ProcessGroup>& world) {
     bool causal;
     std::optional<int64_t> window;
   };
-  for (const auto& comm : {cp::ContextParallelComm::kRing, cp::ContextParallelComm::kAllgather}) {
+  // Ulysses: 2 ranks split the 2 KV heads as they are, 4 ranks expand them to the 4 query heads.
+  for (const auto& comm : {cp::ContextParallelComm::kRing, cp::ContextParallelComm::kAllgather,
+                           cp::ContextParallelComm::kUlysses}) {
     cp::ContextParallel group(world, comm);
     for (const Case& c : {Case{"causal", true, std::nullopt}, Case{"window", true, 5},
                           Case{"full", false, std::nullopt}}) {
@@ -110,6 +112,15 @@ void refuse(const std::shared_ptr<tandem::ProcessGroup>& world) {
   cp::ContextParallel group(world);
   try {
     group.shard(torch::zeros({1, 2 * world->size() + 1}), 1);
+    std::cout << "refused: no" << std::endl;
+  } catch (const tandem::Refused& e) {
+    std::cout << "refused: " << e.what() << std::endl;
+  }
+  // Ulysses splits the heads: 3 of them over 2 ranks are refused, on every rank.
+  cp::ContextParallel ulysses(world, cp::ContextParallelComm::kUlysses);
+  auto q = torch::zeros({1, 3, 2, 4});
+  try {
+    ulysses.attention(q, q, q, true, std::nullopt);
     std::cout << "refused: no" << std::endl;
   } catch (const tandem::Refused& e) {
     std::cout << "refused: " << e.what() << std::endl;

@@ -18,7 +18,7 @@ the mixtures, train_llm's tokens per expert of every step (over every rank) are 
 (PyTorch's routers' top-k choices, counted by hooks).
 
 With a fourth argument `context_parallel`, the same against the layouts that split every
-sequence (Note [Context parallel]): cp 2 (by the ring and by allgather), cp 4, dp 2 x cp 2,
+sequence (Note [Context parallel]): cp 2 (by the ring, by allgather and by Ulysses), cp 4 (and by Ulysses), dp 2 x cp 2,
 ZeRO-3 over dp_shard x cp, and cp 2 x tp 2, for the Qwen3 and the Qwen3-MoE; and for the
 Qwen3-MoE with its experts split over ep ranks carved from dp x cp (cp 2 with ep 2, dp 2 x cp 2
 with ep 4, FSDP over dp_shard 2 x cp 2 with ep 2).
@@ -93,6 +93,11 @@ def main():
         ("context parallel 2", 2, ["--cp_size", "2"], GLOBAL_BATCH),
         ("context parallel 2 by allgather", 2,
          ["--cp_size", "2", "--cp_comm_strategy", "allgather"], GLOBAL_BATCH),
+        # Ulysses: the heads swapped with the sequence; on cp 4 the 2 KV heads are expanded to 4.
+        ("context parallel 2 by Ulysses", 2, ["--cp_size", "2", "--cp_comm_strategy", "ulysses"],
+         GLOBAL_BATCH),
+        ("context parallel 4 by Ulysses", 4, ["--cp_size", "4", "--cp_comm_strategy", "ulysses"],
+         GLOBAL_BATCH),
         ("context parallel 4", 4, ["--cp_size", "4"], GLOBAL_BATCH),
         ("data parallel 2 x context parallel 2 on 4", 4, ["--cp_size", "2"], GLOBAL_BATCH // 2),
         ("FSDP over dp_shard 2 x cp 2 on 4", 4, ["--use_fsdp", "--cp_size", "2"],

@@ -71,6 +71,14 @@ TEST(ParallelismConfig, ContextParallelKeys) {
     tandem::config::validate(parse_config(kBase + "parallelism_config:\n  cp_size: 3\n"));
   });
   EXPECT_TRUE(contains(e, "not a multiple of pp x cp x tp")) << e;
+  // Ulysses: a third strategy; Accelerate's DeepSpeed sequence-parallel keys are named as not
+  // acted on, with the key that is.
+  auto u = parse_config(kBase + "parallelism_config:\n  cp_size: 2\n  cp_comm_strategy: ulysses\n");
+  EXPECT_EQ(u.parallelism_config.at("parallelism_config_cp_comm_strategy"), "ulysses");
+  auto sp = parse_config(kBase + "parallelism_config:\n  parallelism_config_sp_size: 2\n"
+                                 "  parallelism_config_sp_backend: deepspeed\n");
+  ASSERT_EQ(sp.ignored.size(), 2u);
+  EXPECT_TRUE(contains(sp.ignored[0], "cp_comm_strategy: ulysses")) << sp.ignored[0];
 }
 
 // Note [Expert parallel]: ep_size reaches the ranks as TANDEM_EP_SIZE; it is no mesh dimension
@@ -93,9 +101,10 @@ TEST(ParallelismConfig, BadValuesAndKeys) {
   auto e = error_of([] { parse_config(kBase + "parallelism_config:\n  parallelism_config_tp_size: 0\n"); });
   EXPECT_TRUE(contains(e, "parallelism_config.parallelism_config_tp_size")) << e;
   EXPECT_TRUE(contains(e, "a size >= 1")) << e;
-  e = error_of([] { parse_config(kBase + "parallelism_config:\n  cp_comm_strategy: ulysses\n"); });
-  EXPECT_TRUE(contains(e, "cp_comm_strategy 'ulysses'")) << e;
+  e = error_of([] { parse_config(kBase + "parallelism_config:\n  cp_comm_strategy: heads\n"); });
+  EXPECT_TRUE(contains(e, "cp_comm_strategy 'heads'")) << e;
   EXPECT_TRUE(contains(e, "alltoall")) << e;
+  EXPECT_TRUE(contains(e, "allgather (gathered at once) or ulysses")) << e;
   e = error_of([] { parse_config(kBase + "parallelism_config:\n  tensor_size: 2\n"); });
   EXPECT_TRUE(contains(e, "unknown parallelism_config key 'tensor_size'")) << e;
   EXPECT_TRUE(contains(e, "parallelism_config_tp_size")) << e;

@@ -51,7 +51,9 @@ class ContextParallel {
 
   /// Scaled dot-product attention of this rank's queries over every rank's keys and values:
   /// q [B, H, L, D], k and v [B, KV, L, D] (H a multiple of KV: grouped-query attention), L
-  /// this rank's shard() of the sequence, scaled by 1/sqrt(D). `causal`: a query attends to
+  /// this rank's shard() of the sequence, scaled by 1/sqrt(D). Under kUlysses the heads are
+  /// swapped with the sequence instead (H, and KV or else the expanded heads, split over the
+  /// ranks: refused with tandem::Refused when size() does not divide H). `causal`: a query attends to
   /// the positions up to its own; `window`: and to fewer than `window` positions back
   /// (Mistral's sliding window). Returns [B, H, L, D]; differentiable in q, k and v, with the
   /// backward passing the keys' and values' gradients around the group. Accumulates in float32.
@@ -61,6 +63,8 @@ class ContextParallel {
                        std::optional<int64_t> window) const;
 
  private:
+  at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               bool causal, std::optional<int64_t> window) const;
   std::shared_ptr<ProcessGroup> group_;
   ContextParallelComm comm_;
   int size_ = 1;
