@@ -379,9 +379,6 @@ std::shared_ptr<parallel::ExpertParallel> Accelerator::make_expert_parallel(
     refuse("does not combine with optimizer state on disk (" + run.sharding->origin() +
            ", nvme_path " + run.sharding->nvme_path() + ") in tandem yet; keep the optimizer "
            "state in memory");
-  if (run.comm_hook != "none")
-    refuse("reduces the experts' gradients with the default allreduce; leave comm_hook (" +
-           run.comm_hook + ") out");
   // With context parallel, from dp x cp (as torchtitan): a token is routed wherever its chunk is.
   auto dp = topology_->replicas();
   const int n = dp->size();

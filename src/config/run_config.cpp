@@ -149,6 +149,19 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
         " (tandem launch --pp_size, or AcceleratorOptions().parallelism) with ZeRO (--use_deepspeed "
         "--zero_stage, --use_fsdp, or AcceleratorOptions().sharding); the pipeline averages each "
         "stage's gradients itself. Drop one of the two (ZeRO combines with --tp_size)");
+  // A communication hook reduces data parallel's gradient buckets; ZeRO reduces (and shards)
+  // them with its own collectives, and a pipeline averages its stages' gradients itself: a hook
+  // there would be accepted and never run.
+  if (parallel::comm_hook_from_name(c.comm_hook)->name() != "allreduce" &&
+      (stage > 0 || c.mesh_shape.pp > 1))
+    throw ::tandem::Refused(
+        prefix + "comm_hook " + c.comm_hook + " (tandem launch --ddp_comm_hook, the config "
+        "file's ddp_comm_hook, or AcceleratorOptions().comm_hook) compresses data parallel's "
+        "gradient allreduce, and this run reduces its gradients another way: " +
+        (stage > 0 ? "ZeRO stage " + std::to_string(stage) + " reduce-scatters them itself"
+                   : "the pipeline (pp_size " + std::to_string(c.mesh_shape.pp) +
+                         ") averages each stage's gradients itself") +
+        ". Leave the hook out (or run plain data parallel)");
   with_prefix([&] {
     c.activation_checkpointing =
         options.activation_checkpointing().value_or(activation_checkpointing_of(map, env));

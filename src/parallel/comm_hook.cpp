@@ -32,26 +32,29 @@ class CompressHook : public CommHook {
   explicit CompressHook(at::ScalarType dtype) : dtype_(dtype) {}
   Work start(ProcessGroup& pg, GradBucket& b) override {
     const auto wire = compress_hook_wire_dtype(dtype_, b.buffer.device().type());
-    at::Tensor& c = compressed_[b.index];
+    at::Tensor& c = compressed_[&b];
     if (!c.defined() || c.numel() != b.buffer.numel() || c.scalar_type() != wire ||
         c.device() != b.buffer.device())
       c = at::empty({b.buffer.numel()}, b.buffer.options().dtype(wire));
     // Rounds to dtype_: by the copy itself when dtype_ travels, else explicitly before the
     // fp32 copy (the backend cannot sum dtype_: each contribution rounded, the sum fp32).
-    auto scaled = b.buffer.div(static_cast<double>(pg.size()));
+    auto scaled = b.buffer.div(static_cast<double>(b.divisor));
     c.copy_(wire == dtype_ ? scaled : scaled.to(dtype_));
     return pg.allreduce_async({c}, ReduceOp::kSum,
                               name() + " gradient allreduce (bucket " + std::to_string(b.index) + ")");
   }
   void finish(GradBucket& b, Work& work) override {
     work.wait();
-    b.buffer.copy_(compressed_.at(b.index));
+    b.buffer.copy_(compressed_.at(&b));
   }
   std::string name() const override { return dtype_ == at::kHalf ? "fp16" : "bf16"; }
+  bool divides_by_bucket_divisor() const override { return true; }
 
  private:
   at::ScalarType dtype_;
-  std::map<size_t, at::Tensor> compressed_;
+  // By bucket, not by bucket index: one hook serves every reducer of a run (each model's, and
+  // the experts' beside the rest's, whose buckets are in flight together).
+  std::map<const GradBucket*, at::Tensor> compressed_;
 };
 
 }  // namespace

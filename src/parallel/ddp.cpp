@@ -52,9 +52,11 @@ GradientReducer::GradientReducer(
       inv_world_(hook_->reducer_divides() && divisor_ > 1
                      ? at::native::wrapped_scalar_tensor(1.0 / divisor_)
                      : at::Tensor()) {
-  TANDEM_CHECK(options_.divide_by() == 0 || hook_->reducer_divides(), pg_->prefix(),
-               " ReducerOptions::divide_by needs a hook that lets the reducer divide (the "
-               "default allreduce)");
+  TANDEM_CHECK(options_.divide_by() == 0 || hook_->reducer_divides() ||
+                   hook_->divides_by_bucket_divisor(),
+               pg_->prefix(), " ReducerOptions::divide_by needs a hook that lets the reducer "
+               "divide (the default allreduce) or divides by GradBucket::divisor (the compression "
+               "hooks); ", hook_->name(), " does neither");
   TANDEM_CHECK(options_.groups().empty() || options_.groups().size() == named_parameters.size(),
               pg_->prefix(), " ReducerOptions::groups has ", options_.groups().size(),
               " keys for ", named_parameters.size(), " parameters");
@@ -127,6 +129,7 @@ GradientReducer::GradientReducer(
           at::zeros({numel}, first.options().dtype(wire_dtype(first)).requires_grad(false));
     st->pending = st->members().size();
     st->grad_bucket.index = b;
+    st->grad_bucket.divisor = divisor_;
     st->grad_bucket.is_last = b + 1 == buckets_.size();
     bucket_state_.push_back(std::move(st));
   }

@@ -183,6 +183,49 @@ TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
       << ok.output;
 }
 
+// Note [Compression hooks] under expert parallel: the experts' gradients, summed over their
+// replicas, are divided by the data-parallel size before they are rounded to bf16, as every other
+// bucket's (GradBucket::divisor): ep 2 x dp 2 with the bf16 hook has the gradient norm of dp 4
+// with it and of one process, within bf16's rounding. ZeRO and pipelines, which reduce their gradients without
+// a hook, refuse one instead of running without it.
+TEST(ExpertParallel, CompressionHooksReduceTheExpertsAsEveryOtherGradient) {
+  tandem::testing::TempDir dir;
+  const std::string d = dir.str();
+  write_moe(d, 256, 2);  // wide experts: their gradients weigh in the norm
+  auto args = [&](int batch) {
+    return std::vector<std::string>{"--config", d + "/moe.json", "--seq_len", "16",
+                                    "--batch_size", std::to_string(batch), "--steps", "4"};
+  };
+  using Run = std::tuple<std::string, int, tandem::testing::Job>;
+  auto runs = tandem::testing::launch_jobs_by_size(
+      kTrainLlmJobs,
+      std::vector<Run>{
+          {"dense", 1, {args(4), with_flags()}},
+          {"h", 4, {args(1), with_flags({"--ddp_comm_hook", "bf16"})}},
+          {"e", 4, {args(1), with_flags({"--ep_size", "2", "--ddp_comm_hook", "bf16"})}}});
+  for (const auto& [name, result] : runs)
+    ASSERT_EQ(result.exit_code, 0) << name << ": " << result.output;
+  EXPECT_EQ(count_of(runs["e"].output, "expert parallel: ep 2"), 1) << runs["e"].output;
+  const double norm = step4_grad_norm(runs["dense"].output);
+  EXPECT_GT(norm, 0) << runs["dense"].output;
+  // Seen: within 1e-4 of one process (bf16's rounding of each rank's share); the experts'
+  // shares divided by their replica group's size (2) instead of dp (4) move it 3e-3. The weights
+  // say less: AdamW turns bf16's rounding of near-zero gradients into steps of their own (0.1 of
+  // a tensor's largest element after 4 steps, dp 4 with the hook against one process alike).
+  for (const std::string name : {"h", "e"})
+    EXPECT_NEAR(step4_grad_norm(runs[name].output), norm, 5e-4 * norm) << runs[name].output;
+
+  auto zero = launch(2, kTrainGpt, {"--steps", "1"},
+                     with_flags({"--use_deepspeed", "--zero_stage", "2", "--ddp_comm_hook", "bf16"}));
+  EXPECT_NE(zero.exit_code, 0) << zero.output;
+  EXPECT_GE(count_of(zero.output, "ZeRO stage 2 reduce-scatters them itself"), 1) << zero.output;
+  auto pp = launch(2, kTrainGpt, {"--steps", "1"},
+                   with_flags({"--pp_size", "2", "--ddp_comm_hook", "fp16"}));
+  EXPECT_NE(pp.exit_code, 0) << pp.output;
+  EXPECT_GE(count_of(pp.output, "comm_hook fp16"), 1) << pp.output;
+  EXPECT_GE(count_of(pp.output, "averages each stage's gradients itself"), 1) << pp.output;
+}
+
 // Note [Expert-parallel checkpoints]: a mixture's training checkpoint saved under ep 2 resumes
 // on ep 2 bitwise where the uninterrupted ep 2 run ended, and on plain data parallel, on ep 4 and
 // on ep 2 x tp 2 (4 ranks, the same global batch) within float rounding of it; one saved under plain data

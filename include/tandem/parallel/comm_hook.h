@@ -24,6 +24,10 @@ struct GradBucket {
   /// find_unused_parameters: no rank used any parameter of this bucket in this backward (its
   /// buffer holds zeros); a hook that consumes buckets may leave their gradients alone.
   bool all_unused = false;
+  /// What the mean divides the sum over the ranks by: the group's size, except where the reducer
+  /// averages over another count (ReducerOptions::divide_by: an expert's gradients summed over
+  /// its replicas and divided by the data-parallel size, Note [Expert parallel]).
+  int64_t divisor = 1;
 };
 
 /// A bucket reduction. start() issues the collective(s) and returns at once (backward goes on);
@@ -49,6 +53,10 @@ class CommHook {
   /// gradients already divided and finish() leaves their sum. false: the bucket holds the
   /// gradients as they are and the hook divides itself.
   virtual bool reducer_divides() const { return false; }
+  /// true: a hook that divides itself divides by bucket.divisor (the compression hooks do), so
+  /// that a reducer with ReducerOptions::divide_by can use it. false (the default): it is refused
+  /// there, since it would divide by the group's size.
+  virtual bool divides_by_bucket_divisor() const { return false; }
 };
 
 /// The default, as PyTorch's DDP: each gradient is divided by the world size as the reducer
@@ -56,7 +64,7 @@ class CommHook {
 std::shared_ptr<CommHook> allreduce_hook();
 
 /// Gradient compression (PyTorch's fp16_compress_hook / bf16_compress_hook): each rank's
-/// gradients are divided by the world size and rounded to fp16 (bf16), summed across ranks in
+/// gradients are divided by the world size (the bucket's divisor) and rounded to fp16 (bf16), summed across ranks in
 /// that dtype, and written back into the fp32 bucket. Half the bytes of an fp32 allreduce, and
 /// the result equals the allreduce of the rounded gradients. Where the backend cannot sum the
 /// dtype (Gloo has no bf16 sum before LibTorch 2.1), the rounded values are summed as fp32:
