@@ -5,6 +5,17 @@
 
 namespace tandem::parallel::detail::zero {
 
+namespace {
+// The optimizer-state key of each expert s holds (Note [Expert-parallel checkpoints]).
+std::vector<std::string> expert_keys(const ShardedOptimizer& s) {
+  const auto at = expert_index_in_group(s);
+  std::vector<std::string> keys;
+  for (size_t j = 0; j < s.experts.size(); ++j)
+    keys.push_back(checkpoint::optimizer_param_key(static_cast<size_t>(s.experts[j].group), at[j]));
+  return keys;
+}
+}  // namespace
+
 // The layout travels with the state, so that another number of ranks can cut it again.
 checkpoint::OptimizerState ZeroStrategy::optimizer_shard_state(
     const torch::optim::Optimizer& optimizer) const {
@@ -42,10 +53,10 @@ checkpoint::OptimizerState ZeroStrategy::optimizer_shard_state(
   // is among the optimizer's, under their keys).
   if (!s->experts.empty()) {
     json experts = json::array();
-    const auto at = expert_index_in_group(*s);
+    const auto keys = expert_keys(*s);
     for (size_t j = 0; j < s->experts.size(); ++j)
       experts.push_back(
-          {{"key", checkpoint::optimizer_param_key(static_cast<size_t>(s->experts[j].group), at[j])},
+          {{"key", keys[j]},
            {"name", s->experts[j].name},
            {"shape", s->experts[j].param.sizes().vec()}});
     doc["zero"]["experts"] = experts;
@@ -90,14 +101,13 @@ void ZeroStrategy::load_optimizer_shards(
     std::map<std::string, std::string> saved_key;
     for (const auto& e : doc["zero"].value("experts", json::array()))
       saved_key[e.at("name").get<std::string>()] = e.at("key").get<std::string>();
-    const auto at = expert_index_in_group(*s);
+    const auto keys = expert_keys(*s);
     for (size_t j = 0; j < s->experts.size(); ++j) {
       auto it = saved_key.find(s->experts[j].name);
       TANDEM_CHECK(it != saved_key.end(), pg.prefix(), " load_state: the checkpoint's sharded "
                   "optimizer holds no state for the expert ", s->experts[j].name,
                   " this rank holds: it was saved without that expert on this rank");
-      expert_key[it->second] =
-          checkpoint::optimizer_param_key(static_cast<size_t>(s->experts[j].group), at[j]);
+      expert_key[it->second] = keys[j];
     }
   }
   // Each tensor of this rank's new chunk, assembled from the saved chunks that overlap it.
@@ -236,11 +246,11 @@ void ZeroStrategy::load_optimizer_resharded(torch::optim::Optimizer& optimizer,
   // Note [Expert-parallel checkpoints]: the experts this rank holds, whole, by name.
   json experts = json::array();
   std::map<std::string, std::string> expert_of_key;
-  const auto at = expert_index_in_group(*s);
+  const auto keys = expert_keys(*s);
   for (size_t j = 0; j < s->experts.size(); ++j) {
     const auto& e = s->experts[j];
     ++per_group[static_cast<size_t>(e.group)];
-    const auto key = checkpoint::optimizer_param_key(static_cast<size_t>(e.group), at[j]);
+    const auto& key = keys[j];
     experts.push_back({{"key", key}, {"name", e.name}});
     expert_of_key[key] = e.name;
     const auto fields = saved.fields(e.name);
