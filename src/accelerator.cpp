@@ -717,14 +717,18 @@ void Accelerator::auto_resume() {
 // Note [Unused parameters known before backward]: the parameters the loss's autograd graph
 // reaches (its AccumulateGrad nodes), as PyTorch's DDP finds them from the forward's outputs;
 // the reducers mark the others ready before the backward starts. A recomputing node
-// (activation checkpointing) hides the parameters it will reach, so then nothing is marked and
-// the reducers learn the unused ones at the end of backward, as before.
+// (activation checkpointing) hides the parameters it will reach, so then nothing is marked
+// before the backward, and each checkpointed module's recompute marks its own (Note [Unused
+// parameters in a recompute]); the others are learned at the end of backward.
 namespace {
-void prepare_unused_parameters(parallel::Strategy& strategy, const at::Tensor& loss) {
-  if (!loss.requires_grad() || !loss.grad_fn()) return;
-  std::unordered_set<const void*> reached;
+// The leaves (AccumulateGrad nodes) the graph of `roots` reaches; false when it meets a
+// recomputing node (activation checkpointing), which hides the parameters it will reach.
+bool reached_leaves(const std::vector<at::Tensor>& roots, std::unordered_set<const void*>& reached) {
   std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack{loss.grad_fn().get()};
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& r : roots)
+    if (r.grad_fn()) stack.push_back(r.grad_fn().get());
+  bool whole = true;
   while (!stack.empty()) {
     auto* node = stack.back();
     stack.pop_back();
@@ -733,13 +737,55 @@ void prepare_unused_parameters(parallel::Strategy& strategy, const at::Tensor& l
       reached.insert(acc->variable.unsafeGetTensorImpl());
       continue;
     }
-    if (node->name().find("Checkpoint") != std::string::npos) return;
+    if (node->name().find("Checkpoint") != std::string::npos) whole = false;
     for (const auto& edge : node->next_edges())
       if (edge.function) stack.push_back(edge.function.get());
   }
+  return whole;
+}
+
+// Returns the leaves the loss's graph reaches outside the checkpointed regions.
+std::unordered_set<const void*> prepare_unused_parameters(parallel::Strategy& strategy,
+                                                          const at::Tensor& loss) {
+  std::unordered_set<const void*> reached;
+  if (!loss.requires_grad() || !loss.grad_fn()) return reached;
+  if (!reached_leaves({loss}, reached)) return reached;  // Note [Unused parameters in a recompute]
   strategy.prepare_for_backward(
       [&reached](const at::Tensor& p) { return reached.count(p.unsafeGetTensorImpl()) > 0; });
+  return reached;
 }
+
+// Note [Unused parameters in a recompute]: while a backward runs, each checkpointed region's
+// recompute tells the reducers which of its parameters its new graph reaches.
+class RegionObserverScope {
+ public:
+  // `outside`: what the loss's graph reaches outside the regions (a region's parameter used
+  // there too, a tied weight, gets its gradient from there).
+  RegionObserverScope(parallel::Strategy& strategy, bool active,
+                      std::unordered_set<const void*> outside)
+      : active_(active) {
+    if (!active_) return;
+    previous_ = parallel::set_recompute_observer(
+        [&strategy, outside = std::move(outside)](const std::vector<at::Tensor>& outputs,
+                                                  const std::vector<at::Tensor>& params) {
+          std::unordered_set<const void*> reached;
+          reached_leaves(outputs, reached);
+          strategy.prepare_region_for_backward(params, [&](const at::Tensor& p) {
+            return reached.count(p.unsafeGetTensorImpl()) > 0 ||
+                   outside.count(p.unsafeGetTensorImpl()) > 0;
+          });
+        });
+  }
+  ~RegionObserverScope() {
+    if (active_) parallel::set_recompute_observer(std::move(previous_));
+  }
+  RegionObserverScope(const RegionObserverScope&) = delete;
+  RegionObserverScope& operator=(const RegionObserverScope&) = delete;
+
+ private:
+  bool active_;
+  parallel::RecomputeObserver previous_;
+};
 }  // namespace
 
 void Accelerator::backward(const at::Tensor& loss) {
@@ -759,9 +805,12 @@ void Accelerator::backward(const at::Tensor& loss) {
   if (!synchronised) ++unsynced_backwards_;
   // Only a synchronised backward reduces; expert-parallel reducers find unused experts whatever
   // the options say.
-  if (synchronised && (options_.find_unused_parameters() || expert_parallel_->size() > 1))
-    prepare_unused_parameters(*strategy_, l);
+  const bool find_unused =
+      synchronised && (options_.find_unused_parameters() || expert_parallel_->size() > 1);
+  std::unordered_set<const void*> outside;
+  if (find_unused) outside = prepare_unused_parameters(*strategy_, l);
   try {
+    RegionObserverScope regions(*strategy_, find_unused, std::move(outside));
     auto no_autocast = autocast(false);
     l.backward();
   } catch (const c10::Error& e) {

@@ -33,6 +33,11 @@ thread_local int t_recompute_depth = 0;
 thread_local int t_recompute_forwards = 0;  // recomputed forwards running (in_checkpoint_recompute)
 thread_local std::vector<std::function<void()>> t_deferred_callbacks;
 
+// Note [Unused parameters in a recompute]: one per process (a recompute may run on an autograd
+// device thread), set around a backward by Accelerator::backward.
+std::mutex g_observer_mutex;
+RecomputeObserver g_recompute_observer;
+
 // The random streams registered besides the default generators (register_random_stream).
 std::mutex g_streams_mutex;
 std::set<RandomStream*>& registered_streams() {
@@ -167,6 +172,9 @@ struct CheckpointState : torch::CustomClassHolder {
   RngState rng;
   AutocastState autocast;
   std::vector<char> requires_grad;  // per real input (not the extra one, see checkpoint())
+  // The checkpointed module's parameters (Note [Unused parameters in a recompute]); empty for
+  // a function of the program's own.
+  std::vector<at::Tensor> parameters;
 };
 
 struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
@@ -223,6 +231,14 @@ struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
       root_grads.push_back(grads[i]);
     }
     if (!roots.empty()) {
+      if (!state->parameters.empty()) {
+        RecomputeObserver observer;
+        {
+          std::lock_guard<std::mutex> lock(g_observer_mutex);
+          observer = g_recompute_observer;
+        }
+        if (observer) observer(roots, state->parameters);
+      }
       RecomputeScope scope;
       torch::autograd::backward(roots, root_grads);
     }
@@ -252,11 +268,14 @@ void queue_backward_callback(std::function<void()> callback) {
 int checkpoint_recompute_depth() { return t_recompute_depth; }
 bool in_checkpoint_recompute() { return t_recompute_depth > 0 || t_recompute_forwards > 0; }
 
-std::vector<at::Tensor> checkpoint(CheckpointFunction fn, std::vector<at::Tensor> inputs,
-                                   CheckpointOptions options) {
+namespace {
+std::vector<at::Tensor> checkpoint_region(CheckpointFunction fn, std::vector<at::Tensor> inputs,
+                                          CheckpointOptions options,
+                                          std::vector<at::Tensor> parameters) {
   TANDEM_CHECK(fn, "checkpoint: the function is empty");
   if (!at::GradMode::is_enabled()) return fn(inputs);
   auto state = c10::make_intrusive<CheckpointState>();
+  state->parameters = std::move(parameters);
   state->fn = std::move(fn);
   state->preserve_rng = options.preserve_rng_state();
   bool any = false;
@@ -272,6 +291,18 @@ std::vector<at::Tensor> checkpoint(CheckpointFunction fn, std::vector<at::Tensor
   // it get their gradients.
   if (!any) inputs.push_back(at::empty({0}).requires_grad_(true));
   return CheckpointNode::apply(state, at::TensorList(inputs));
+}
+}  // namespace
+
+std::vector<at::Tensor> checkpoint(CheckpointFunction fn, std::vector<at::Tensor> inputs,
+                                   CheckpointOptions options) {
+  return checkpoint_region(std::move(fn), std::move(inputs), options, {});
+}
+
+RecomputeObserver set_recompute_observer(RecomputeObserver observer) {
+  std::lock_guard<std::mutex> lock(g_observer_mutex);
+  std::swap(observer, g_recompute_observer);
+  return observer;
 }
 
 at::Tensor checkpoint(std::function<at::Tensor(const at::Tensor&)> fn, at::Tensor input,
@@ -291,9 +322,11 @@ void CheckpointedImpl::adopt() { detail::adopt_members(*this, *inner_.ptr()); }
 
 torch::Tensor CheckpointedImpl::forward(torch::Tensor input) {
   auto inner = std::make_shared<torch::nn::AnyModule>(inner_);
-  return checkpoint(
-      [inner](const at::Tensor& x) { return inner->forward<torch::Tensor>(torch::Tensor(x)); },
-      std::move(input), options_);
+  return checkpoint_region(
+      [inner](const std::vector<at::Tensor>& in) {
+        return std::vector<at::Tensor>{inner->forward<torch::Tensor>(torch::Tensor(in[0]))};
+      },
+      {std::move(input)}, options_, inner_.ptr()->parameters())[0];
 }
 
 // ---- wrapping in place ----
@@ -381,8 +414,9 @@ void hook_checkpoint(torch::nn::Module& m, const std::string& path, CheckpointOp
         ") returns something other than tensors, which a recompute cannot hand to the "
         "backward; return a Tensor, a std::tuple of Tensors or a std::vector<Tensor>");
   h->hooks().add("activation checkpoint", tandem::nn::order::kCheckpoint,
-                 [options](const std::vector<at::Tensor>& in, const tandem::nn::TensorFunction& next) {
-                   return checkpoint(next, in, options);
+                 [options, &m](const std::vector<at::Tensor>& in,
+                               const tandem::nn::TensorFunction& next) {
+                   return checkpoint_region(next, in, options, m.parameters());
                  });
 }
 

@@ -331,6 +331,38 @@ void GradientReducer::prepare_for_backward(
   }
 }
 
+// Note [Unused parameters in a recompute]: a checkpointed region hides its parameters from the
+// graph prepare_for_backward walks (its forward runs again inside the backward), so a rank
+// whose tokens chose no expert of a checkpointed block learned that only at the end of backward,
+// and its unit's reduction waited there while a peer's went at the block's end: under ZeRO-3,
+// whose gathers run during backward, the ranks issued their collectives in different orders and
+// hung. The recompute says which of its module's parameters its new graph reaches before its
+// nested backward starts, and the others are ready now, on every rank at the same point.
+void GradientReducer::prepare_region_for_backward(
+    const std::vector<at::Tensor>& region, const std::function<bool(const at::Tensor&)>& reached) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!sync_ || !options_.find_unused_parameters()) return;
+  if (unreached_.size() != params_.size()) unreached_.assign(params_.size(), 0);
+  std::unordered_set<const void*> in_region;
+  for (const auto& t : region) in_region.insert(t.unsafeGetTensorImpl());
+  bool completed = false;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (ready_[i] || !in_region.count(params_[i].unsafeGetTensorImpl()) || reached(params_[i]))
+      continue;
+    if (!callback_queued_) {  // the backward's end finishes the reduction (on_gradient_ready's)
+      callback_queued_ = true;
+      queue_backward_callback([this] { finalize(); });
+    }
+    ready_[i] = 1;
+    unreached_[i] = 1;
+    Bucket& b = *bucket_state_[bucket_of_[i]];
+    ensure_buffer(b);
+    b.flat().narrow(0, offset_of_[i], params_[i].numel()).zero_();
+    if (--b.pending == 0) completed = true;
+  }
+  if (completed) launch_ready_buckets();
+}
+
 void GradientReducer::finalize() {
   std::unique_lock<std::mutex> lock(mu_);
   timeline_.backward_ended = std::chrono::steady_clock::now();

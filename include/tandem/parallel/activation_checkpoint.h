@@ -96,6 +96,16 @@ at::Tensor checkpoint(std::function<at::Tensor(const at::Tensor&)> fn, at::Tenso
 /// returned (any depth of nesting). Outside a recompute it is the engine's queue_callback.
 void queue_backward_callback(std::function<void()> callback);
 
+/// Note [Unused parameters in a recompute]: called by a checkpointed module's recompute (a
+/// TANDEM_MODULE block or a Checkpointed wrapper) after its forward ran again and before its
+/// nested backward, with the recomputed outputs the backward starts from and the module's
+/// parameters: those the recomputed graph does not reach get no gradient in this backward.
+/// Accelerator::backward sets it for the duration of a backward whose reducers find unused
+/// parameters; nullptr clears it. Returns the previous observer.
+using RecomputeObserver = std::function<void(const std::vector<at::Tensor>& outputs,
+                                             const std::vector<at::Tensor>& parameters)>;
+RecomputeObserver set_recompute_observer(RecomputeObserver observer);
+
 /// How many checkpoint recomputes (nested backward passes) are running on this thread.
 int checkpoint_recompute_depth();
 /// Whether this thread runs a checkpointed region's recompute: its forward again, or the nested

@@ -120,6 +120,12 @@ class GradientReducer {
   /// (ZeRO-3) would issue its collectives in another order than its peers: a hang. Called by
   /// Accelerator::backward; nothing to do outside a synchronised backward.
   void prepare_for_backward(const std::function<bool(const at::Tensor&)>& reached);
+  /// Note [Unused parameters in a recompute]: the same for the parameters of a checkpointed
+  /// region whose forward just ran again inside the backward: those of `region` that `reached`
+  /// says the recomputed graph does not reach are ready now, with zeros (the region hid them
+  /// from prepare_for_backward). Called from the recompute, before its nested backward.
+  void prepare_region_for_backward(const std::vector<at::Tensor>& region,
+                                   const std::function<bool(const at::Tensor&)>& reached);
   /// Whether a backward that reaches none of these parameters on this rank is fine (nothing is
   /// reduced, nothing said), as PyTorch's DDP leaves a model its backward did not reach: the
   /// strategies allow it once a second model or optimizer is prepared (a GAN's discriminator

@@ -177,6 +177,12 @@ class Strategy {
   void prepare_for_backward(const std::function<bool(const at::Tensor&)>& reached) {
     for (const auto* r : reducers()) const_cast<GradientReducer*>(r)->prepare_for_backward(reached);
   }
+  /// Note [Unused parameters in a recompute]: the same for a checkpointed region's parameters.
+  void prepare_region_for_backward(const std::vector<at::Tensor>& region,
+                                   const std::function<bool(const at::Tensor&)>& reached) {
+    for (const auto* r : reducers())
+      const_cast<GradientReducer*>(r)->prepare_region_for_backward(region, reached);
+  }
   /// What a strategy that shards the parameters (ZeRO-3) does besides; nullptr for the others,
   /// whose parameters are always whole.
   virtual ParameterSharding* parameter_sharding() { return nullptr; }
