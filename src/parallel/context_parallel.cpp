@@ -363,33 +363,24 @@ at::Tensor to_sequence(const at::Tensor& y, const ContextParallel& cp) {
   return got.view({n, B, Hg, L, D}).transpose(0, 1).reshape({B, n * Hg, L, D});
 }
 
-class ToHeads : public torch::autograd::Function<ToHeads> {
+// The swap as an autograd function: each direction's backward is the other (a permutation).
+template <bool kToHeads>
+class SwapSplit : public torch::autograd::Function<SwapSplit<kToHeads>> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const ContextParallel* cp) {
     ctx->saved_data["cp"] = reinterpret_cast<int64_t>(cp);
-    return to_heads(x, *cp);
+    return kToHeads ? to_heads(x, *cp) : to_sequence(x, *cp);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto* cp = reinterpret_cast<const ContextParallel*>(ctx->saved_data["cp"].toInt());
-    return {to_sequence(grads[0].contiguous(), *cp), at::Tensor()};
+    auto g = grads[0].contiguous();
+    return {kToHeads ? to_sequence(g, *cp) : to_heads(g, *cp), at::Tensor()};
   }
 };
-
-class ToSequence : public torch::autograd::Function<ToSequence> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y,
-                            const ContextParallel* cp) {
-    ctx->saved_data["cp"] = reinterpret_cast<int64_t>(cp);
-    return to_sequence(y, *cp);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto* cp = reinterpret_cast<const ContextParallel*>(ctx->saved_data["cp"].toInt());
-    return {to_heads(grads[0].contiguous(), *cp), at::Tensor()};
-  }
-};
+using ToHeads = SwapSplit<true>;
+using ToSequence = SwapSplit<false>;
 
 }  // namespace
 
