@@ -765,14 +765,17 @@ class RegionObserverScope {
                       std::unordered_set<const void*> outside)
       : active_(active) {
     if (!active_) return;
+    auto out = std::make_shared<const std::unordered_set<const void*>>(std::move(outside));
     previous_ = parallel::set_recompute_observer(
-        [&strategy, outside = std::move(outside)](const std::vector<at::Tensor>& outputs,
-                                                  const std::vector<at::Tensor>& params) {
+        [&strategy, out](const std::vector<at::Tensor>& outputs,
+                         const std::vector<at::Tensor>& params) {
           std::unordered_set<const void*> reached;
-          reached_leaves(outputs, reached);
+          // A region nested in this one hides its parameters from this walk: mark nothing (its
+          // own recompute marks its parameters).
+          if (!reached_leaves(outputs, reached)) return;
           strategy.prepare_region_for_backward(params, [&](const at::Tensor& p) {
             return reached.count(p.unsafeGetTensorImpl()) > 0 ||
-                   outside.count(p.unsafeGetTensorImpl()) > 0;
+                   out->count(p.unsafeGetTensorImpl()) > 0;
           });
         });
   }

@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -229,9 +230,20 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
   // can say why (and the launcher would name it instead of the rank that failed first). Ignored,
   // as Python ignores it under torch.distributed, the write fails with EPIPE and the collective
   // reports the lost peer. A handler the program installed is left alone.
+  // A child the program forks (system(), popen()) gets the default back, as Python's
+  // subprocess restores it.
   struct sigaction pipe_action {};
-  if (::sigaction(SIGPIPE, nullptr, &pipe_action) == 0 && pipe_action.sa_handler == SIG_DFL)
+  if (::sigaction(SIGPIPE, nullptr, &pipe_action) == 0 && pipe_action.sa_handler == SIG_DFL) {
     ::signal(SIGPIPE, SIG_IGN);
+    static std::once_flag at_fork;
+    std::call_once(at_fork, [] {
+      ::pthread_atfork(nullptr, nullptr, [] {
+        struct sigaction now {};
+        if (::sigaction(SIGPIPE, nullptr, &now) == 0 && now.sa_handler == SIG_IGN)
+          ::signal(SIGPIPE, SIG_DFL);
+      });
+    });
+  }
   auto impl = std::make_unique<Impl>();
   impl->rank = st.rank;
   impl->size = st.world_size;

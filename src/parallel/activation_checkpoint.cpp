@@ -173,9 +173,36 @@ struct CheckpointState : torch::CustomClassHolder {
   AutocastState autocast;
   std::vector<char> requires_grad;  // per real input (not the extra one, see checkpoint())
   // The checkpointed module's parameters (Note [Unused parameters in a recompute]); empty for
-  // a function of the program's own.
+  // a function of the program's own. A state with parameters is pending (g_pending_regions)
+  // from its forward until its recompute or its graph's end.
   std::vector<at::Tensor> parameters;
+  ~CheckpointState() override;
 };
+
+// Note [Unused parameters in a recompute]: the regions with parameters whose recompute has not
+// run yet. A parameter another pending region holds (a block applied twice, a tied weight) may
+// still get its gradient there, so a recompute does not call it unused.
+std::mutex g_regions_mutex;
+std::set<const CheckpointState*> g_pending_regions;
+
+CheckpointState::~CheckpointState() {
+  if (parameters.empty()) return;
+  std::lock_guard<std::mutex> lock(g_regions_mutex);
+  g_pending_regions.erase(this);
+}
+
+// This region's parameters that no other pending region holds; it stops being pending.
+std::vector<at::Tensor> parameters_of_recompute(const CheckpointState& state) {
+  std::lock_guard<std::mutex> lock(g_regions_mutex);
+  g_pending_regions.erase(&state);
+  std::set<const void*> elsewhere;
+  for (const auto* other : g_pending_regions)
+    for (const auto& t : other->parameters) elsewhere.insert(t.unsafeGetTensorImpl());
+  std::vector<at::Tensor> out;
+  for (const auto& t : state.parameters)
+    if (!elsewhere.count(t.unsafeGetTensorImpl())) out.push_back(t);
+  return out;
+}
 
 struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
@@ -232,12 +259,13 @@ struct CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     }
     if (!roots.empty()) {
       if (!state->parameters.empty()) {
+        const auto mine = parameters_of_recompute(*state);
         RecomputeObserver observer;
         {
           std::lock_guard<std::mutex> lock(g_observer_mutex);
           observer = g_recompute_observer;
         }
-        if (observer) observer(roots, state->parameters);
+        if (observer && !mine.empty()) observer(roots, mine);
       }
       RecomputeScope scope;
       torch::autograd::backward(roots, root_grads);
@@ -276,6 +304,10 @@ std::vector<at::Tensor> checkpoint_region(CheckpointFunction fn, std::vector<at:
   if (!at::GradMode::is_enabled()) return fn(inputs);
   auto state = c10::make_intrusive<CheckpointState>();
   state->parameters = std::move(parameters);
+  if (!state->parameters.empty()) {
+    std::lock_guard<std::mutex> lock(g_regions_mutex);
+    g_pending_regions.insert(state.get());
+  }
   state->fn = std::move(fn);
   state->preserve_rng = options.preserve_rng_state();
   bool any = false;

@@ -345,22 +345,30 @@ void GradientReducer::prepare_region_for_backward(
   if (unreached_.size() != params_.size()) unreached_.assign(params_.size(), 0);
   std::unordered_set<const void*> in_region;
   for (const auto& t : region) in_region.insert(t.unsafeGetTensorImpl());
-  bool completed = false;
+  std::vector<size_t> unused;
+  std::vector<size_t> per_bucket(bucket_state_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (ready_[i] || !in_region.count(params_[i].unsafeGetTensorImpl()) || reached(params_[i]))
       continue;
+    unused.push_back(i);
+    ++per_bucket[bucket_of_[i]];
+  }
+  for (size_t i : unused) {
+    Bucket& b = *bucket_state_[bucket_of_[i]];
+    // As prepare_for_backward: never to 0. A bucket none of whose parameters the region reaches
+    // waits for the end of backward, where the unused map says whether any rank used them.
+    if (per_bucket[bucket_of_[i]] >= b.pending) continue;
     if (!callback_queued_) {  // the backward's end finishes the reduction (on_gradient_ready's)
       callback_queued_ = true;
       queue_backward_callback([this] { finalize(); });
     }
     ready_[i] = 1;
     unreached_[i] = 1;
-    Bucket& b = *bucket_state_[bucket_of_[i]];
-    ensure_buffer(b);
-    b.flat().narrow(0, offset_of_[i], params_[i].numel()).zero_();
-    if (--b.pending == 0) completed = true;
+    // A bucket made when its first gradient arrives starts as zeros (Note [Two buckets at a
+    // time]); one made already gets this slot zeroed.
+    if (b.flat().defined()) b.flat().narrow(0, offset_of_[i], params_[i].numel()).zero_();
+    --b.pending;
   }
-  if (completed) launch_ready_buckets();
 }
 
 void GradientReducer::finalize() {

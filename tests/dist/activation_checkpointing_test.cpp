@@ -83,3 +83,33 @@ TEST(ActivationCheckpointingDistributed, Zero3BitwiseEqualInBothNestings) {
   expect_bitwise(p[0], p[1]);
   expect_bitwise(p[0], p[2]);
 }
+
+// Note [Unused parameters in a recompute]: with find_unused_parameters each checkpointed
+// module's recompute marks the parameters its graph does not reach. A region nested in another
+// (the outer recompute's graph hides the inner's parameters) must mark nothing it may still get a
+// gradient for: under data parallel it trains bitwise as without checkpointing (before, the outer
+// recompute marked the inner blocks' parameters, which then got "their gradient twice").
+TEST(ActivationCheckpointingDistributed, NestedRegionsFindUnusedParameters) {
+  std::vector<tandem::testing::Job> jobs;
+  std::vector<std::string> outs;
+  for (bool ckpt : {false, true}) {
+    const auto out = tandem::testing::temp_path("checkpointing", std::string("nested") +
+                                                                     (ckpt ? "-ckpt" : "") + ".bin");
+    outs.push_back(out);
+    jobs.push_back({{"--out", out, "--shape", "nested", "--find_unused"},
+                    LaunchOptions().flags(ckpt ? std::vector<std::string>{"--activation_checkpointing"}
+                                               : std::vector<std::string>{})});
+  }
+  const auto runs = tandem::testing::launch_jobs(2, kWorker, jobs);
+  for (const auto& r : runs) {
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(count_of(r.output, "reductions 4"), 2) << r.output;
+  }
+  EXPECT_EQ(count_of(runs[1].output, "checkpointed 6"), 2) << runs[1].output;  // 2 inner + 4 outer
+  std::vector<std::vector<float>> p;
+  for (const auto& out : outs) {
+    p.push_back(read_floats(out));
+    std::remove(out.c_str());
+  }
+  expect_bitwise(p[0], p[1]);
+}

@@ -21,31 +21,55 @@ constexpr int64_t kWidth = tandem::testing::kDropWidth;
 
 using tandem::testing::DropBlock;
 
+// Two blocks in a Sequential of their own (a Sequential cannot hold a Sequential directly).
+struct PairImpl : torch::nn::Module {
+  PairImpl() {
+    inner->push_back(DropBlock());
+    inner->push_back(DropBlock());
+    register_module("inner", inner);
+  }
+  torch::Tensor forward(torch::Tensor x) { return inner->forward(x); }
+  torch::nn::Sequential inner;
+};
+TORCH_MODULE(Pair);
+
 }  // namespace
 
 int run_worker(int argc, char** argv) {
   CLI::App app("activation checkpointing worker");
-  std::string out, wrap = "before";
+  std::string out, wrap = "before", shape = "plain";
   int64_t steps = 4;
+  bool find_unused = false;
   app.add_option("--out", out);
   app.add_option("--steps", steps);
   app.add_option("--wrap", wrap)->check(CLI::IsMember({"before", "after"}));
+  // nested: the first two blocks in a Sequential of their own, checkpointed inside the outer
+  // checkpoint of that Sequential (Note [Unused parameters in a recompute] with --find_unused).
+  app.add_option("--shape", shape)->check(CLI::IsMember({"plain", "nested"}));
+  app.add_flag("--find_unused", find_unused);
   CLI11_PARSE(app, argc, argv);
   const bool checkpointing = tandem::config::activation_checkpointing_from_env(tandem::current_environment());
 
-  tandem::Accelerator acc(tandem::AcceleratorOptions().gradient_accumulation_steps(2));
+  tandem::Accelerator acc(tandem::AcceleratorOptions().gradient_accumulation_steps(2).find_unused_parameters(find_unused));
   const int rank = acc.process_index(), world = acc.num_processes();
   torch::manual_seed(7);
   torch::nn::Sequential model;
-  for (int i = 0; i < 4; ++i) model->push_back(DropBlock());
-  model->push_back(torch::nn::Linear(kWidth, 1));
   size_t wrapped = 0;
+  if (shape == "nested") {
+    Pair pair;
+    if (checkpointing) wrapped += tandem::parallel::checkpoint_sequential_entries(*pair->inner).size();
+    model->push_back(pair);
+    for (int i = 0; i < 2; ++i) model->push_back(DropBlock());
+  } else {
+    for (int i = 0; i < 4; ++i) model->push_back(DropBlock());
+  }
+  model->push_back(torch::nn::Linear(kWidth, 1));
   if (checkpointing && wrap == "before")
-    wrapped = tandem::parallel::checkpoint_sequential_entries(model).size();
+    wrapped += tandem::parallel::checkpoint_sequential_entries(model).size();
   auto [m, opt] = acc.prepare(model, std::make_shared<torch::optim::SGD>(
                                          model->parameters(), torch::optim::SGDOptions(0.1)));
   if (checkpointing && wrap == "after")
-    wrapped = tandem::parallel::checkpoint_sequential_entries(m).size();
+    wrapped += tandem::parallel::checkpoint_sequential_entries(m).size();
   // Dropout draws from each rank's own generator: the masks differ across ranks, and must be
   // the same with and without checkpointing.
   torch::manual_seed(100 + static_cast<uint64_t>(rank));
