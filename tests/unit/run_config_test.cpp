@@ -75,7 +75,6 @@ TEST(RunConfig, OptionsBeatTheEnvironment) {
   const EnvMap env = {{var::kUseCpu, "1"},
                       {var::kGradientAccumulationSteps, "8"},
                       {var::kGradientClipping, "2.5"},
-                      {var::kDdpCommHook, "fp16"},
                       {var::kGradientAsBucketView, "true"},
                       {var::kMixedPrecision, "bf16"},
                       {var::kDowncastBf16, "yes"},
@@ -88,7 +87,7 @@ TEST(RunConfig, OptionsBeatTheEnvironment) {
   EXPECT_TRUE(from_env.cpu);
   EXPECT_EQ(from_env.gradient_accumulation_steps, 8);
   EXPECT_EQ(from_env.gradient_clipping, 2.5);
-  EXPECT_EQ(from_env.comm_hook, "fp16");
+  EXPECT_EQ(from_env.comm_hook, "none");
   EXPECT_TRUE(from_env.gradient_as_bucket_view);
   EXPECT_EQ(from_env.mixed_precision, "bf16");
   EXPECT_TRUE(from_env.downcast_bf16);
@@ -125,6 +124,14 @@ TEST(RunConfig, OptionsBeatTheEnvironment) {
   EXPECT_EQ(from_code.sharding->stage(), 1);
   // The distributed type has no option: it stays the launcher's.
   EXPECT_EQ(from_code.distributed_type, tandem::parallel::DistributedType::kDeepSpeed);
+  // The comm hook: the environment's under data parallel, the options' before it; refused under
+  // ZeRO, which reduces its gradients without it.
+  const EnvMap hook = {{var::kDdpCommHook, "fp16"}};
+  EXPECT_EQ(resolve_run_config(AcceleratorOptions(), hook).comm_hook, "fp16");
+  EXPECT_EQ(resolve_run_config(AcceleratorOptions().comm_hook("none"), hook).comm_hook, "none");
+  const auto e = resolve_error(AcceleratorOptions(), with(env, hook));
+  EXPECT_NE(e.find("comm_hook fp16"), std::string::npos) << e;
+  EXPECT_NE(e.find("ZeRO stage 3 reduce-scatters them itself"), std::string::npos) << e;
 }
 
 // Note [One vocabulary of booleans]: every boolean variable takes the same words.
