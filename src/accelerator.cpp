@@ -723,7 +723,8 @@ void Accelerator::auto_resume() {
 namespace {
 // The leaves (AccumulateGrad nodes) the graph of `roots` reaches; false when it meets a
 // recomputing node (activation checkpointing), which hides the parameters it will reach.
-bool reached_leaves(const std::vector<at::Tensor>& roots, std::unordered_set<const void*>& reached) {
+bool reached_leaves(const std::vector<at::Tensor>& roots,
+                    std::unordered_set<const void*>& reached) {
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<torch::autograd::Node*> stack;
   for (const auto& r : roots)

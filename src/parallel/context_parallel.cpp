@@ -30,10 +30,10 @@
 // running log-sum-exp per query): out = sum_j exp(lse_j - lse) out_j. Ring: the block moves to
 // the next rank (send to r + 1, receive from r - 1) while the current one is computed, so
 // after n steps every query has seen every key. Causal, an off-diagonal block is half masked,
-// and only its other half is computed (part_of). Backward recomputes each block's probabilities from the saved lse
-// (P = exp(S - lse)), with D = rowsum(dO * O): dV_j = P^T dO, dS = P (dO V_j^T - D),
-// dQ += dS K_j / sqrt(d), dK_j = dS^T Q / sqrt(d); the gradients of a block travel around the
-// ring with it and reach its owner after n steps. Allgather: every block gathered first, the
+// and only its other half is computed (part_of). Backward recomputes each block's probabilities
+// from the saved lse (P = exp(S - lse)), with D = rowsum(dO * O): dV_j = P^T dO,
+// dS = P (dO V_j^T - D), dQ += dS K_j / sqrt(d), dK_j = dS^T Q / sqrt(d); the gradients of a
+// block travel around the ring with it and reach its owner after n steps. Allgather: every block gathered first, the
 // blocks' key and value gradients summed to their owners by one reduce-scatter. Grouped-query
 // heads travel unexpanded (the KV heads), expanded for each block's product and summed back.
 //
@@ -349,7 +349,8 @@ at::Tensor to_heads(const at::Tensor& x, const ContextParallel& cp) {
   auto rows = x.reshape({B, n, Hx / n, L, D}).transpose(0, 1).contiguous().view({n, -1});
   const std::vector<int64_t> one(static_cast<size_t>(n), 1);
   auto got = cp.group()->all_to_all_v(rows, one, one);  // row j: rank j's chunks of my heads
-  auto by_rank = got.view({n, B, Hx / n, L, D}).permute({1, 2, 0, 3, 4}).reshape({B, Hx / n, n * L, D});
+  auto by_rank =
+      got.view({n, B, Hx / n, L, D}).permute({1, 2, 0, 3, 4}).reshape({B, Hx / n, n * L, D});
   auto order = sequence_order(n, L, x.device());
   return torch::empty_like(by_rank).index_copy_(2, order, by_rank);
 }
@@ -433,7 +434,8 @@ at::Tensor ContextParallel::attention(const at::Tensor& q, const at::Tensor& k,
                "multiple of KV expected, got ", q.sizes(), ", ", k.sizes(), " and ", v.sizes());
   TANDEM_CHECK(q.size(2) % 2 == 0, "ContextParallel::attention: the local length ", q.size(2),
                " is not two chunks (shard() gives an even one)");
-  if (comm_ == ContextParallelComm::kUlysses && size_ > 1) return ulysses_attention(q, k, v, causal, window);
+  if (comm_ == ContextParallelComm::kUlysses && size_ > 1)
+    return ulysses_attention(q, k, v, causal, window);
   return RingAttention::apply(q, k, v, this, causal, window ? *window : int64_t{-1});
 }
 

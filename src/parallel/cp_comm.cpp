@@ -10,10 +10,11 @@ ContextParallelComm context_parallel_comm_from_name(const std::string& name,
   if (name == "ring" || name == "alltoall" || name.empty()) return ContextParallelComm::kRing;
   if (name == "allgather") return ContextParallelComm::kAllgather;
   if (name == "ulysses") return ContextParallelComm::kUlysses;
-  throw ::tandem::Refused(origin + ": cp_comm_strategy '" + name +
-                          "' is not one tandem runs; use alltoall (keys and values passed around "
-                          "the ring; also called ring), allgather (gathered at once) or ulysses (the "
-                          "heads swapped with the sequence by all-to-all)");
+  throw ::tandem::Refused(
+      origin + ": cp_comm_strategy '" + name +
+      "' is not one tandem runs; use alltoall (keys and values passed around "
+      "the ring; also called ring), allgather (gathered at once) or ulysses (the "
+      "heads swapped with the sequence by all-to-all)");
 }
 
 std::string to_string(ContextParallelComm comm) {

@@ -321,14 +321,19 @@ void GradientReducer::prepare_for_backward(
       is_reached[i] = 1;
       reached_in_bucket[bucket_of_[i]] = 1;
     }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (is_reached[i] || !reached_in_bucket[bucket_of_[i]]) continue;
-    ready_[i] = 1;
-    unreached_[i] = 1;
-    Bucket& b = *bucket_state_[bucket_of_[i]];
-    if (b.flat().defined()) b.flat().narrow(0, offset_of_[i], params_[i].numel()).zero_();
-    --b.pending;  // never to 0: a reached parameter's hook completes the bucket
-  }
+  // Never to 0: a reached parameter's hook completes the bucket.
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (!is_reached[i] && reached_in_bucket[bucket_of_[i]]) mark_unreached(i);
+}
+
+void GradientReducer::mark_unreached(size_t i) {
+  ready_[i] = 1;
+  unreached_[i] = 1;
+  // A bucket made when its first gradient arrives starts as zeros (Note [Two buckets at a
+  // time]); one made already gets this slot zeroed.
+  Bucket& b = *bucket_state_[bucket_of_[i]];
+  if (b.flat().defined()) b.flat().narrow(0, offset_of_[i], params_[i].numel()).zero_();
+  --b.pending;
 }
 
 // Note [Unused parameters in a recompute]: a checkpointed region hides its parameters from the
@@ -362,12 +367,7 @@ void GradientReducer::prepare_region_for_backward(
       callback_queued_ = true;
       queue_backward_callback([this] { finalize(); });
     }
-    ready_[i] = 1;
-    unreached_[i] = 1;
-    // A bucket made when its first gradient arrives starts as zeros (Note [Two buckets at a
-    // time]); one made already gets this slot zeroed.
-    if (b.flat().defined()) b.flat().narrow(0, offset_of_[i], params_[i].numel()).zero_();
-    --b.pending;
+    mark_unreached(i);
   }
 }
 

@@ -93,12 +93,13 @@ TEST(ActivationCheckpointingDistributed, NestedRegionsFindUnusedParameters) {
   std::vector<tandem::testing::Job> jobs;
   std::vector<std::string> outs;
   for (bool ckpt : {false, true}) {
-    const auto out = tandem::testing::temp_path("checkpointing", std::string("nested") +
-                                                                     (ckpt ? "-ckpt" : "") + ".bin");
+    const auto out = tandem::testing::temp_path(
+        "checkpointing", std::string("nested") + (ckpt ? "-ckpt" : "") + ".bin");
     outs.push_back(out);
-    jobs.push_back({{"--out", out, "--shape", "nested", "--find_unused"},
-                    LaunchOptions().flags(ckpt ? std::vector<std::string>{"--activation_checkpointing"}
-                                               : std::vector<std::string>{})});
+    jobs.push_back(
+        {{"--out", out, "--shape", "nested", "--find_unused"},
+         LaunchOptions().flags(ckpt ? std::vector<std::string>{"--activation_checkpointing"}
+                                    : std::vector<std::string>{})});
   }
   const auto runs = tandem::testing::launch_jobs(2, kWorker, jobs);
   for (const auto& r : runs) {

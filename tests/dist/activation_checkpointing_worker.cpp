@@ -50,14 +50,17 @@ int run_worker(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   const bool checkpointing = tandem::config::activation_checkpointing_from_env(tandem::current_environment());
 
-  tandem::Accelerator acc(tandem::AcceleratorOptions().gradient_accumulation_steps(2).find_unused_parameters(find_unused));
+  tandem::Accelerator acc(
+      tandem::AcceleratorOptions().gradient_accumulation_steps(2).find_unused_parameters(
+          find_unused));
   const int rank = acc.process_index(), world = acc.num_processes();
   torch::manual_seed(7);
   torch::nn::Sequential model;
   size_t wrapped = 0;
   if (shape == "nested") {
     Pair pair;
-    if (checkpointing) wrapped += tandem::parallel::checkpoint_sequential_entries(*pair->inner).size();
+    if (checkpointing)
+      wrapped += tandem::parallel::checkpoint_sequential_entries(*pair->inner).size();
     model->push_back(pair);
     for (int i = 0; i < 2; ++i) model->push_back(DropBlock());
   } else {

@@ -195,8 +195,8 @@ TEST(ExpertParallel, CompressionHooksReduceTheExpertsAsEveryOtherGradient) {
   const std::string d = dir.str();
   write_moe(d, 256, 2);  // wide experts: their gradients weigh in the norm
   auto args = [&](int batch) {
-    return std::vector<std::string>{"--config", d + "/moe.json", "--seq_len", "16",
-                                    "--batch_size", std::to_string(batch), "--steps", "4"};
+    return std::vector<std::string>{"--config",     d + "/moe.json",       "--seq_len", "16",
+                                    "--batch_size", std::to_string(batch), "--steps",   "4"};
   };
   using Run = std::tuple<std::string, int, tandem::testing::Job>;
   auto runs = tandem::testing::launch_jobs_by_size(
@@ -218,8 +218,9 @@ TEST(ExpertParallel, CompressionHooksReduceTheExpertsAsEveryOtherGradient) {
   for (const std::string name : {"h", "e"})
     EXPECT_NEAR(step4_grad_norm(runs[name].output), norm, 5e-4 * norm) << runs[name].output;
 
-  auto zero = launch(2, kTrainGpt, {"--steps", "1"},
-                     with_flags({"--use_deepspeed", "--zero_stage", "2", "--ddp_comm_hook", "bf16"}));
+  auto zero =
+      launch(2, kTrainGpt, {"--steps", "1"},
+             with_flags({"--use_deepspeed", "--zero_stage", "2", "--ddp_comm_hook", "bf16"}));
   EXPECT_NE(zero.exit_code, 0) << zero.output;
   EXPECT_GE(count_of(zero.output, "ZeRO stage 2 reduce-scatters them itself"), 1) << zero.output;
   auto pp = launch(2, kTrainGpt, {"--steps", "1"},
@@ -547,7 +548,9 @@ TEST(ExpertParallel, ZeroThreeTrainsAMixtureWhoseRanksLeaveExpertsUnused) {
     }
     EXPECT_EQ(count_of(lines, " loss "), 6) << r.output;
     auto& want = losses[ep ? "ep" : "dp"];
-    if (!ac) want = lines;
-    else EXPECT_EQ(lines, want) << r.output;
+    if (!ac)
+      want = lines;
+    else
+      EXPECT_EQ(lines, want) << r.output;
   }
 }

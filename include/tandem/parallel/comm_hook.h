@@ -64,8 +64,8 @@ class CommHook {
 std::shared_ptr<CommHook> allreduce_hook();
 
 /// Gradient compression (PyTorch's fp16_compress_hook / bf16_compress_hook): each rank's
-/// gradients are divided by the world size (the bucket's divisor) and rounded to fp16 (bf16), summed across ranks in
-/// that dtype, and written back into the fp32 bucket. Half the bytes of an fp32 allreduce, and
+/// gradients are divided by the world size (the bucket's divisor) and rounded to fp16 (bf16),
+/// summed across ranks in that dtype, and written back into the fp32 bucket. Half the bytes of an fp32 allreduce, and
 /// the result equals the allreduce of the rounded gradients. Where the backend cannot sum the
 /// dtype (Gloo has no bf16 sum before LibTorch 2.1), the rounded values are summed as fp32:
 /// the same rounding of each rank's contribution, without the bandwidth saving

@@ -53,8 +53,8 @@ class ContextParallel {
   /// q [B, H, L, D], k and v [B, KV, L, D] (H a multiple of KV: grouped-query attention), L
   /// this rank's shard() of the sequence, scaled by 1/sqrt(D). Under kUlysses the heads are
   /// swapped with the sequence instead (H, and KV or else the expanded heads, split over the
-  /// ranks: refused with tandem::Refused when size() does not divide H). `causal`: a query attends to
-  /// the positions up to its own; `window`: and to fewer than `window` positions back
+  /// ranks: refused with tandem::Refused when size() does not divide H). `causal`: a query
+  /// attends to the positions up to its own; `window`: and to fewer than `window` positions back
   /// (Mistral's sliding window). Returns [B, H, L, D]; differentiable in q, k and v, with the
   /// backward passing the keys' and values' gradients around the group. Accumulates in float32.
   /// The graph refers to this object: it must outlive the backward (the Accelerator's and a

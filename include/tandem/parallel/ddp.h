@@ -159,6 +159,9 @@ class GradientReducer {
   void on_gradient_ready(size_t index);
   void launch_ready_buckets();  // caller holds mu_
   void copy_into_bucket(at::Tensor& slot, const at::Tensor& grad);
+  // Parameter i gets no gradient in this backward: ready now, with zeros (never completes its
+  // bucket: the callers leave that to a reached parameter's hook or to the end of backward).
+  void mark_unreached(size_t i);
   void ensure_buffer(Bucket& b);
   void finish_bucket(size_t b);  // waits for bucket b's hook, then writes back or releases
   void finalize();
