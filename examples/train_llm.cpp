@@ -422,7 +422,13 @@ int main(int argc, char** argv) {
         return cp_group ? models::context_parallel_causal_lm_loss(*cp_group, logits, labels)
                         : models::causal_lm_loss(logits, labels);
       };
-      auto popts = tandem::parallel::PipelineOptions().microbatches(static_cast<int>(microbatches));
+      // Note [Pipeline checkpoint names]: the stages' tensors under transformers' names in the
+      // checkpoints and the saved model, so that they resume on every other layout.
+      auto popts = tandem::parallel::PipelineOptions()
+                       .microbatches(static_cast<int>(microbatches))
+                       .checkpoint_names([cfg](const std::string& path) {
+                         return models::llama_name_of_sequential(cfg, path);
+                       });
       auto seq = models::llama_sequential(model);
       pipeline = tp > 1 ? acc.prepare_pipeline(seq, loss, popts,
                                                models::llama_sequential_tensor_parallel_plan(cfg))
@@ -616,9 +622,8 @@ int main(int argc, char** argv) {
     if (!log_with.empty()) acc.end_training();
     acc.print("loss", last_loss < first_loss ? "fell" : "rose", "from", first_loss, "to", last_loss);
     if (!save_dir.empty()) {
+      // (A pipeline's stages come back under transformers' names: PipelineOptions above.)
       auto state = acc.get_state_dict(*trained);
-      if (pipeline)  // the stages' Sequential paths back to transformers' names
-        for (auto& entry : state) entry.first = models::llama_name_of_sequential(cfg, entry.first);
       if (acc.is_main_process()) {
         if (lora.r() > 0)
           tandem::peft::save_adapter(state, lora, save_dir);

@@ -59,8 +59,15 @@ void Accelerator::register_for_checkpointing(const std::string& name,
 std::vector<std::pair<std::string, at::Tensor>> Accelerator::get_state_dict(
     torch::nn::Module& model) {
   auto tensors = strategy_->model_state(model);
-  // Under model parallel the topology joins the tp shards and the pp stages.
-  auto gathered = [&] { return topology_->gather_model_state(std::move(tensors), model); };
+  // Under model parallel the topology joins the tp shards and the pp stages, each under the
+  // name the stage gives it (Note [Pipeline checkpoint names]).
+  auto gathered = [&] {
+    auto whole = topology_->gather_model_state(std::move(tensors), model);
+    auto it = checkpoint_names_.find(&model);
+    if (it != checkpoint_names_.end())
+      for (auto& kv : whole) kv.first = it->second(kv.first);
+    return whole;
+  };
   // Note [Expert parallel]: the first ep group's rank 0 (the stage's first data-parallel rank)
   // holds its own experts; the others of the group send it theirs (their names, dtypes and
   // shapes first, then the tensors), before the stages go to the main process (Note [Expert
@@ -238,7 +245,13 @@ std::vector<checkpoint::StatePart> Accelerator::checkpoint_parts() {
                    }});
 
   // The strategy's own files for the models and optimizers (Note [Model-parallel checkpoints]).
-  for (auto& part : strategy_->checkpoint_parts(*topology_, *precision_, models_, optimizers_))
+  std::vector<std::function<std::string(const std::string&)>> names;
+  for (const auto& m : models_) {
+    auto it = checkpoint_names_.find(m.get());
+    names.push_back(it == checkpoint_names_.end() ? nullptr : it->second);
+  }
+  for (auto& part :
+       strategy_->checkpoint_parts(*topology_, *precision_, models_, optimizers_, names))
     parts.push_back(std::move(part));
 
   // Note [Checkpoints inside the optimizer step]: a periodic or preemption checkpoint is taken

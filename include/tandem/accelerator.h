@@ -601,6 +601,9 @@ class Accelerator {
   std::chrono::steady_clock::time_point last_checkpoint_ = std::chrono::steady_clock::now();
   std::shared_ptr<data::LoaderState> loader_state_ = std::make_shared<data::LoaderState>();
   std::vector<std::shared_ptr<torch::nn::Module>> models_;
+  // Note [Pipeline checkpoint names]: a stage's PipelineOptions::checkpoint_names, by module.
+  std::map<const torch::nn::Module*, std::function<std::string(const std::string&)>>
+      checkpoint_names_;
   std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers_;
   std::vector<std::shared_ptr<torch::optim::LRScheduler>> schedulers_;
   std::vector<std::weak_ptr<data::ResumableLoader>> loaders_;

@@ -75,17 +75,45 @@ struct Layout {
   }
 };
 
+// Note [Pipeline checkpoint names]: a pipeline's stage is a Sequential, whose tensors are named
+// by their paths in it ("3.mlp.up_proj.weight"); the same model without the pipeline names them
+// its own way ("model.layers.2.mlp.up_proj.weight"). A program that gives the stage's names
+// (PipelineOptions::checkpoint_names) has every file of the checkpoint written under them (the
+// model files, their tensor-parallel cuts, the optimizers' records), and every load looks each
+// tensor up under them: a pipeline's checkpoint then resumes on the layouts without it, by name
+// as any other resharded checkpoint, and theirs under it. On the same layout the files are read
+// as written, bitwise.
+struct Renames {
+  // A copy: the parts outlive the call that made them.
+  std::vector<std::function<std::string(const std::string&)>> of;
+  bool has(size_t model) const { return model < of.size() && of[model]; }
+  std::function<std::string(const std::string&)> at(size_t model) const {
+    return has(model) ? of[model] : nullptr;
+  }
+  std::string operator()(size_t model, const std::string& name) const {
+    return has(model) ? of[model](name) : name;
+  }
+};
+
 // The models' parameters by their qualified names (ZeRO's: "model<m>." before them with several
-// models; a tied weight under its first name) and the tensor-parallel split of each.
+// models; a tied weight under its first name; renamed as `renames` says) and the
+// tensor-parallel split of each.
 struct ParamNames {
   std::map<const void*, std::string> name;   // detail::qualified_parameter_names
   std::map<std::string, std::string> split;  // qualified name -> "cols", "rows/P"; absent: whole
 
-  explicit ParamNames(const std::vector<std::shared_ptr<torch::nn::Module>>& models)
+  ParamNames(const std::vector<std::shared_ptr<torch::nn::Module>>& models, const Renames& renames)
       : name(detail::qualified_parameter_names(models)) {
     for (size_t m = 0; m < models.size(); ++m) {
       const std::string prefix = models.size() > 1 ? "model" + std::to_string(m) + "." : "";
-      for (const auto& [local, how] : tensor_parallel_splits(*models[m])) split[prefix + local] = how;
+      for (const auto& [local, how] : tensor_parallel_splits(*models[m]))
+        split[prefix + renames(m, local)] = how;
+      if (!renames.has(m)) continue;
+      for (const auto& p : models[m]->named_parameters()) {
+        auto it = name.find(p.value().unsafeGetTensorImpl());
+        if (it != name.end() && it->second == prefix + p.key())
+          it->second = prefix + renames(m, p.key());
+      }
     }
   }
   std::string how(const std::string& qualified) const {
@@ -235,12 +263,14 @@ void load_optimizer(Strategy& strategy, const Layout& layout, precision::MixedPr
 std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
     const Topology& topology, precision::MixedPrecision& precision,
     const std::vector<std::shared_ptr<torch::nn::Module>>& models,
-    const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers) {
+    const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers,
+    const std::vector<std::function<std::string(const std::string&)>>& names) {
   const Layout layout{topology};
+  const Renames renames{names};
   auto resharding = std::make_shared<Resharding>();
   std::vector<checkpoint::StatePart> parts;
   parts.push_back({"models",
-                   [this, layout, &models](StateWriter& w) {
+                   [this, layout, &models, renames](StateWriter& w) {
                      if (w.is_main())
                        w.set_state(layout::kLayoutKey,
                                    layout::run_layout_json(layout.topology.shape_string(), name(),
@@ -260,30 +290,45 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                            if (names.count(kv.first)) mine.push_back(std::move(kv));
                          tensors = std::move(mine);
                        }
+                       for (auto& kv : tensors) kv.first = renames(i, kv.first);
                        if (layout.writes_model(w))
                          w.write_tensors(layout.model_file(i), tensors,
                                          layout.per_rank()
-                                             ? layout.topology.model_file_metadata(*models[i])
+                                             ? layout.topology.model_file_metadata(
+                                                   *models[i], renames.at(i))
                                              : std::map<std::string, std::string>());
                      }
                    },
-                   [this, layout, &models, &optimizers, resharding](const StateReader& r) {
+                   [this, layout, &models, &optimizers, resharding,
+                    renames](const StateReader& r) {
                      const auto& topo = layout.topology;
+                     auto missing = [&](size_t i, const std::string& name) {
+                       return std::runtime_error(
+                           topo.world()->prefix() + " load_state: " + r.dir() +
+                           " holds no tensor " + name + " for model " + std::to_string(i) +
+                           ": the model differs from the saved run's");
+                     };
                      if (!mesh_changed(r, topo)) {
-                       for (size_t i = 0; i < models.size(); ++i)
-                         load_model_state(*models[i], r.verified(layout.model_file(i)));
+                       for (size_t i = 0; i < models.size(); ++i) {
+                         if (!renames.has(i)) {
+                           load_model_state(*models[i], r.verified(layout.model_file(i)));
+                           continue;
+                         }
+                         const auto& file = r.tensors(layout.model_file(i));
+                         load_model_tensors(*models[i], [&](const std::string& name) {
+                           const auto saved = renames(i, name);
+                           if (!file.contains(saved)) throw missing(i, saved);
+                           return file.tensor(saved);
+                         });
+                       }
                        return;
                      }
                      const auto& saved = resharding->of(r, models.size(), optimizers.size());
                      for (size_t i = 0; i < models.size(); ++i) {
                        const auto cuts = tensor_parallel_splits(*models[i]);
                        load_model_tensors(*models[i], [&](const std::string& name) {
-                         auto dense = saved.model_tensor(i, name);
-                         if (!dense.defined())
-                           throw std::runtime_error(
-                               topo.world()->prefix() + " load_state: " + r.dir() +
-                               " holds no tensor " + name + " for model " + std::to_string(i) +
-                               ": the model differs from the saved run's");
+                         auto dense = saved.model_tensor(i, renames(i, name));
+                         if (!dense.defined()) throw missing(i, renames(i, name));
                          auto it = cuts.find(name);
                          return detail::cut_for_rank(dense, it == cuts.end() ? "" : it->second,
                                                      topo.coordinate("tp"), topo.tp());
@@ -291,8 +336,8 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                      }
                    }});
   parts.push_back({"optimizers",
-                   [this, layout, &precision, &models, &optimizers](StateWriter& w) {
-                     const ParamNames names(models);
+                   [this, layout, &precision, &models, &optimizers, renames](StateWriter& w) {
+                     const ParamNames names(models, renames);
                      for (size_t i = 0; i < optimizers.size(); ++i) {
                        auto& opt = *optimizers[i];
                        if (shards_optimizer(opt)) {  // every rank its shards
@@ -337,8 +382,8 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                          w.write_tensors(layout.master_weights_file(i), masters);
                      }
                    },
-                   [this, layout, &precision, &models, &optimizers,
-                    resharding](const StateReader& r) {
+                   [this, layout, &precision, &models, &optimizers, resharding,
+                    renames](const StateReader& r) {
                      const bool changed = mesh_changed(r, layout.topology);
                      std::unique_ptr<ParamNames> names;
                      for (size_t i = 0; i < optimizers.size(); ++i) {
@@ -349,7 +394,7 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                          load_optimizer(*this, layout, precision, opt, i, r);
                          continue;
                        }
-                       if (!names) names = std::make_unique<ParamNames>(models);
+                       if (!names) names = std::make_unique<ParamNames>(models, renames);
                        load_resharded_optimizer(*this, layout.topology, precision, opt, i, *names,
                                                 resharding->of(r, models.size(), optimizers.size()),
                                                 r);

@@ -85,12 +85,14 @@ std::vector<std::pair<std::string, at::Tensor>> Topology::gather_model_state(
 // in its safetensors metadata which tp rank wrote it ("tandem_tp_rank", "tandem_tp_size") and how
 // each split tensor was cut ("tandem_tp_split": {name: "rows/<parts>" | "cols"}, parallelize_
 // module's split), so that merge_weights can join the shards into the dense tensors.
-std::map<std::string, std::string> Topology::model_file_metadata(torch::nn::Module& model) const {
+std::map<std::string, std::string> Topology::model_file_metadata(
+    torch::nn::Module& model, const std::function<std::string(const std::string&)>& rename) const {
   checkpoint::layout::TpCut cut;
   if (tp() > 1) {
     cut.size = tp();
     cut.rank = coordinate("tp");
-    for (const auto& [name, how] : tensor_parallel_splits(model)) cut.split[name] = how;
+    for (const auto& [name, how] : tensor_parallel_splits(model))
+      cut.split[rename ? rename(name) : name] = how;
   }
   return checkpoint::layout::model_part_metadata(
       shape_string(), pp() > 1 ? std::optional<int>(coordinate("pp")) : std::nullopt, cut);

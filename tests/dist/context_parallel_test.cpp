@@ -366,7 +366,9 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
 // with 2 stages per rank (interleaved 1F1B) and under the zero-bubble schedule trains equal, within float
 // rounding, to one process on the same global batch; its checkpoint resumes bitwise on the same
 // layout and within rounding on pp 2 x dp 2 without ep, and one saved there resumes under ep; the
-// saved model holds every expert of every stage.
+// saved model holds every expert of every stage. Note [Pipeline checkpoint names]: the checkpoints
+// of the pipeline, with ep and without, resume on layouts without it (ep 2, dp 2), and one
+// process's checkpoint resumes under pp 2 x dp 2.
 TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
   tandem::testing::TempDir dir;
   const std::string d = dir.str();
@@ -396,7 +398,7 @@ TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
   };
   auto first = tandem::testing::launch_jobs_by_size(
       kTrainLlmJobs,
-      std::vector<Run>{{"dense", 1, {args(4, "dense", {}), with_flags()}},
+      std::vector<Run>{{"dense", 1, {args(4, "dense", ckpt("dense")), with_flags()}},
                        {"a", 4, {args(2, "a", ckpt("a")), with_flags(epp)}},
                        {"v", 4,
                         {args(2, "v", {}),
@@ -413,12 +415,18 @@ TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
   EXPECT_EQ(count_of(first["v"].output, "2 stage(s) per rank"), 1) << first["v"].output;
   EXPECT_EQ(count_of(first["z"].output, "schedule ZeroBubble"), 1) << first["z"].output;
   auto then = tandem::testing::launch_jobs_by_size(
-      kTrainLlmJobs, std::vector<Run>{{"b", 4, {args(2, "b", resume("a", "b")), with_flags(epp)}},
-                                      {"c", 4, {args(2, "c", resume("a", "c")), with_flags(pp)}},
-                                      {"g", 4, {args(2, "g", resume("p", "g")), with_flags(epp)}}});
+      kTrainLlmJobs,
+      std::vector<Run>{{"b", 4, {args(2, "b", resume("a", "b")), with_flags(epp)}},
+                       {"c", 4, {args(2, "c", resume("a", "c")), with_flags(pp)}},
+                       {"g", 4, {args(2, "g", resume("p", "g")), with_flags(epp)}},
+                       {"h", 2, {args(2, "h", resume("p", "h")), with_flags()}},
+                       {"k", 4, {args(2, "k", resume("dense", "k")), with_flags(pp)}},
+                       {"m", 2, {args(2, "m", resume("a", "m")), with_flags({"--ep_size", "2"})}}});
   check(then);
-  for (const std::string name : {"b", "c", "g"})
+  for (const std::string name : {"b", "c", "g", "h", "k", "m"})
     EXPECT_EQ(count_of(then[name].output, "at step 2"), 1) << name << ": " << then[name].output;
+  for (const std::string name : {"h", "k", "m"})
+    EXPECT_EQ(count_of(then[name].output, "resharded"), 1) << name << ": " << then[name].output;
   // Every tensor of the whole model (45: both layers' 4 experts), against `reference`'s.
   auto worst = [&](const std::string& name, const std::string& reference) {
     return largest_difference(name + " against " + reference,
@@ -446,6 +454,9 @@ TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
   EXPECT_EQ(worst("b", "a"), 0.0) << then["b"].output;
   EXPECT_LE(worst("c", "a"), kRounding) << then["c"].output;
   EXPECT_LE(worst("g", "p"), kRounding) << then["g"].output;
+  EXPECT_LE(worst("h", "p"), kRounding) << then["h"].output;
+  EXPECT_LE(worst("k", "dense"), kRounding) << then["k"].output;
+  EXPECT_LE(worst("m", "a"), kRounding) << then["m"].output;
 }
 
 // Note [Context parallel beside a pipeline]: the mixture under cp 2 x pp 2 (4 ranks, keys and

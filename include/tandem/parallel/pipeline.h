@@ -104,6 +104,13 @@ struct PipelineOptions {
   TORCH_ARG(int, microbatches) = 4;
   /// Stages per rank (interleaved 1F1B); unset: the run's pp_virtual_stages, else 1.
   TORCH_ARG(std::optional<int>, virtual_stages) = std::nullopt;
+  /// Note [Pipeline checkpoint names]: the name each tensor of the stage takes in the run's
+  /// checkpoints (Accelerator::save_state, get_state_dict and save_model), from its path in the
+  /// Sequential ("3.mlp.up_proj.weight") to the model's own ("model.layers.2.mlp.up_proj.weight",
+  /// models::llama_name_of_sequential). With it a pipeline's checkpoint resumes on a layout
+  /// without the pipeline, where the model is not a Sequential, and theirs under the pipeline.
+  /// Unset: the Sequential's paths. Read by Accelerator::prepare_pipeline.
+  TORCH_ARG(std::function<std::string(const std::string&)>, checkpoint_names) = nullptr;
 };
 
 /// This rank's stage of a pipeline: its module, the pipeline group (group rank = stage) and,

@@ -195,10 +195,13 @@ class Strategy {
   /// strategy runs, laid out for `topology` (Note [Model-parallel checkpoints]: which file each
   /// rank writes, which ranks' files it reads back, and reloading ZeRO shards on another world).
   /// The parts keep references to the arguments: use them before any of them changes.
+  /// `names[i]`, where given, renames model i's tensors in the files (Note [Pipeline checkpoint
+  /// names]); a model without one keeps its own names.
   std::vector<checkpoint::StatePart> checkpoint_parts(
       const Topology& topology, precision::MixedPrecision& precision,
       const std::vector<std::shared_ptr<torch::nn::Module>>& models,
-      const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers);
+      const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers,
+      const std::vector<std::function<std::string(const std::string&)>>& names = {});
 };
 
 /// The strategy for `type` and `sharding` (nullopt: data parallel). Throws

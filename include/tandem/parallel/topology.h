@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -117,8 +118,11 @@ class Topology {
       std::vector<std::pair<std::string, at::Tensor>> local, torch::nn::Module& model) const;
 
   /// Note [Tensor-parallel shards in checkpoints]: the safetensors metadata of this rank's
-  /// model file under model parallel (the mesh, the stage, the tp rank and each tensor's cut).
-  std::map<std::string, std::string> model_file_metadata(torch::nn::Module& model) const;
+  /// model file under model parallel (the mesh, the stage, the tp rank and each tensor's cut),
+  /// each tensor under `rename(its name)` when given (Note [Pipeline checkpoint names]).
+  std::map<std::string, std::string> model_file_metadata(
+      torch::nn::Module& model,
+      const std::function<std::string(const std::string&)>& rename = nullptr) const;
 
   /// The checkpoint's "mesh" part: a model-parallel run writes its shape; on load, a checkpoint
   /// saved on another layout is said in one line (the strategy parts reshard it: Note
