@@ -363,12 +363,13 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
 }
 
 // Note [Expert parallel beside a pipeline]: the mixture under ep 2 x pp 2 (4 ranks, 1F1B),
-// with 2 stages per rank (interleaved 1F1B) and under the zero-bubble schedule trains equal, within float
-// rounding, to one process on the same global batch; its checkpoint resumes bitwise on the same
+// with 2 stages per rank (interleaved 1F1B) and under the zero-bubble schedule trains equal,
+// within float rounding, to one process on the same global batch; its checkpoint resumes bitwise on the same
 // layout and within rounding on pp 2 x dp 2 without ep, and one saved there resumes under ep; the
 // saved model holds every expert of every stage. Note [Pipeline checkpoint names]: the checkpoints
 // of the pipeline, with ep and without, resume on layouts without it (ep 2, dp 2), and one
-// process's checkpoint resumes under pp 2 x dp 2.
+// process's checkpoint resumes under pp 2 x dp 2; `tandem merge-weights` joins ep 2 x pp 2's files
+// into the model it saved, under transformers' names.
 TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
   tandem::testing::TempDir dir;
   const std::string d = dir.str();
@@ -457,6 +458,12 @@ TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
   EXPECT_LE(worst("h", "p"), kRounding) << then["h"].output;
   EXPECT_LE(worst("k", "dense"), kRounding) << then["k"].output;
   EXPECT_LE(worst("m", "a"), kRounding) << then["m"].output;
+  // The step-4 checkpoint of ep 2 x pp 2 (each stage's ep ranks' files), merged, is the whole
+  // model `a` saved, under transformers' names.
+  auto merged = run_command(
+      {kCli, "merge-weights", d + "/a/checkpoints/checkpoint_1", d + "/out_merged"}, {}, 60);
+  ASSERT_EQ(merged.exit_code, 0) << merged.output;
+  EXPECT_EQ(worst("merged", "a"), 0.0);
 }
 
 // Note [Context parallel beside a pipeline]: the mixture under cp 2 x pp 2 (4 ranks, keys and
