@@ -1,5 +1,6 @@
-// bin/tandem, the command users type. Note [A launcher without LibTorch]: `tandem launch` and
-// `tandem config` run here, in a process that maps no LibTorch: loading it costs every launch
+// bin/tandem, the command users type. Note [A launcher without LibTorch]: `tandem launch`,
+// `tandem config` and `tandem estimate-memory` (arithmetic on a config or a safetensors header)
+// run here, in a process that maps no LibTorch: loading it costs every launch
 // 0.5-2 s of CPU and a few hundred MB of resident memory that the launcher, which only starts
 // and watches the ranks, never uses (Debian's LibTorch 1.13 alone maps OpenCV and FFmpeg). Every
 // other command, and a launch or config that needs LibTorch (CUDA devices to count with a CUDA
@@ -20,6 +21,7 @@
 #include <iostream>
 #include <string>
 
+#include "estimate_memory_cmd.h"
 #include "full_cli.h"
 #include "launch_cmd.h"
 
@@ -53,15 +55,18 @@ void needs_libtorch() {
 int main(int argc, char** argv) {
   g_argv = argv;
   const std::string command = argc > 1 ? argv[1] : "";
-  if (command != "launch" && command != "config") tandem::cli::needs_libtorch();
+  if (command != "launch" && command != "config" && command != "estimate-memory")
+    tandem::cli::needs_libtorch();
 
   CLI::App app{"tandem: distributed training for LibTorch"};
   app.require_subcommand(1);
   tandem::cli::LaunchCommand launch(app);
   tandem::cli::ConfigCommand config(app);
+  tandem::cli::EstimateMemoryCommand estimate_memory(app);
   const int parsed_argc = launch.split_program(argc, argv);  // PROGRAM [ARGS...] untouched
   CLI11_PARSE(app, parsed_argc, argv);
   if (launch.chosen()) return launch.run();
   if (config.chosen()) return config.run();
+  if (estimate_memory.chosen()) return estimate_memory.run();
   return 0;
 }
