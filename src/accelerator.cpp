@@ -628,6 +628,7 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   pipeline_prepared_ = true;
   models_.push_back(stage.ptr());  // saved and loaded per rank (Note [Model-parallel checkpoints])
   if (options.checkpoint_names()) checkpoint_names_[stage.ptr().get()] = options.checkpoint_names();
+  options.checkpoint_names(nullptr);  // read here (the Pipeline refuses them)
   profile_parameters(*stage.ptr());
   auto replicas = dp->size() > 1 ? dp : nullptr;
   if (v == 1)

@@ -78,6 +78,13 @@ Pipeline::Pipeline(std::shared_ptr<torch::nn::Module> module,
                             std::to_string(*options_.virtual_stages()) + ") with " +
                             std::to_string(v) + " stage forwards on this rank: give one forward "
                             "per virtual stage, or leave virtual_stages unset");
+  // Note [Pipeline checkpoint names]: the names are the Accelerator's checkpoints'; a Pipeline
+  // built here writes none (prepare_pipeline reads them and hands the rest of the options on).
+  if (options_.checkpoint_names())
+    throw ::tandem::Refused(where + "PipelineOptions().checkpoint_names is read by "
+                                    "Accelerator::prepare_pipeline, whose checkpoints use them; a "
+                                    "Pipeline built directly writes no checkpoint: build it with "
+                                    "acc.prepare_pipeline, or leave checkpoint_names unset");
   kind_ = options_.schedule().value_or(v > 1 ? ScheduleKind::kInterleaved1F1B
                                              : ScheduleKind::k1F1B);
   if (is_last() && !loss_)

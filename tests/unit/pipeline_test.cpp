@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "tandem/comm/process_group.h"
+#include "tandem/error.h"
 #include "tandem/parallel/pipeline.h"
 
 namespace tp = tandem::parallel;
@@ -289,6 +290,22 @@ TEST(Pipeline, OneStageEqualsPlainTrainingAndRefusesIndivisibleBatches) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("batch of 10 rows does not split into 4 micro-batches"),
               std::string::npos)
+        << e.what();
+  }
+}
+
+// Note [Pipeline checkpoint names]: the names are for the Accelerator's checkpoints; a Pipeline
+// built directly writes none and refuses them rather than ignore them.
+TEST(Pipeline, CheckpointNamesOutsideTheAcceleratorAreRefused) {
+  torch::nn::Sequential model(torch::nn::Linear(4, 2));
+  auto mse = [](const at::Tensor& y, const at::Tensor& t) { return torch::mse_loss(y, t); };
+  try {
+    tp::Pipeline pipe(model, tandem::ProcessGroup::single(), mse,
+                      tp::PipelineOptions().checkpoint_names(
+                          [](const std::string& n) { return "model." + n; }));
+    ADD_FAILURE() << "checkpoint_names taken by a Pipeline that writes no checkpoint";
+  } catch (const tandem::Refused& e) {
+    EXPECT_NE(std::string(e.what()).find("build it with acc.prepare_pipeline"), std::string::npos)
         << e.what();
   }
 }
