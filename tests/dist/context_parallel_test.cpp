@@ -48,20 +48,62 @@ void write_moe(const std::string& dir, int width, int top_k) {
       << top_k << R"(, "max_position_embeddings": 64})";
 }
 
-// The largest difference of any tensor of `file` from `reference`'s, relative to its largest
-// element; both hold the same `tensors` names. Printed under `name`.
-double largest_difference(const std::string& name, const std::string& file,
-                          const std::string& reference, size_t tensors) {
-  auto c = run_command({kWorker, "compare", file, reference}, {}, 60);
-  EXPECT_EQ(c.exit_code, 0) << c.output;
-  EXPECT_EQ(count_of(c.output, "same names 1"), 1) << name << ": " << c.output;
-  auto checks = parse_checks(c.output);
-  EXPECT_EQ(checks.worst.size(), tensors) << name << ": " << c.output;
-  double most = 0;
-  for (const auto& [key, value] : checks.worst) most = std::max(most, value);
-  std::cout << name << ": largest difference " << most << std::endl;
-  return most;
-}
+// The largest difference of any tensor of each file from its reference's, relative to the
+// reference tensor's largest element, for every pair a test compares in ONE process of the worker
+// (starting LibTorch is most of a comparison's time: about a second under AddressSanitizer).
+// add() every pair first; the first read compares them all. Each is printed under its name.
+class Differences {
+ public:
+  // `tensors`: how many names both files hold (0: at least 20).
+  void add(const std::string& name, const std::string& file, const std::string& reference,
+           size_t tensors = 0) {
+    pairs_.push_back({name, file, reference, tensors});
+  }
+  double operator()(const std::string& name) {
+    if (!compared_) compare();
+    auto it = worst_.find(name);
+    if (it != worst_.end()) return it->second;
+    ADD_FAILURE() << "no comparison named " << name;
+    return 1e30;
+  }
+
+ private:
+  struct Pair {
+    std::string name, file, reference;
+    size_t tensors;
+  };
+  void compare() {
+    compared_ = true;
+    std::vector<std::string> argv{kWorker, "compare"};
+    for (const auto& p : pairs_) argv.insert(argv.end(), {p.file, p.reference});
+    auto c = run_command(argv, {}, 60 + 5 * static_cast<int>(pairs_.size()));
+    EXPECT_EQ(c.exit_code, 0) << c.output;
+    std::vector<std::string> parts(pairs_.size());
+    std::istringstream lines(c.output);
+    int k = -1;
+    for (std::string line; std::getline(lines, line);) {
+      if (line.rfind("pair ", 0) == 0) k = std::stoi(line.substr(5));
+      else if (k >= 0 && k < static_cast<int>(parts.size())) parts[k] += line + "\n";
+    }
+    for (size_t i = 0; i < pairs_.size(); ++i) {
+      const auto& p = pairs_[i];
+      EXPECT_EQ(count_of(parts[i], "same names 1"), 1) << p.name << ": " << parts[i];
+      const auto checks = parse_checks(parts[i]);
+      if (p.tensors > 0)
+        EXPECT_EQ(checks.worst.size(), p.tensors) << p.name << ": " << parts[i];
+      else
+        EXPECT_GE(checks.worst.size(), 20u) << p.name << ": " << parts[i];
+      double most = checks.worst.empty() ? 1e30 : 0;
+      for (const auto& [key, value] : checks.worst) most = std::max(most, value);
+      std::cout << p.name << ": " << checks.worst.size() << " tensors, largest difference "
+                << most << std::endl;
+      worst_[p.name] = most;
+    }
+  }
+  std::vector<Pair> pairs_;
+  std::map<std::string, double> worst_;
+  bool compared_ = false;
+};
 
 // The gradient norm (before clipping) a train_llm run logged at step 4, or -1. AdamW forgives a
 // gradient scaled as a whole (a sum divided by the wrong count); the norm does not.
@@ -279,22 +321,6 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
     }
     return results;
   };
-  // The largest difference of any tensor of `file` from out_a's (or `reference`'s), relative to
-  // its largest element; every tensor of both present.
-  auto worst = [&](const std::string& name, const std::string& file,
-                   const std::string& reference = "out_a") {
-    auto c = run_command({kWorker, "compare", file, d + "/" + reference + "/model.safetensors"},
-                         {}, 60);
-    EXPECT_EQ(c.exit_code, 0) << c.output;
-    EXPECT_EQ(count_of(c.output, "same names 1"), 1) << name << ": " << c.output;
-    auto checks = parse_checks(c.output);
-    double most = 0;
-    for (const auto& [key, value] : checks.worst) most = std::max(most, value);
-    EXPECT_GE(checks.worst.size(), 20u) << name << ": " << c.output;
-    std::cout << name << ": " << checks.worst.size() << " tensors, largest difference " << most
-              << std::endl;
-    return most;
-  };
   // Another layout sums in another order; AdamW turns that rounding into fractions of a step
   // (lr 3e-4) on elements whose gradient is near zero: seen up to 1.1e-5 of a tensor's largest
   // element. A tensor restored wrong (an expert, a moment, the step) moves whole steps.
@@ -325,40 +351,56 @@ TEST(ExpertParallel, CheckpointsResumeOnAnyLayoutAndMergeIntoTheWholeModel) {
     text << shard.rdbuf();
     EXPECT_GE(count_of(text.str(), "\"experts\""), 1) << r << ": " << text.str();
   }
-  EXPECT_EQ(worst("fsdp ep 2 -> fsdp ep 2", d + "/out_y/model.safetensors", "out_z"), 0.0)
-      << then["y"].output;
-  EXPECT_LE(worst("fsdp ep 2 -> dp 2", d + "/out_x/model.safetensors", "out_z"), kRounding)
-      << then["x"].output;
-  EXPECT_LE(worst("fsdp ep 2 -> zero-2 ep 2 x dp 2", d + "/out_v/model.safetensors", "out_z"),
-            kRounding)
-      << then["v"].output;
-  EXPECT_LE(worst("ep 2 -> zero-1 ep 2", d + "/out_w/model.safetensors"), kRounding)
-      << then["w"].output;
-  EXPECT_LE(worst("fsdp ep 2", d + "/out_z/model.safetensors"), kRounding) << first["z"].output;
-  EXPECT_EQ(worst("same layout", d + "/out_" + "a" + "/model.safetensors"), 0.0);
-  EXPECT_EQ(worst("ep 2 -> ep 2", d + "/out_b/model.safetensors"), 0.0) << then["b"].output;
   EXPECT_GE(count_of(then["c"].output, "experts over ep 2"), 1) << then["c"].output;
-  EXPECT_LE(worst("ep 2 -> dp 2", d + "/out_c/model.safetensors"), kRounding) << then["c"].output;
-  EXPECT_LE(worst("ep 2 -> ep 4", d + "/out_e/model.safetensors"), kRounding) << then["e"].output;
-  EXPECT_LE(worst("ep 2 -> ep 2 x tp 2", d + "/out_h/model.safetensors"), kRounding)
-      << then["h"].output;
-  EXPECT_LE(worst("dp 2 -> ep 2", d + "/out_g/model.safetensors"), kRounding) << then["g"].output;
-  // The step-4 checkpoint's two model files, merged, are the whole model out_a holds.
+  // The step-4 checkpoints' model files merged: ep 2's two, and ep 2 x tp 2's (tp shards, each
+  // ep rank's experts).
   auto merged = run_command({kCli, "merge-weights", d + "/a/checkpoints/checkpoint_1",
                              d + "/merged"}, {}, 60);
   ASSERT_EQ(merged.exit_code, 0) << merged.output;
-  EXPECT_EQ(worst("merged", d + "/merged/model.safetensors"), 0.0);
-  // Saved under ep 2 x tp 2: its files (tp shards, each ep rank's experts) merged, and resumed
-  // on plain data parallel. Four steps of tp's sums in another order move it 4.0e-5 from the ep
-  // 2 run (the oracle holds ep 2 x tp 2 to PyTorch: 6.4e-5 of the distance training moved); a
-  // tp shard or an expert restored wrong moves whole steps.
-  const double t_worst = worst("ep 2 x tp 2", d + "/out_t/model.safetensors");
-  EXPECT_LE(t_worst, 2e-4);
   auto merged_tp = run_command({kCli, "merge-weights", d + "/t/checkpoints/checkpoint_1",
                                 d + "/merged_t"}, {}, 60);
   ASSERT_EQ(merged_tp.exit_code, 0) << merged_tp.output;
-  EXPECT_EQ(worst("ep 2 x tp 2 merged", d + "/merged_t/model.safetensors", "out_t"), 0.0);
-  EXPECT_LE(worst("ep 2 x tp 2 -> dp 2", d + "/out_u/model.safetensors"), 2e-4)
+  // Every file against out_a's (or the reference named), all in one process.
+  Differences worst;
+  auto add = [&](const std::string& name, const std::string& out,
+                 const std::string& reference = "out_a") {
+    worst.add(name, d + "/" + out + "/model.safetensors", d + "/" + reference + "/model.safetensors");
+  };
+  add("fsdp ep 2 -> fsdp ep 2", "out_y", "out_z");
+  add("fsdp ep 2 -> dp 2", "out_x", "out_z");
+  add("fsdp ep 2 -> zero-2 ep 2 x dp 2", "out_v", "out_z");
+  add("ep 2 -> zero-1 ep 2", "out_w");
+  add("fsdp ep 2", "out_z");
+  add("same layout", "out_a");
+  add("ep 2 -> ep 2", "out_b");
+  add("ep 2 -> dp 2", "out_c");
+  add("ep 2 -> ep 4", "out_e");
+  add("ep 2 -> ep 2 x tp 2", "out_h");
+  add("dp 2 -> ep 2", "out_g");
+  add("merged", "merged");
+  add("ep 2 x tp 2", "out_t");
+  add("ep 2 x tp 2 merged", "merged_t", "out_t");
+  add("ep 2 x tp 2 -> dp 2", "out_u");
+  EXPECT_EQ(worst("fsdp ep 2 -> fsdp ep 2"), 0.0) << then["y"].output;
+  EXPECT_LE(worst("fsdp ep 2 -> dp 2"), kRounding) << then["x"].output;
+  EXPECT_LE(worst("fsdp ep 2 -> zero-2 ep 2 x dp 2"), kRounding) << then["v"].output;
+  EXPECT_LE(worst("ep 2 -> zero-1 ep 2"), kRounding) << then["w"].output;
+  EXPECT_LE(worst("fsdp ep 2"), kRounding) << first["z"].output;
+  EXPECT_EQ(worst("same layout"), 0.0);
+  EXPECT_EQ(worst("ep 2 -> ep 2"), 0.0) << then["b"].output;
+  EXPECT_LE(worst("ep 2 -> dp 2"), kRounding) << then["c"].output;
+  EXPECT_LE(worst("ep 2 -> ep 4"), kRounding) << then["e"].output;
+  EXPECT_LE(worst("ep 2 -> ep 2 x tp 2"), kRounding) << then["h"].output;
+  EXPECT_LE(worst("dp 2 -> ep 2"), kRounding) << then["g"].output;
+  // The step-4 checkpoint's two model files, merged, are the whole model out_a holds.
+  EXPECT_EQ(worst("merged"), 0.0);
+  // Saved under ep 2 x tp 2: merged, and resumed on plain data parallel. Four steps of tp's sums
+  // in another order move it 4.0e-5 from the ep 2 run (the oracle holds ep 2 x tp 2 to PyTorch:
+  // 6.4e-5 of the distance training moved); a tp shard or an expert restored wrong moves whole
+  // steps.
+  EXPECT_LE(worst("ep 2 x tp 2"), 2e-4);
+  EXPECT_EQ(worst("ep 2 x tp 2 merged"), 0.0);
+  EXPECT_LE(worst("ep 2 x tp 2 -> dp 2"), 2e-4)
       << then["u"].output;
 }
 
@@ -428,11 +470,20 @@ TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
     EXPECT_EQ(count_of(then[name].output, "at step 2"), 1) << name << ": " << then[name].output;
   for (const std::string name : {"h", "k", "m"})
     EXPECT_EQ(count_of(then[name].output, "resharded"), 1) << name << ": " << then[name].output;
+  // The step-4 checkpoint of ep 2 x pp 2 (each stage's ep ranks' files), merged.
+  auto merged = run_command(
+      {kCli, "merge-weights", d + "/a/checkpoints/checkpoint_1", d + "/out_merged"}, {}, 60);
+  ASSERT_EQ(merged.exit_code, 0) << merged.output;
   // Every tensor of the whole model (45: both layers' 4 experts), against `reference`'s.
+  Differences differences;
+  for (const auto& [name, reference] : std::vector<std::pair<std::string, std::string>>{
+           {"a", "dense"}, {"v", "dense"}, {"p", "dense"}, {"a", "p"}, {"v", "p"},
+           {"z", "dense"}, {"z", "p"}, {"b", "a"}, {"c", "a"}, {"g", "p"}, {"h", "p"},
+           {"k", "dense"}, {"m", "a"}, {"merged", "a"}})
+    differences.add(name + " against " + reference, d + "/out_" + name + "/model.safetensors",
+                    d + "/out_" + reference + "/model.safetensors", 45);
   auto worst = [&](const std::string& name, const std::string& reference) {
-    return largest_difference(name + " against " + reference,
-                              d + "/out_" + name + "/model.safetensors",
-                              d + "/out_" + reference + "/model.safetensors", 45);
+    return differences(name + " against " + reference);
   };
   // Four AdamW steps of sums in another order: the pipeline's micro-batches move pp 2 x dp 2,
   // with ep or without, 4.4e-5 of a tensor's largest element from one process, and ep moves it
@@ -458,11 +509,7 @@ TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
   EXPECT_LE(worst("h", "p"), kRounding) << then["h"].output;
   EXPECT_LE(worst("k", "dense"), kRounding) << then["k"].output;
   EXPECT_LE(worst("m", "a"), kRounding) << then["m"].output;
-  // The step-4 checkpoint of ep 2 x pp 2 (each stage's ep ranks' files), merged, is the whole
-  // model `a` saved, under transformers' names.
-  auto merged = run_command(
-      {kCli, "merge-weights", d + "/a/checkpoints/checkpoint_1", d + "/out_merged"}, {}, 60);
-  ASSERT_EQ(merged.exit_code, 0) << merged.output;
+  // The merged checkpoint is the whole model `a` saved, under transformers' names.
   EXPECT_EQ(worst("merged", "a"), 0.0);
 }
 
@@ -508,10 +555,14 @@ TEST(ContextParallel, BesideAPipelineEqualsOneProcessAndResumes) {
       std::vector<Run>{{"b", 4, {args("b", {"--resume", "--project_dir", d + "/b"}), with_flags(cpp)}}});
   EXPECT_EQ(b["b"].exit_code, 0) << b["b"].output;
   EXPECT_EQ(count_of(b["b"].output, "at step 2"), 1) << b["b"].output;
+  Differences differences;
+  for (const auto& [name, reference] : std::vector<std::pair<std::string, std::string>>{
+           {"p", "dense"}, {"a", "dense"}, {"g", "dense"}, {"e", "dense"}, {"a", "p"},
+           {"g", "p"}, {"e", "p"}, {"b", "a"}})
+    differences.add(name + " against " + reference, d + "/out_" + name + "/model.safetensors",
+                    d + "/out_" + reference + "/model.safetensors", 45);
   auto worst = [&](const std::string& name, const std::string& reference) {
-    return largest_difference(name + " against " + reference,
-                              d + "/out_" + name + "/model.safetensors",
-                              d + "/out_" + reference + "/model.safetensors", 45);
+    return differences(name + " against " + reference);
   };
   // The pipeline's micro-batches sum in another order than one process (seen: 3.6e-5 of a
   // tensor's largest element for pp 2 alone, 3.3e-5 under cp); a chunk at the wrong positions or

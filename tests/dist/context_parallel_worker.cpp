@@ -131,8 +131,13 @@ void refuse(const std::shared_ptr<tandem::ProcessGroup>& world) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode == "compare" && argc == 4) {  // one process: two safetensors files, tensor by tensor
-    tandem::testing::print_weight_checks(argv[2], argv[3]);
+  // One process: pairs of safetensors files (FILE REFERENCE ...), tensor by tensor, each pair's
+  // lines after "pair <k>".
+  if (mode == "compare" && argc >= 4 && argc % 2 == 0) {
+    for (int k = 0; 2 + 2 * k < argc; ++k) {
+      std::cout << "pair " << k << std::endl;
+      tandem::testing::print_weight_checks(argv[2 + 2 * k], argv[3 + 2 * k]);
+    }
     return 0;
   }
   auto state = tandem::ProcessState::from_environment();
