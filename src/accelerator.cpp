@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <unordered_set>
 
+#include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/training_state.h"
 #include "tandem/comm/flight_recorder.h"
 #include "tandem/config/run_config.h"
@@ -291,6 +292,9 @@ void Accelerator::free_memory() {
   optimizers_.clear();
   schedulers_.clear();
   loaders_.clear();
+  trainable_at_prepare_.clear();
+  scheduler_steps_.clear();
+  checkpoint_names_.clear();
   strategy_ = make_strategy_();
   strategy_->record_comm_spans(recorder_->timeline().enabled());
   precision_ = make_precision_();
@@ -446,6 +450,8 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare_model(
   steps.strategy = [this, &model](torch::nn::Module&) { strategy_->prepare_model(model); };
   apply_transforms(*model, steps);
   models_.push_back(model);
+  for (const auto& p : model->parameters())
+    if (p.requires_grad()) trainable_at_prepare_.insert(p.unsafeGetTensorImpl());
   profile_parameters(*model);
   trim_host_cache();  // the flattening's sizes do not come again
   return model;
@@ -627,6 +633,8 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   apply_transforms(*stage, steps);
   pipeline_prepared_ = true;
   models_.push_back(stage.ptr());  // saved and loaded per rank (Note [Model-parallel checkpoints])
+  for (const auto& p : stage->parameters())
+    if (p.requires_grad()) trainable_at_prepare_.insert(p.unsafeGetTensorImpl());
   if (options.checkpoint_names()) checkpoint_names_[stage.ptr().get()] = options.checkpoint_names();
   options.checkpoint_names(nullptr);  // read here (the Pipeline refuses them)
   profile_parameters(*stage.ptr());
@@ -676,6 +684,14 @@ AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimize
                    "once per module that holds it); each is stepped once, as in PyTorch"
                 << std::endl;
   }
+  // LBFGS reads every parameter's whole gradient, several times per step: ZeRO's are shards.
+  if (dynamic_cast<torch::optim::LBFGS*>(optimizer.get()) && strategy_->name() != "ddp")
+    throw ::tandem::Refused(
+        state_.prefix() + " prepare: torch::optim::LBFGS under " + strategy_->name() +
+        ": LBFGS reads every parameter's whole gradient and re-evaluates the loss several times "
+        "per step, and under ZeRO each rank holds only its shards of the gradients and of the "
+        "optimizer; run it under data parallel (without --use_deepspeed / --use_fsdp, or "
+        "--zero_stage 0), or use another optimizer");
   optimizers_.push_back(optimizer);
   // A sharding strategy makes the optimizer step its shards (fp32 ones for master weights).
   precision_->register_optimizer(*optimizer, strategy_->prepare_optimizer(*optimizer));
@@ -805,6 +821,22 @@ void Accelerator::backward(const at::Tensor& loss) {
                 "loop (or iterate a loader from acc.prepare_data_loader)");
   }
   check_model_split("backward");
+  // Note [Replaced parameter storage]: the reducers' hooks follow a parameter torch::load (or
+  // set_data) gave new storage. Under ZeRO a parameter is a view of its unit's flat storage
+  // (or a shard), which such a load leaves behind: refused, with the calls that load in place.
+  for (const auto* r : strategy_->reducers()) {
+    const auto moved = const_cast<parallel::GradientReducer*>(r)->follow_replaced_accumulators();
+    if (moved.empty() || strategy_->name() == "ddp") continue;
+    std::string names;
+    for (size_t k = 0; k < moved.size() && k < 10; ++k) names += (k ? ", " : "") + moved[k];
+    throw ::tandem::Refused(
+        state_.prefix() + " backward: the storage of " + names +
+        (moved.size() > 10 ? ", ... (" + std::to_string(moved.size()) + " in all)" : "") +
+        " was replaced after acc.prepare(model) (torch::load into the prepared model, or "
+        "set_data); under " + strategy_->name() + " every parameter is a view of its unit's "
+        "flat storage, which that leaves behind. Load weights in place: acc.load_state, "
+        "acc.load_model, or tandem::checkpoint::load_model before acc.prepare(model)");
+  }
   auto l = precision_->loss_for_backward(loss, accumulation_steps_);
   const auto begin = track::Timeline::Clock::now();
   const bool synchronised = sync_gradients_ && no_sync_depth_ == 0;
@@ -949,6 +981,36 @@ void Accelerator::clip_before_step(torch::optim::Optimizer& optimizer) {
   clip_grad_norm_(params, max_norm);
 }
 
+// Note [Trainable parameters are fixed at prepare]: data parallel's buckets, ZeRO's shards and a
+// pipeline's gradient sync are built over the parameters that required gradients when their
+// model was prepared, as PyTorch's DDP and FSDP are. A parameter that requires gradients only
+// later would train on each rank alone (data parallel: the replicas drift apart) or not at all
+// (ZeRO: no shard of the optimizer holds it), without a word; the optimizer step refuses it,
+// naming it. One process under data parallel reduces nothing and trains it as LibTorch does.
+void Accelerator::check_trainable_parameters(const char* where) const {
+  if (strategy_->name() == "ddp" && topology_->replicas()->size() == 1) return;
+  int64_t count = 0;
+  for (const auto& m : models_)
+    for (const auto& p : m->parameters())
+      count += p.requires_grad() && !trainable_at_prepare_.count(p.unsafeGetTensorImpl());
+  if (count == 0) return;
+  std::string names;
+  int listed = 0;
+  for (const auto& m : models_)
+    for (const auto& p : m->named_parameters())
+      if (p.value().requires_grad() &&
+          !trainable_at_prepare_.count(p.value().unsafeGetTensorImpl()) && listed++ < 10)
+        names += (names.empty() ? "" : ", ") + p.key();
+  if (count > 10) names += ", ... (" + std::to_string(count) + " in all)";
+  throw ::tandem::Refused(
+      state_.prefix() + " " + where + ": these parameters require gradients now but did not "
+      "when acc.prepare(model) ran: " + names + ". " + strategy_->name() + " over " +
+      std::to_string(topology_->replicas()->size()) + " replicas reduces (and shards) the "
+      "parameters that trained when the model was prepared, so these would train on each rank "
+      "alone or not at all. Make them require gradients before acc.prepare(model) (while they "
+      "should not train, leave them out of the loss or give their group a learning rate of 0)");
+}
+
 void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer) {
   // One boundary however many optimizers step in it (a GAN's two); an optimizer that steps
   // again begins the next.
@@ -957,6 +1019,25 @@ void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer)
           stepped_in_boundary_.end()) {
     ++optimizer_steps_;
     stepped_in_boundary_.clear();
+    // Note [Schedulers step with the optimizer]: a LibTorch scheduler counts its own step()
+    // calls; stepped on every micro-batch under accumulation, its schedule runs that many times
+    // faster than the optimizer's steps (Accelerate's prepared scheduler skips the micro-steps;
+    // a LibTorch scheduler's step cannot be intercepted). Said once, with the fix.
+    for (const auto& s : schedulers_) {
+      const unsigned now = checkpoint::scheduler_step_count(*s);
+      auto [it, fresh] = scheduler_steps_.try_emplace(s.get(), now);
+      const unsigned steps = now - it->second;
+      it->second = now;
+      if (fresh || accumulation_steps_ <= 1 || steps <= 1 || scheduler_warned_) continue;
+      scheduler_warned_ = true;
+      if (is_main_process())
+        std::cerr << state_.prefix() << " a prepared learning-rate scheduler stepped " << steps
+                  << " times in one optimizer step under gradient_accumulation_steps "
+                  << accumulation_steps_ << ": stepped on every micro-batch, its schedule runs "
+                  << steps << " times faster than the optimizer's steps. Step it only when "
+                     "acc.sync_gradients() is true (as Accelerate's prepared scheduler does)"
+                  << std::endl;
+    }
   }
   stepped_in_boundary_.push_back(&optimizer);
   if (options_.broadcast_buffers())
@@ -1060,6 +1141,7 @@ void AcceleratedOptimizer::step() {
     skipped_ = true;
     return;
   }
+  if (acc) acc->check_trainable_parameters("optimizer step");
   if (acc) acc->clip_before_step(*optimizer_);
   {
     auto span = acc ? acc->timeline().scope("optimizer step", "compute") : track::Timeline::Scope();
@@ -1074,6 +1156,41 @@ void AcceleratedOptimizer::step() {
     acc->strategy_->after_step(*optimizer_);
     acc->after_optimizer_step(*optimizer_);
   }
+}
+
+at::Tensor AcceleratedOptimizer::step(const torch::optim::Optimizer::LossClosure& closure) {
+  Accelerator* acc = owner();
+  if (!acc) return optimizer_->step(closure);
+  acc->check_model_split("optimizer step");
+  if (acc->strategy_->name() != "ddp")
+    throw ::tandem::Refused(acc->state_.prefix() + " optimizer step(closure) under " +
+                            acc->strategy_->name() + ": an optimizer that evaluates the loss "
+                            "itself reads whole gradients, and under ZeRO each rank holds "
+                            "shards; run it under data parallel, or call step() after "
+                            "acc.backward(loss)");
+  // The closure's gradients would reach the update scaled (fp16) or in half precision beside
+  // fp32 masters: the unscale and the copy up happen between a backward and step(), and here
+  // the backward runs inside the step.
+  if (acc->precision_->scaler() || acc->precision_->has_master_weights())
+    throw ::tandem::Refused(acc->state_.prefix() + " optimizer step(closure) under mixed "
+                            "precision " + acc->config_.mixed_precision + ": the closure's "
+                            "backward runs inside the step, where the loss scale or the fp32 "
+                            "masters cannot be applied; use bf16 autocast (--mixed_precision "
+                            "bf16) or no mixed precision with it");
+  skipped_ = !acc->sync_gradients();
+  if (skipped_) return at::Tensor();
+  acc->unsynced_backwards_ = 0;
+  acc->check_trainable_parameters("optimizer step");
+  at::Tensor loss;
+  {
+    auto span = acc->timeline().scope("optimizer step", "compute");
+    // The closure's forward runs under autocast as any forward; the update does not.
+    loss = optimizer_->step(closure);
+  }
+  acc->precision_->after_step(*optimizer_);
+  acc->strategy_->after_step(*optimizer_);
+  acc->after_optimizer_step(*optimizer_);
+  return loss;
 }
 
 void AcceleratedOptimizer::zero_grad() {

@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <tuple>
 #include <vector>
@@ -604,6 +605,14 @@ class Accelerator {
   // Note [Pipeline checkpoint names]: a stage's PipelineOptions::checkpoint_names, by module.
   std::map<const torch::nn::Module*, std::function<std::string(const std::string&)>>
       checkpoint_names_;
+  // Note [Trainable parameters are fixed at prepare]: the parameters that required gradients
+  // when their model was prepared.
+  std::set<const void*> trainable_at_prepare_;
+  void check_trainable_parameters(const char* where) const;
+  // Note [Schedulers step with the optimizer]: each prepared scheduler's step count at the last
+  // optimizer step; whether the main process said it steps on micro-batches.
+  std::map<const torch::optim::LRScheduler*, unsigned> scheduler_steps_;
+  bool scheduler_warned_ = false;
   std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers_;
   std::vector<std::shared_ptr<torch::optim::LRScheduler>> schedulers_;
   std::vector<std::weak_ptr<data::ResumableLoader>> loaders_;

@@ -24,6 +24,11 @@ class AcceleratedOptimizer {
 
   /// Steps on a synchronisation boundary (unless a mixed-precision scaler skips it).
   void step();
+  /// The step of an optimizer that evaluates the loss itself (torch::optim::LBFGS): `closure`
+  /// clears the gradients, runs the forward and acc.backward(loss), and returns the loss. As
+  /// step() otherwise; returns what the optimizer's step returns (undefined when skipped).
+  /// Refused under ZeRO, whose gradients are shards.
+  at::Tensor step(const torch::optim::Optimizer::LossClosure& closure);
   /// Clears gradients on a synchronisation boundary.
   void zero_grad();
   /// Whether the last step() was skipped (fp16 overflow, or off the boundary).

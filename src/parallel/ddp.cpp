@@ -153,6 +153,24 @@ GradientReducer::GradientReducer(
   }
 }
 
+// Note [Replaced parameter storage]: LibTorch's torch::load(module, path) reads each parameter
+// with Tensor::set_, which leaves the parameter the same tensor but gives it a new gradient
+// accumulator: the hooks on the old one never run again, and every later backward would find
+// every parameter without its gradient. Before each backward the hooks follow the accumulator.
+std::vector<std::string> GradientReducer::follow_replaced_accumulators() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> moved;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto now = torch::autograd::impl::grad_accumulator(params_[i]);
+    if (!now || now.get() == accumulators_[i].get()) continue;
+    compat::remove_post_hook(*accumulators_[i], hook_keys_[i]);
+    hook_keys_[i] = compat::add_post_hook(*now, [this, i] { on_gradient_ready(i); });
+    accumulators_[i] = std::move(now);
+    moved.push_back(names_[i]);
+  }
+  return moved;
+}
+
 GradientReducer::~GradientReducer() {
   for (size_t i = 0; i < accumulators_.size(); ++i)
     compat::remove_post_hook(*accumulators_[i], hook_keys_[i]);
@@ -415,8 +433,24 @@ void GradientReducer::finalize() {
     for (size_t k = 0; k < unused.size() && k < 20; ++k)
       names += (k ? ", " : "") + names_[unused[k]];
     if (unused.size() > 20) names += ", ... (" + std::to_string(unused.size()) + " in all)";
+    // A parameter frozen after prepare (requires_grad false now) is not unused by the model:
+    // the reducer was built with it; say so, and the fix that fits.
+    std::string frozen;
+    int64_t frozen_count = 0;
+    for (size_t i : unused)
+      if (!params_[i].requires_grad() && frozen_count++ < 20)
+        frozen += (frozen.empty() ? "" : ", ") + names_[i];
     wait_launched();
     reset();
+    if (frozen_count > 0)
+      throw ::tandem::Refused(
+          pg_->prefix() + " these parameters" +
+          (options_.model_label().empty() ? "" : " of " + options_.model_label()) +
+          " were frozen (requires_grad false) after acc.prepare(model): " + frozen +
+          (frozen_count > 20 ? ", ... (" + std::to_string(frozen_count) + " in all)" : "") +
+          ". Data parallel reduces the parameters that trained when the model was prepared, "
+          "every step; freeze them before acc.prepare(model), or pass "
+          "AcceleratorOptions().find_unused_parameters(true) to let them go without gradients");
     throw std::runtime_error(
         pg_->prefix() + " these parameters" +
         (options_.model_label().empty() ? "" : " of " + options_.model_label()) +

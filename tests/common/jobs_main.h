@@ -25,7 +25,9 @@ namespace tandem::testing {
 /// process started with them, this job's are set (its `unset` lines removed), then
 /// `run(argv[0], args...)`. Prints "tandem-job i" before and "tandem-job-exit i code" after it
 /// on stdout; a job that fails (non-zero or an exception) ends the process with its code, as
-/// the job alone would have ended its launch.
+/// the job alone would have ended its launch, unless the file says it `may_fail` (a refusal
+/// every rank makes alike): then the next job runs, and the process ends with 0 if no other
+/// job failed.
 inline int main_with_jobs(int argc, char** argv, const std::function<int(int, char**)>& run) {
   if (argc != 3 || std::string(argv[1]) != "--jobs") return run(argc, argv);
   // One stream for the jobs' lines: the launcher reads a rank's stdout and stderr from two pipes,
@@ -37,6 +39,7 @@ inline int main_with_jobs(int argc, char** argv, const std::function<int(int, ch
   struct Job {
     std::map<std::string, std::optional<std::string>> env;  // nullopt: unset
     std::vector<std::string> args;
+    bool may_fail = false;
   };
   std::vector<Job> jobs;
   std::ifstream in(argv[2]);
@@ -57,6 +60,8 @@ inline int main_with_jobs(int argc, char** argv, const std::function<int(int, ch
       jobs.back().env[line.substr(6)] = std::nullopt;
     } else if (line.rfind("arg ", 0) == 0) {
       jobs.back().args.push_back(line.substr(4));
+    } else if (line == "may_fail") {
+      jobs.back().may_fail = true;
     } else {
       std::cerr << "jobs file: unknown line '" << line << "'" << std::endl;
       return 2;
@@ -94,7 +99,7 @@ inline int main_with_jobs(int argc, char** argv, const std::function<int(int, ch
     std::cerr << std::flush;
     std::fflush(nullptr);
     std::cout << "tandem-job-exit " << i << " " << code << std::endl;
-    if (code != 0) return code;
+    if (code != 0 && !jobs[i].may_fail) return code;
   }
   return 0;
 }

@@ -89,10 +89,13 @@ inline RunResult launch(int n, const std::string& program, const std::vector<std
 }
 
 /// One job of `launch_jobs`: the worker's arguments and the launch options it would have had
-/// alone (flags, environment, timeout).
+/// alone (flags, environment, timeout). `may_fail`: a refusal that every rank makes alike, after
+/// which the launch's next job runs (the job's exit code says how it ended); a job that fails
+/// on some ranks only would leave the others waiting for it.
 struct Job {
   std::vector<std::string> args;
   LaunchOptions options;
+  bool may_fail = false;
 };
 
 namespace detail {
@@ -191,6 +194,7 @@ inline std::vector<RunResult> launch_jobs(int n, const std::string& program,
         if (!env.count(k)) out << "unset " << k << "\n";
       for (const auto& [k, v] : env) out << "env " << k << "=" << v << "\n";
       for (const auto& a : job.args) out << "arg " << a << "\n";
+      if (job.may_fail) out << "may_fail\n";
     }
   }
   auto all = run_command(launch_command(n, program, {"--jobs", file}, base), {}, timeout);
@@ -227,7 +231,8 @@ inline std::vector<RunResult> launch_jobs(int n, const std::string& program,
       r.exit_code = *std::max_element(exits[j].begin(), exits[j].end());
     } else {
       // Not every rank ended this job: it failed with the launch (or was never reached).
-      const bool earlier_failed = j > 0 && results[j - 1].exit_code != 0;
+      const bool earlier_failed =
+          j > 0 && results[j - 1].exit_code != 0 && !jobs[j - 1].may_fail;
       r.exit_code = earlier_failed || all.exit_code == 0 ? -1 : all.exit_code;
       r.timed_out = all.timed_out;
     }

@@ -220,6 +220,9 @@ namespace {
 
 const std::string kGenerateGpt2 = GENERATE_GPT2;
 const std::string kGenerateLlm = GENERATE_LLM;
+// The two that run a launch's jobs (tandem::testing::launch_jobs).
+const std::string kGenerateGpt2Jobs = GENERATE_GPT2_JOBS;
+const std::string kGenerateLlmJobs = GENERATE_LLM_JOBS;
 
 // A small GPT-2 checkpoint as save_pretrained lays it out: config.json and model.safetensors.
 const std::string& small_gpt2() {
@@ -290,25 +293,21 @@ std::vector<std::string> generate_args(const std::string& dir, std::vector<std::
 // A generation example under the launcher: the prompts split between the processes give the
 // lines of one process, in prompt order, also with every block on disk; the layouts it does not
 // compute (tensor, pipeline, sharded, mixed precision) and flags without the cap they need are
-// refused.
+// refused. `program` runs a launch's jobs: one launch per number of ranks, the refusals (every
+// rank refuses alike) as jobs that may fail.
 void expect_generation_under_the_launcher(const std::string& program, const std::string& dir) {
-  auto one = launch(1, program, generate_args(dir), with_flags());
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  const auto want = token_lines(one.output);
-  ASSERT_EQ(want.size(), 3u) << one.output;
-  auto two = launch(2, program, generate_args(dir), with_flags());
-  ASSERT_EQ(two.exit_code, 0) << two.output;
-  EXPECT_EQ(token_lines(two.output), want) << two.output;
-  auto disk = launch(2, program, generate_args(dir, {"--max_memory", "1KB"}), with_flags());
-  ASSERT_EQ(disk.exit_code, 0) << disk.output;
-  EXPECT_EQ(token_lines(disk.output), want) << disk.output;
-  EXPECT_GE(count_of(disk.output, "disk reads"), 1) << disk.output;
-
+  using Run = std::tuple<std::string, int, tandem::testing::Job>;
+  std::vector<Run> runs{{"one", 1, {generate_args(dir), with_flags()}},
+                        {"two", 2, {generate_args(dir), with_flags()}},
+                        {"disk", 2, {generate_args(dir, {"--max_memory", "1KB"}), with_flags()}}};
+  std::map<std::string, std::string> words;  // what each refusal says
   auto refused = [&](int n, std::vector<std::string> flags, std::vector<std::string> extra,
-                     const std::string& words) {
-    auto r = launch(n, program, generate_args(dir, std::move(extra)), with_flags(std::move(flags)));
-    EXPECT_NE(r.exit_code, 0) << r.output;
-    EXPECT_GE(count_of(r.output, words), 1) << words << "\n" << r.output;
+                     const std::string& what) {
+    const std::string name = "refused " + std::to_string(runs.size());
+    tandem::testing::Job job{generate_args(dir, std::move(extra)), with_flags(std::move(flags))};
+    job.may_fail = true;
+    runs.emplace_back(name, n, std::move(job));
+    words[name] = what;
   };
   refused(2, {"--tp_size", "2"}, {}, "runs data-parallel inference");
   refused(2, {"--pp_size", "2"}, {}, "runs data-parallel inference");
@@ -318,6 +317,19 @@ void expect_generation_under_the_launcher(const std::string& program, const std:
   refused(1, {}, {"--quantize", "int8", "--max_memory", "1KB"}, "tandem quantize");
   refused(1, {}, {"--attention", "flash"}, "expected auto, sdpa or manual");
   if (!torch::cuda::is_available()) refused(1, {}, {"--device", "cuda:0"}, "no CUDA device");
+  auto r = tandem::testing::launch_jobs_by_size(program, runs);
+  ASSERT_EQ(r["one"].exit_code, 0) << r["one"].output;
+  const auto want = token_lines(r["one"].output);
+  ASSERT_EQ(want.size(), 3u) << r["one"].output;
+  ASSERT_EQ(r["two"].exit_code, 0) << r["two"].output;
+  EXPECT_EQ(token_lines(r["two"].output), want) << r["two"].output;
+  ASSERT_EQ(r["disk"].exit_code, 0) << r["disk"].output;
+  EXPECT_EQ(token_lines(r["disk"].output), want) << r["disk"].output;
+  EXPECT_GE(count_of(r["disk"].output, "disk reads"), 1) << r["disk"].output;
+  for (const auto& [name, what] : words) {
+    EXPECT_GT(r[name].exit_code, 0) << name << ": " << r[name].output;
+    EXPECT_GE(count_of(r[name].output, what), 1) << what << "\n" << r[name].output;
+  }
 }
 
 }  // namespace
@@ -325,11 +337,11 @@ void expect_generation_under_the_launcher(const std::string& program, const std:
 // generate_gpt2 and generate_llm (one body, examples/common/generate.h) under the launcher;
 // tests/oracle/gpt2_oracle.py and llama_generate_oracle.py hold their tokens to transformers'.
 TEST(Examples, GenerateGpt2UnderTheLauncher) {
-  expect_generation_under_the_launcher(kGenerateGpt2, small_gpt2());
+  expect_generation_under_the_launcher(kGenerateGpt2Jobs, small_gpt2());
 }
 
 TEST(Examples, GenerateLlmUnderTheLauncher) {
-  expect_generation_under_the_launcher(kGenerateLlm, small_llm());
+  expect_generation_under_the_launcher(kGenerateLlmJobs, small_llm());
 }
 
 

@@ -13,6 +13,12 @@
 //          optimizers, `zero_grad()` through each module, the generator's forward before the
 //          discriminator's step and its backward after; each rank also trains a plain copy with
 //          a hand-written allreduce-mean of the gradients on the same batches (the reference)
+//   mlp    a two-layer MLP with SGD on fixed rows split between the processes, and one of the
+//          idioms (--idiom): freeze_after (fc1 frozen after prepare), unfreeze (fc1 frozen
+//          before prepare, made to train after 2 steps), lbfgs (LBFGS stepped with a closure
+//          through the prepared optimizer), steplr (a StepLR stepped on every micro-batch),
+//          torch_load (after 2 steps each rank saves the model with torch::save and reads it back
+//          into the prepared model with torch::load), none
 // Every mode writes the model's state (parameters, then buffers) as raw float32 to --out from
 // the main process; gan writes the reference's state to --ref_out.
 #include <torch/torch.h>
@@ -21,6 +27,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -39,6 +46,7 @@ struct Args {
   int steps = 6;
   bool tandem_module = false;  // mnist: the Net declared with TANDEM_MODULE
   bool small_buckets = false;  // mnist: 2 KB buckets (several ZeRO-2 units)
+  std::string idiom;           // mlp
 };
 
 void write_floats(std::ofstream& out, const torch::Tensor& t) {
@@ -335,12 +343,83 @@ int split(const Args&) {
   return 0;
 }
 
+// ---- mlp ------------------------------------------------------------------------------------------
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(4, 8))),
+        fc2(register_module("fc2", torch::nn::Linear(8, 1))) {}
+  torch::Tensor forward(torch::Tensor x) { return fc2->forward(torch::tanh(fc1->forward(x))); }
+  torch::nn::Linear fc1, fc2;
+};
+TANDEM_MODULE(Mlp);
+
+int mlp(const Args& a) {
+  tandem::Accelerator acc;
+  torch::manual_seed(0);
+  Mlp model;
+  auto train_fc1 = [&](bool on) {
+    model->fc1->weight.set_requires_grad(on);
+    model->fc1->bias.set_requires_grad(on);
+  };
+  if (a.idiom == "unfreeze") train_fc1(false);
+  model = acc.prepare(model);
+  std::shared_ptr<torch::optim::Optimizer> raw;
+  if (a.idiom == "lbfgs")
+    raw = std::make_shared<torch::optim::LBFGS>(model->parameters(),
+                                                torch::optim::LBFGSOptions(0.1).max_iter(5));
+  else
+    raw = std::make_shared<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1));
+  auto opt = acc.prepare(raw);
+  std::shared_ptr<torch::optim::StepLR> sched;
+  if (a.idiom == "steplr") {
+    sched = std::make_shared<torch::optim::StepLR>(*raw, 2, 0.5);
+    acc.prepare_scheduler(sched);
+  }
+  auto g = torch::make_generator<torch::CPUGeneratorImpl>(2);
+  auto xs = torch::randn({8 * a.steps, 4}, g), ys = torch::randn({8 * a.steps, 1}, g);
+  for (int step = 0; step < a.steps; ++step) {
+    auto x = acc.split_between_processes(xs.narrow(0, 8 * step, 8));
+    auto y = acc.split_between_processes(ys.narrow(0, 8 * step, 8));
+    if (a.idiom == "freeze_after" && step == 0) train_fc1(false);
+    if (a.idiom == "unfreeze" && step == 2) train_fc1(true);
+    if (a.idiom == "lbfgs") {
+      // The loss every rank returns is the global batch's, so that every rank's LBFGS takes the
+      // same iterations.
+      opt.step([&] {
+        opt->zero_grad();
+        auto loss = torch::mse_loss(model->forward(x), y);
+        acc.backward(loss);
+        return acc.reduce(loss.detach());
+      });
+      continue;
+    }
+    if (a.idiom == "torch_load" && step == 2) {
+      const std::string path = a.out + ".rank" + std::to_string(acc.process_index()) + ".pt";
+      torch::save(model, path);
+      torch::load(model, path);
+      std::remove(path.c_str());
+    }
+    auto scope = acc.accumulate();
+    auto loss = torch::mse_loss(model->forward(x), y);
+    acc.backward(loss);
+    opt.step();
+    opt.zero_grad();
+    if (sched) sched->step();
+  }
+  acc.print("mlp trained", acc.step(), "steps");
+  write_state(acc, {model.ptr().get()}, a.out);
+  return 0;
+}
+
 }  // namespace
 
 int run_worker(int argc, char** argv) {
   CLI::App app("tandem user-program worker");
   Args a;
-  app.add_option("mode", a.mode)->check(CLI::IsMember({"mnist", "lstm", "gan", "split"}));
+  app.add_option("mode", a.mode)->check(CLI::IsMember({"mnist", "lstm", "gan", "split", "mlp"}));
+  app.add_option("--idiom", a.idiom)
+      ->check(CLI::IsMember({"freeze_after", "unfreeze", "lbfgs", "steplr", "torch_load", "none"}));
   app.add_option("--zero_grad", a.zero_grad)
       ->check(CLI::IsMember({"after", "before", "module", "grad_loop"}));
   app.add_option("--out", a.out);
@@ -358,6 +437,7 @@ int run_worker(int argc, char** argv) {
     }
     if (a.mode == "lstm") return lstm(a);
     if (a.mode == "split") return split(a);
+    if (a.mode == "mlp") return mlp(a);
     return gan(a);
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;

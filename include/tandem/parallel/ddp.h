@@ -126,6 +126,11 @@ class GradientReducer {
   /// from prepare_for_backward). Called from the recompute, before its nested backward.
   void prepare_region_for_backward(const std::vector<at::Tensor>& region,
                                    const std::function<bool(const at::Tensor&)>& reached);
+  /// Note [Replaced parameter storage]: a parameter whose storage was replaced after the reducer
+  /// was built (torch::load into the prepared model, set_data) has a new gradient accumulator;
+  /// the hooks move to it. Returns the names of the parameters that moved. Called by
+  /// Accelerator::backward.
+  std::vector<std::string> follow_replaced_accumulators();
   /// Whether a backward that reaches none of these parameters on this rank is fine (nothing is
   /// reduced, nothing said), as PyTorch's DDP leaves a model its backward did not reach: the
   /// strategies allow it once a second model or optimizer is prepared (a GAN's discriminator
