@@ -633,8 +633,9 @@ std::shared_ptr<parallel::Pipeline> Accelerator::prepare_pipeline(
   apply_transforms(*stage, steps);
   pipeline_prepared_ = true;
   models_.push_back(stage.ptr());  // saved and loaded per rank (Note [Model-parallel checkpoints])
-  for (const auto& p : stage->parameters())
-    if (p.requires_grad()) trainable_at_prepare_.insert(p.unsafeGetTensorImpl());
+  // Note [Trainable parameters are fixed at prepare]: a pipeline reduces whatever gradients its
+  // stage has at each step, so any of its parameters may start or stop training later.
+  for (const auto& p : stage->parameters()) trainable_at_prepare_.insert(p.unsafeGetTensorImpl());
   if (options.checkpoint_names()) checkpoint_names_[stage.ptr().get()] = options.checkpoint_names();
   options.checkpoint_names(nullptr);  // read here (the Pipeline refuses them)
   profile_parameters(*stage.ptr());
@@ -692,6 +693,12 @@ AcceleratedOptimizer Accelerator::prepare(std::shared_ptr<torch::optim::Optimize
         "per step, and under ZeRO each rank holds only its shards of the gradients and of the "
         "optimizer; run it under data parallel (without --use_deepspeed / --use_fsdp, or "
         "--zero_stage 0), or use another optimizer");
+  // Note [Trainable parameters are fixed at prepare]: ZeRO-1/2 build their units from the
+  // parameters that train when the optimizer is prepared.
+  if (strategy_->name() == "zero-1" || strategy_->name() == "zero-2")
+    for (const auto& m : models_)
+      for (const auto& p : m->parameters())
+        if (p.requires_grad()) trainable_at_prepare_.insert(p.unsafeGetTensorImpl());
   optimizers_.push_back(optimizer);
   // A sharding strategy makes the optimizer step its shards (fp32 ones for master weights).
   precision_->register_optimizer(*optimizer, strategy_->prepare_optimizer(*optimizer));
@@ -826,16 +833,22 @@ void Accelerator::backward(const at::Tensor& loss) {
   // (or a shard), which such a load leaves behind: refused, with the calls that load in place.
   for (const auto* r : strategy_->reducers()) {
     const auto moved = const_cast<parallel::GradientReducer*>(r)->follow_replaced_accumulators();
-    if (moved.empty() || strategy_->name() == "ddp") continue;
+    if (moved.empty() || (strategy_->name() == "ddp" && !precision_->has_master_weights()))
+      continue;
     std::string names;
     for (size_t k = 0; k < moved.size() && k < 10; ++k) names += (k ? ", " : "") + moved[k];
     throw ::tandem::Refused(
         state_.prefix() + " backward: the storage of " + names +
         (moved.size() > 10 ? ", ... (" + std::to_string(moved.size()) + " in all)" : "") +
         " was replaced after acc.prepare(model) (torch::load into the prepared model, or "
-        "set_data); under " + strategy_->name() + " every parameter is a view of its unit's "
-        "flat storage, which that leaves behind. Load weights in place: acc.load_state, "
-        "acc.load_model, or tandem::checkpoint::load_model before acc.prepare(model)");
+        "set_data); " +
+        (strategy_->name() == "ddp"
+             ? std::string("the optimizer steps fp32 masters of these half weights, which the "
+                           "next step would copy back over what was loaded")
+             : "under " + strategy_->name() + " every parameter is a view of its unit's flat "
+               "storage, which that leaves behind") +
+        ". Load weights in place: acc.load_state, acc.load_model, or "
+        "tandem::checkpoint::load_model before acc.prepare(model)");
   }
   auto l = precision_->loss_for_backward(loss, accumulation_steps_);
   const auto begin = track::Timeline::Clock::now();
@@ -1007,8 +1020,9 @@ void Accelerator::check_trainable_parameters(const char* where) const {
       "when acc.prepare(model) ran: " + names + ". " + strategy_->name() + " over " +
       std::to_string(topology_->replicas()->size()) + " replicas reduces (and shards) the "
       "parameters that trained when the model was prepared, so these would train on each rank "
-      "alone or not at all. Make them require gradients before acc.prepare(model) (while they "
-      "should not train, leave them out of the loss or give their group a learning rate of 0)");
+      "alone or not at all. Make them require gradients before acc.prepare(model); while they "
+      "should not train, give their parameter group a learning rate of 0 (or leave them out of "
+      "the loss with AcceleratorOptions().find_unused_parameters(true))");
 }
 
 void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer) {
@@ -1026,7 +1040,7 @@ void Accelerator::after_optimizer_step(const torch::optim::Optimizer& optimizer)
     for (const auto& s : schedulers_) {
       const unsigned now = checkpoint::scheduler_step_count(*s);
       auto [it, fresh] = scheduler_steps_.try_emplace(s.get(), now);
-      const unsigned steps = now - it->second;
+      const unsigned steps = now >= it->second ? now - it->second : 0;  // 0: a load set it back
       it->second = now;
       if (fresh || accumulation_steps_ <= 1 || steps <= 1 || scheduler_warned_) continue;
       scheduler_warned_ = true;
@@ -1139,6 +1153,10 @@ void AcceleratedOptimizer::step() {
   if (acc) acc->unsynced_backwards_ = 0;  // the boundary's step (even one skipped for overflow)
   if (acc && acc->sync_gradients() && !acc->precision_->before_step(acc->pg_.get())) {  // inf/NaN on some rank: every rank skips
     skipped_ = true;
+    // Note [Schedulers step with the optimizer]: the boundary happened; a scheduler stepped on
+    // it is not stepping on micro-batches.
+    for (const auto& sched : acc->schedulers_)
+      acc->scheduler_steps_[sched.get()] = checkpoint::scheduler_step_count(*sched);
     return;
   }
   if (acc) acc->check_trainable_parameters("optimizer step");
@@ -1177,15 +1195,23 @@ at::Tensor AcceleratedOptimizer::step(const torch::optim::Optimizer::LossClosure
                             "backward runs inside the step, where the loss scale or the fp32 "
                             "masters cannot be applied; use bf16 autocast (--mixed_precision "
                             "bf16) or no mixed precision with it");
+  if (acc->config_.gradient_clipping)
+    throw ::tandem::Refused(acc->state_.prefix() + " optimizer step(closure) with gradient "
+                            "clipping (gradient_clipping in the config): the closure's backward "
+                            "runs inside the step, before which the clipping would act; clip "
+                            "inside the closure with acc.clip_grad_norm_, or drop the setting");
   skipped_ = !acc->sync_gradients();
   if (skipped_) return at::Tensor();
   acc->unsynced_backwards_ = 0;
   acc->check_trainable_parameters("optimizer step");
+  // The optimizer decides from the loss how often it evaluates it (LBFGS: its tolerance on the
+  // loss's change, its line search): every rank gets the loss averaged over the ranks, so that
+  // every rank evaluates it as often, and their backwards' collectives meet.
+  auto averaged = [acc, &closure] { return acc->reduce(closure().detach()); };
   at::Tensor loss;
   {
     auto span = acc->timeline().scope("optimizer step", "compute");
-    // The closure's forward runs under autocast as any forward; the update does not.
-    loss = optimizer_->step(closure);
+    loss = optimizer_->step(averaged);
   }
   acc->precision_->after_step(*optimizer_);
   acc->strategy_->after_step(*optimizer_);

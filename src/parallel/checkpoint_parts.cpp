@@ -316,9 +316,12 @@ std::vector<checkpoint::StatePart> Strategy::checkpoint_parts(
                          }
                          const auto& file = r.tensors(layout.model_file(i));
                          load_model_tensors(*models[i], [&](const std::string& name) {
+                           // A checkpoint written before the stage was given its names holds
+                           // the stage's own.
                            const auto saved = renames(i, name);
-                           if (!file.contains(saved)) throw missing(i, saved);
-                           return file.tensor(saved);
+                           if (file.contains(saved)) return file.tensor(saved);
+                           if (file.contains(name)) return file.tensor(name);
+                           throw missing(i, saved);
                          });
                        }
                        return;

@@ -249,13 +249,15 @@ TEST(UserPrograms, SplitBetweenProcessesAsAccelerate) {
 // ZeRO-2, whose parameters are views of its flat storage.
 TEST(UserPrograms, ParametersMadeTrainableAfterPrepareLbfgsAndSchedulersAreHandled) {
   using Run = std::tuple<std::string, int, tandem::testing::Job>;
-  // LBFGS for 3 steps: its curvature pairs carry the sums' rounding from step to step, and it
-  // grows (seen, the largest difference over the largest element: 2e-7 after 1 step, 1.8e-6
-  // after 3, 4.4e-5 after 6); a step on another rank's iterations or gradients moves whole steps.
+  // LBFGS with its strong Wolfe line search for 1 step (5 iterations, each evaluating the loss
+  // as often as the line search asks): the sums' rounding moves it 6e-8 of the largest element
+  // from one process on both builds; later steps carry it forward and the line search can branch
+  // on it (1e-4 after 2 steps under ASan). Handed each rank's own loss, the ranks evaluate it a
+  // different number of times and the run fails; gradients of the wrong ranks move whole steps.
   auto job = [](const std::string& idiom, const std::string& out, std::vector<std::string> flags,
                 bool may_fail) {
     std::vector<std::string> args{"mlp", "--idiom", idiom, "--out", out};
-    if (idiom == "lbfgs") args.insert(args.end(), {"--steps", "3"});
+    if (idiom == "lbfgs") args.insert(args.end(), {"--steps", "1"});
     tandem::testing::Job j{args, LaunchOptions().flags(std::move(flags)).timeout_s(120)};
     j.may_fail = may_fail;
     return j;
@@ -279,7 +281,7 @@ TEST(UserPrograms, ParametersMadeTrainableAfterPrepareLbfgsAndSchedulersAreHandl
   for (const std::string name : {"lbfgs one", "unfreeze one", "lbfgs", "steplr", "plain",
                                   "torch_load"})
     EXPECT_EQ(r[name].exit_code, 0) << name << ": " << r[name].output;
-  EXPECT_EQ(count_of(r["lbfgs"].output, "mlp trained 3 steps"), 1) << r["lbfgs"].output;
+  EXPECT_EQ(count_of(r["lbfgs"].output, "mlp trained 1 steps"), 1) << r["lbfgs"].output;
   const auto a = read_floats(one), b = read_floats(two);
   ASSERT_EQ(a.size(), 8u * 4 + 8 + 8 + 1);
   double most = 0, largest = 0;
