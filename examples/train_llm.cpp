@@ -83,7 +83,11 @@ class TokenRows : public torch::data::datasets::Dataset<TokenRows> {
 torch::Tensor read_bin(const std::string& path, const std::string& dtype) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("--data " + path + ": cannot read it");
-  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  in.seekg(0, std::ios::end);
+  std::string bytes(static_cast<size_t>(in.tellg()), '\0');
+  in.seekg(0);
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!in) throw std::runtime_error("--data " + path + ": reading it failed");
   const int64_t width = dtype == "uint32" ? 4 : 2;
   if (bytes.size() % width != 0)
     throw std::runtime_error("--data " + path + ": " + std::to_string(bytes.size()) +

@@ -324,7 +324,9 @@ inline torch::Tensor gpt_sequential_loss(const torch::Tensor& logits, const torc
 inline std::string read_text_file(const std::string& path, const std::string& flag = "--text") {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::runtime_error("cannot read " + flag + " " + path);
-  return std::string(std::istreambuf_iterator<char>(in), {});
+  std::ostringstream bytes;  // one block copy, not a character at a time
+  bytes << in.rdbuf();
+  return bytes.str();
 }
 
 /// Bytes of this project's own text (README, docs, headers and sources), in a fixed order.
@@ -342,12 +344,12 @@ inline std::string project_text(const std::string& root) {
         }
   }
   std::sort(files.begin(), files.end());
-  std::string text;
+  std::ostringstream text;
   for (auto& f : files) {
     std::ifstream in(f, std::ios::binary);
-    text += std::string(std::istreambuf_iterator<char>(in), {});
+    if (fs::file_size(f) > 0) text << in.rdbuf();
   }
-  return text;
+  return text.str();
 }
 
 /// Non-overlapping windows of `context + 1` bytes: input = first `context`, target = shifted by

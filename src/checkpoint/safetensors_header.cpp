@@ -562,7 +562,9 @@ SafetensorsIndex read_safetensors_index(const std::string& path) {
   if (!in)
     throw SafetensorsError("safetensors index '" + path + "': cannot be opened (" +
                            std::strerror(errno) + "); check the path");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::ostringstream bytes;
+  bytes << in.rdbuf();
+  const std::string text = bytes.str();
   if (in.bad()) throw SafetensorsError("safetensors index '" + path + "': reading it failed");
   return parse_safetensors_index(text, path);
 }

@@ -63,7 +63,9 @@ void write_file(const fs::path& p, const std::string& bytes) {
 std::string read_file(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   if (!in) throw std::runtime_error("cannot read " + p.string());
-  return std::string(std::istreambuf_iterator<char>(in), {});
+  std::ostringstream bytes;
+  if (fs::file_size(p) > 0) bytes << in.rdbuf();
+  return bytes.str();
 }
 
 std::string xxh64_of(const fs::path& p) {

@@ -95,7 +95,9 @@ void read_metrics(Running& r, const std::string& metric) {
   }
   std::ifstream in(r.metrics, std::ios::binary);
   in.seekg(r.offset);
-  std::string chunk((std::istreambuf_iterator<char>(in)), {});
+  std::ostringstream read;
+  read << in.rdbuf();
+  const std::string chunk = read.str();
   r.offset += static_cast<std::streamoff>(chunk.size());
   r.partial += chunk;
   size_t nl;

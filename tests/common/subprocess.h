@@ -97,9 +97,11 @@ inline int count_of(const std::string& hay, const std::string& needle) {
 /// The raw float32 values a worker wrote to `path` (empty when the file is missing).
 inline std::vector<float> read_floats(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
-  std::vector<float> v(bytes.size() / sizeof(float));
-  std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
+  if (!in) return {};
+  in.seekg(0, std::ios::end);
+  std::vector<float> v(static_cast<size_t>(in.tellg()) / sizeof(float));
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
   return v;
 }
 
