@@ -56,6 +56,41 @@ std::vector<at::Tensor> ForwardHooks::run(const std::vector<at::Tensor>& inputs,
   return chain(inputs);
 }
 
+namespace detail {
+
+void refuse_released_parameters(const torch::nn::Module& m, const std::string& name,
+                                const char* what) {
+  std::vector<std::string> released;
+  for (const auto& item : m.named_parameters(/*recurse=*/true)) {
+    const auto& p = item.value();
+    if (!p.defined() || p.numel() == 0 || !p.has_storage()) continue;
+    int64_t extent = p.storage_offset() + 1;  // the last element's index in the storage, + 1
+    for (int64_t d = 0; d < p.dim(); ++d) extent += (p.size(d) - 1) * p.stride(d);
+    if (p.storage().nbytes() < static_cast<size_t>(extent) * p.element_size())
+      released.push_back(item.key());
+  }
+  if (released.empty()) return;
+  std::string names;
+  for (size_t k = 0; k < released.size() && k < 5; ++k) names += (k ? ", " : "") + released[k];
+  if (released.size() > 5) names += ", ... (" + std::to_string(released.size()) + " in all)";
+  const bool save = std::string(what) == "torch::save";
+  throw ::tandem::Refused(
+      std::string(what) + " of " + name + ": its parameters " + names +
+      " hold no values here; ZeRO-3 keeps each rank's shard of them and gathers them only for "
+      "the forward and backward that use them, so " +
+      (save ? "the file would hold none of the weights"
+            : "the values read would leave the shards the optimizer steps") +
+      ". " +
+      (save ? "Save the whole model with acc.save_model(model, dir) (safetensors) or take it "
+              "with acc.get_state_dict(model); every rank calls either. acc.save_state(dir) "
+              "saves the training state to resume from"
+            : "Load with acc.load_model(model, dir) or acc.load_state(dir) after "
+              "acc.prepare, or torch::load before it") +
+      " (or train with --zero_stage 2, which keeps whole parameters on every rank).");
+}
+
+}  // namespace detail
+
 Hookable::Hookable() {
   if (auto* s = detail::BuildScope::current()) s->ended(this);
 }

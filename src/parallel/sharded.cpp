@@ -38,6 +38,16 @@ std::vector<at::Tensor> run_unit(const std::shared_ptr<ShardedHooks>& hooks,
 
 }  // namespace detail
 
+void ShardedImpl::save(torch::serialize::OutputArchive& archive) const {
+  tandem::nn::detail::refuse_released_parameters(*this, inner_.ptr()->name(), "torch::save");
+  torch::nn::Module::save(archive);
+}
+
+void ShardedImpl::load(torch::serialize::InputArchive& archive) {
+  tandem::nn::detail::refuse_released_parameters(*this, inner_.ptr()->name(), "torch::load");
+  torch::nn::Module::load(archive);
+}
+
 torch::Tensor ShardedImpl::forward(torch::Tensor input) {
   if (!hooks_) return inner_.forward(std::move(input));
   return detail::run_unit(hooks_, [&] {

@@ -264,6 +264,7 @@ TEST(UserPrograms, ParametersMadeTrainableAfterPrepareLbfgsAndSchedulersAreHandl
   };
   const auto one = temp_path("lbfgs-one.bin"), two = temp_path("lbfgs-two.bin");
   const auto plain = temp_path("mlp-plain.bin"), loaded = temp_path("mlp-loaded.bin");
+  const auto clip_one = temp_path("clip-one.bin"), clip_two = temp_path("clip-two.bin");
   auto r = tandem::testing::launch_jobs_by_size(
       kWorker,
       std::vector<Run>{
@@ -277,9 +278,13 @@ TEST(UserPrograms, ParametersMadeTrainableAfterPrepareLbfgsAndSchedulersAreHandl
           {"lbfgs zero-2", 2, job("lbfgs", "", zero(2), true)},
           {"plain", 2, job("none", plain, {}, false)},
           {"torch_load", 2, job("torch_load", loaded, {}, false)},
-          {"torch_load zero-2", 2, job("torch_load", loaded + ".z", zero(2), true)}});
+          {"torch_load zero-2", 2, job("torch_load", loaded + ".z", zero(2), true)},
+          {"torch_load zero-3", 2, job("torch_load", loaded + ".z3", zero(3), true)},
+          {"clip_user one", 1, job("clip_user", clip_one, {}, false)},
+          {"clip_user", 2, job("clip_user", clip_two, {}, false)},
+          {"clip_user zero-2", 2, job("clip_user", "", zero(2), true)}});
   for (const std::string name : {"lbfgs one", "unfreeze one", "lbfgs", "steplr", "plain",
-                                  "torch_load"})
+                                  "torch_load", "clip_user one", "clip_user"})
     EXPECT_EQ(r[name].exit_code, 0) << name << ": " << r[name].output;
   EXPECT_EQ(count_of(r["lbfgs"].output, "mlp trained 1 steps"), 1) << r["lbfgs"].output;
   const auto a = read_floats(one), b = read_floats(two);
@@ -304,8 +309,31 @@ TEST(UserPrograms, ParametersMadeTrainableAfterPrepareLbfgsAndSchedulersAreHandl
   refused("lbfgs zero-2", "torch::optim::LBFGS under zero-2");
   refused("torch_load zero-2", "was replaced after acc.prepare(model) (torch::load into the "
                                "prepared model");
+  // Under ZeRO-3 the parameters hold no values between uses: torch::save would write a file
+  // without the weights (Note [Saving a sharded model]).
+  refused("torch_load zero-3", "torch::save of Mlp: its parameters fc1.weight, fc1.bias, "
+                               "fc2.weight, fc2.bias hold no values here");
+  refused("torch_load zero-3", "acc.save_model(model, dir)");
+  // LibTorch's clip_grad_norm_ after the backward: under data parallel each rank clips the
+  // averaged gradients, as one process clips its own (the same steps); under ZeRO-2 the gradients
+  // live in shards and its item() on them is named (Note [Reading a sharded gradient]).
+  {
+    const auto c1 = read_floats(clip_one), c2 = read_floats(clip_two), unclipped = read_floats(plain);
+    ASSERT_EQ(c1.size(), a.size());
+    ASSERT_EQ(c2.size(), a.size());
+    double most = 0, largest = 0, moved = 0;
+    for (size_t i = 0; i < c1.size(); ++i) {
+      most = std::max(most, std::fabs(double(c1[i]) - c2[i]));
+      largest = std::max(largest, std::fabs(double(c1[i])));
+      moved = std::max(moved, std::fabs(double(c2[i]) - unclipped[i]));
+    }
+    EXPECT_LE(most, 1e-6 * largest);
+    EXPECT_GT(moved, 1e-3 * largest);  // the clipping took effect
+  }
+  refused("clip_user zero-2", "Tensor::item() on a meta tensor");
+  refused("clip_user zero-2", "call acc.clip_grad_norm_(model->parameters(), max_norm)");
   const auto p = read_floats(plain), l = read_floats(loaded);
   ASSERT_EQ(p.size(), a.size());
   EXPECT_EQ(p, l);
-  for (const auto& f : {one, two, plain, loaded}) std::remove(f.c_str());
+  for (const auto& f : {one, two, plain, loaded, clip_one, clip_two}) std::remove(f.c_str());
 }

@@ -18,7 +18,8 @@
 //          before prepare, made to train after 2 steps), lbfgs (LBFGS stepped with a closure
 //          through the prepared optimizer), steplr (a StepLR stepped on every micro-batch),
 //          torch_load (after 2 steps each rank saves the model with torch::save and reads it back
-//          into the prepared model with torch::load), none
+//          into the prepared model with torch::load), clip_user (LibTorch's own
+//          clip_grad_norm_ after each backward), none
 // Every mode writes the model's state (parameters, then buffers) as raw float32 to --out from
 // the main process; gan writes the reference's state to --ref_out.
 #include <torch/torch.h>
@@ -405,6 +406,7 @@ int mlp(const Args& a) {
     auto scope = acc.accumulate();
     auto loss = torch::mse_loss(model->forward(x), y);
     acc.backward(loss);
+    if (a.idiom == "clip_user") torch::nn::utils::clip_grad_norm_(model->parameters(), 0.05);
     opt.step();
     opt.zero_grad();
     if (sched) sched->step();
@@ -421,7 +423,8 @@ int run_worker(int argc, char** argv) {
   Args a;
   app.add_option("mode", a.mode)->check(CLI::IsMember({"mnist", "lstm", "gan", "split", "mlp"}));
   app.add_option("--idiom", a.idiom)
-      ->check(CLI::IsMember({"freeze_after", "unfreeze", "lbfgs", "steplr", "torch_load", "none"}));
+      ->check(CLI::IsMember(
+          {"freeze_after", "unfreeze", "lbfgs", "steplr", "torch_load", "clip_user", "none"}));
   app.add_option("--zero_grad", a.zero_grad)
       ->check(CLI::IsMember({"after", "before", "module", "grad_loop"}));
   app.add_option("--out", a.out);

@@ -346,6 +346,56 @@ constexpr bool standard_layer_v =
     std::is_same_v<Impl, torch::nn::LayerNormImpl> || std::is_same_v<Impl, torch::nn::DropoutImpl> ||
     declares_standard_layer<Impl>::value;
 
+/// Note [Saving a sharded model]: between uses, ZeRO-3 gives back the storage of a unit's
+/// parameters (Note [Freeing a unit]); each keeps its sizes over a storage of no bytes. LibTorch's
+/// torch::save(model, path) would write such a parameter as it is, a file without its values,
+/// found out only when torch::load fails on it; torch::load would take it out of its unit. The
+/// modules ZeRO-3 releases are tandem's (Hooked and Sharded), whose save and load call this
+/// first: it throws tandem::Refused naming the parameters and the calls that save and load a
+/// sharded model, when any parameter of `m` (or of a module inside it) has such a storage.
+/// `what`: "torch::save" or "torch::load"; `name`: the module's, for the message.
+void refuse_released_parameters(const torch::nn::Module& m, const std::string& name,
+                                const char* what);
+
+/// Whether Impl's own save / load of an archive can be called (a program's `save(path)` helper
+/// hides Module's): Hooked calls Impl's where it can, Module's otherwise.
+template <class Impl, class = void>
+struct saves_archives : std::false_type {};
+template <class Impl>
+struct saves_archives<Impl, std::void_t<decltype(std::declval<const Impl&>().Impl::save(
+                                std::declval<torch::serialize::OutputArchive&>()))>>
+    : std::true_type {};
+template <class Impl, class = void>
+struct loads_archives : std::false_type {};
+template <class Impl>
+struct loads_archives<Impl, std::void_t<decltype(std::declval<Impl&>().Impl::load(
+                                std::declval<torch::serialize::InputArchive&>()))>>
+    : std::true_type {};
+
+/// Impl whose save and load (torch::save, torch::load) refuse a module ZeRO-3 released, then run
+/// Impl's own where it has one, Module's otherwise: Hooked's base.
+template <class Impl>
+class Archived : public Impl {
+ public:
+  using Impl::Impl;
+  using Impl::load;  // a program's own overloads stay callable
+  using Impl::save;
+  void save(torch::serialize::OutputArchive& archive) const override {
+    refuse_released_parameters(*this, declared_name<Impl>(), "torch::save");
+    if constexpr (saves_archives<Impl>::value)
+      Impl::save(archive);
+    else
+      torch::nn::Module::save(archive);
+  }
+  void load(torch::serialize::InputArchive& archive) override {
+    refuse_released_parameters(*this, declared_name<Impl>(), "torch::load");
+    if constexpr (loads_archives<Impl>::value)
+      Impl::load(archive);
+    else
+      torch::nn::Module::load(archive);
+  }
+};
+
 }  // namespace detail
 
 /// `Impl` whose forward runs the module's hooks (Note [Forward hooks]). When Impl has one
@@ -356,9 +406,9 @@ template <class Impl, class Signature = typename detail::ForwardSignature<Impl>:
 class Hooked;
 
 template <class Impl, class R, class... A>
-class Hooked<Impl, R(A...)> : private detail::BuildMark, public Impl, public Hookable {
+class Hooked<Impl, R(A...)> : private detail::BuildMark, public detail::Archived<Impl>, public Hookable {
  public:
-  using Impl::Impl;
+  using detail::Archived<Impl>::Archived;
   R forward(A... a) {
     if (!hooks_ || hooks_->empty()) return Impl::forward(std::forward<A>(a)...);
     return detail::hooked_call<Impl, R>(*this, *hooks_, std::forward<A>(a)...);
@@ -376,9 +426,9 @@ class Hooked<Impl, R(A...)> : private detail::BuildMark, public Impl, public Hoo
 };
 
 template <class Impl>
-class Hooked<Impl, void> : private detail::BuildMark, public Impl, public Hookable {
+class Hooked<Impl, void> : private detail::BuildMark, public detail::Archived<Impl>, public Hookable {
  public:
-  using Impl::Impl;
+  using detail::Archived<Impl>::Archived;
   template <class... B>
   decltype(auto) forward(B&&... b) {
     using R = decltype(std::declval<Impl&>().forward(std::forward<B>(b)...));

@@ -64,6 +64,9 @@ class ShardedImpl : public torch::nn::Module {
   /// Set by the ZeRO-3 strategy (nullptr: a plain pass-through).
   void set_hooks(std::shared_ptr<detail::ShardedHooks> hooks) { hooks_ = std::move(hooks); }
   bool has_hooks() const { return hooks_ != nullptr; }
+  /// Refused while ZeRO-3 holds the parameters in shards (Note [Saving a sharded model]).
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
 
  private:
   void adopt();

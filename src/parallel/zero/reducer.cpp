@@ -1,6 +1,10 @@
 // ZeRO's gradient reduction (reducer.h).
 #include "reducer.h"
 
+#include <torch/library.h>
+
+#include "tandem/error.h"
+
 namespace tandem::parallel::detail::zero {
 
 // A unit's markers (MarkerCheck::mu held).
@@ -162,3 +166,25 @@ void ZeroHook::finish(GradBucket& b, Work& w) {
 }
 
 }  // namespace tandem::parallel::detail::zero
+
+namespace {
+
+// Note [Reading a sharded gradient]: between acc.backward and the optimizer step, a ZeRO-2/3
+// parameter's .grad() is a meta tensor of its shape (Note [Clearing sharded gradients through the
+// model]): the gradient lives in each rank's shard. LibTorch's clip_grad_norm_, or a program's
+// `p.grad().norm().item()`, reads a value out of it, which LibTorch refuses with words about meta
+// backends and custom builds. This Meta kernel of Tensor::item (LibTorch registers none: a meta
+// tensor has no value to give) says what the tensor is and what to call instead.
+at::Scalar meta_item(const at::Tensor& self) {
+  throw ::tandem::Refused(
+      "Tensor::item() on a meta tensor of shape " + c10::str(self.sizes()) +
+      ", which holds no values. Under ZeRO stage 2 or 3 a parameter's .grad() is one between "
+      "acc.backward and the optimizer step (each rank's gradient lives in its shard), so "
+      "torch::nn::utils::clip_grad_norm_ / clip_grad_value_ and norms read from p.grad() cannot "
+      "work there: call acc.clip_grad_norm_(model->parameters(), max_norm) or "
+      "acc.clip_grad_value_, which clip by the whole model's gradients across the ranks");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aten, Meta, m) { m.impl("_local_scalar_dense", TORCH_FN(meta_item)); }
