@@ -266,25 +266,24 @@ TEST(UserPrograms, ParametersMadeTrainableAfterPrepareLbfgsAndSchedulersAreHandl
   const auto plain = temp_path("mlp-plain.bin"), loaded = temp_path("mlp-loaded.bin");
   const auto clip_one = temp_path("clip-one.bin"), clip_two = temp_path("clip-two.bin");
   auto r = tandem::testing::launch_jobs_by_size(
-      kWorker,
-      std::vector<Run>{
-          {"lbfgs one", 1, job("lbfgs", one, {}, false)},
-          {"unfreeze one", 1, job("unfreeze", "", {}, false)},
-          {"lbfgs", 2, job("lbfgs", two, {}, false)},
-          {"steplr", 2, job("steplr", "", {"--gradient_accumulation_steps", "2"}, false)},
-          {"unfreeze ddp", 2, job("unfreeze", "", {}, true)},
-          {"unfreeze zero-2", 2, job("unfreeze", "", zero(2), true)},
-          {"freeze ddp", 2, job("freeze_after", "", {}, true)},
-          {"lbfgs zero-2", 2, job("lbfgs", "", zero(2), true)},
-          {"plain", 2, job("none", plain, {}, false)},
-          {"torch_load", 2, job("torch_load", loaded, {}, false)},
-          {"torch_load zero-2", 2, job("torch_load", loaded + ".z", zero(2), true)},
-          {"torch_load zero-3", 2, job("torch_load", loaded + ".z3", zero(3), true)},
-          {"clip_user one", 1, job("clip_user", clip_one, {}, false)},
-          {"clip_user", 2, job("clip_user", clip_two, {}, false)},
-          {"clip_user zero-2", 2, job("clip_user", "", zero(2), true)}});
+      kWorker, std::vector<Run>{
+                   {"lbfgs one", 1, job("lbfgs", one, {}, false)},
+                   {"unfreeze one", 1, job("unfreeze", "", {}, false)},
+                   {"lbfgs", 2, job("lbfgs", two, {}, false)},
+                   {"steplr", 2, job("steplr", "", {"--gradient_accumulation_steps", "2"}, false)},
+                   {"unfreeze ddp", 2, job("unfreeze", "", {}, true)},
+                   {"unfreeze zero-2", 2, job("unfreeze", "", zero(2), true)},
+                   {"freeze ddp", 2, job("freeze_after", "", {}, true)},
+                   {"lbfgs zero-2", 2, job("lbfgs", "", zero(2), true)},
+                   {"plain", 2, job("none", plain, {}, false)},
+                   {"torch_load", 2, job("torch_load", loaded, {}, false)},
+                   {"torch_load zero-2", 2, job("torch_load", loaded + ".z", zero(2), true)},
+                   {"torch_load zero-3", 2, job("torch_load", loaded + ".z3", zero(3), true)},
+                   {"clip_user one", 1, job("clip_user", clip_one, {}, false)},
+                   {"clip_user", 2, job("clip_user", clip_two, {}, false)},
+                   {"clip_user zero-2", 2, job("clip_user", "", zero(2), true)}});
   for (const std::string name : {"lbfgs one", "unfreeze one", "lbfgs", "steplr", "plain",
-                                  "torch_load", "clip_user one", "clip_user"})
+                                 "torch_load", "clip_user one", "clip_user"})
     EXPECT_EQ(r[name].exit_code, 0) << name << ": " << r[name].output;
   EXPECT_EQ(count_of(r["lbfgs"].output, "mlp trained 1 steps"), 1) << r["lbfgs"].output;
   const auto a = read_floats(one), b = read_floats(two);
@@ -311,14 +310,16 @@ TEST(UserPrograms, ParametersMadeTrainableAfterPrepareLbfgsAndSchedulersAreHandl
                                "prepared model");
   // Under ZeRO-3 the parameters hold no values between uses: torch::save would write a file
   // without the weights (Note [Saving a sharded model]).
-  refused("torch_load zero-3", "torch::save of Mlp: its parameters fc1.weight, fc1.bias, "
-                               "fc2.weight, fc2.bias hold no values here");
+  refused("torch_load zero-3",
+          "torch::save of Mlp: its parameters fc1.weight, fc1.bias, "
+          "fc2.weight, fc2.bias hold no values here");
   refused("torch_load zero-3", "acc.save_model(model, dir)");
   // LibTorch's clip_grad_norm_ after the backward: under data parallel each rank clips the
   // averaged gradients, as one process clips its own (the same steps); under ZeRO-2 the gradients
   // live in shards and its item() on them is named (Note [Reading a sharded gradient]).
   {
-    const auto c1 = read_floats(clip_one), c2 = read_floats(clip_two), unclipped = read_floats(plain);
+    const auto c1 = read_floats(clip_one), c2 = read_floats(clip_two),
+               unclipped = read_floats(plain);
     ASSERT_EQ(c1.size(), a.size());
     ASSERT_EQ(c2.size(), a.size());
     double most = 0, largest = 0, moved = 0;

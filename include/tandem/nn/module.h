@@ -406,7 +406,8 @@ template <class Impl, class Signature = typename detail::ForwardSignature<Impl>:
 class Hooked;
 
 template <class Impl, class R, class... A>
-class Hooked<Impl, R(A...)> : private detail::BuildMark, public detail::Archived<Impl>, public Hookable {
+class Hooked<Impl, R(A...)>
+    : private detail::BuildMark, public detail::Archived<Impl>, public Hookable {
  public:
   using detail::Archived<Impl>::Archived;
   R forward(A... a) {
@@ -426,7 +427,8 @@ class Hooked<Impl, R(A...)> : private detail::BuildMark, public detail::Archived
 };
 
 template <class Impl>
-class Hooked<Impl, void> : private detail::BuildMark, public detail::Archived<Impl>, public Hookable {
+class Hooked<Impl, void>
+    : private detail::BuildMark, public detail::Archived<Impl>, public Hookable {
  public:
   using detail::Archived<Impl>::Archived;
   template <class... B>

@@ -187,4 +187,6 @@ at::Scalar meta_item(const at::Tensor& self) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(aten, Meta, m) { m.impl("_local_scalar_dense", TORCH_FN(meta_item)); }
+TORCH_LIBRARY_IMPL(aten, Meta, m) {
+  m.impl("_local_scalar_dense", TORCH_FN(meta_item));
+}
