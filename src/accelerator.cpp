@@ -1,5 +1,6 @@
 // The Accelerator (see accelerator.h).
 #include "tandem/accelerator.h"
+#include "detail/names.h"
 #include "tandem/error.h"
 #include "tandem/nn/module.h"
 
@@ -835,18 +836,16 @@ void Accelerator::backward(const at::Tensor& loss) {
     const auto moved = const_cast<parallel::GradientReducer*>(r)->follow_replaced_accumulators();
     if (moved.empty() || (strategy_->name() == "ddp" && !precision_->has_master_weights()))
       continue;
-    std::string names;
-    for (size_t k = 0; k < moved.size() && k < 10; ++k) names += (k ? ", " : "") + moved[k];
     throw ::tandem::Refused(
-        state_.prefix() + " backward: the storage of " + names +
-        (moved.size() > 10 ? ", ... (" + std::to_string(moved.size()) + " in all)" : "") +
+        state_.prefix() + " backward: the storage of " + ::tandem::detail::first_names(moved, 10) +
         " was replaced after acc.prepare(model) (torch::load into the prepared model, or "
         "set_data); " +
         (strategy_->name() == "ddp"
              ? std::string("the optimizer steps fp32 masters of these half weights, which the "
                            "next step would copy back over what was loaded")
-             : "under " + strategy_->name() + " every parameter is a view of its unit's flat "
-               "storage, which that leaves behind") +
+             : "under " + strategy_->name() +
+                   " every parameter is a view of its unit's flat "
+                   "storage, which that leaves behind") +
         ". Load weights in place: acc.load_state, acc.load_model, or "
         "tandem::checkpoint::load_model before acc.prepare(model)");
   }
@@ -1007,14 +1006,13 @@ void Accelerator::check_trainable_parameters(const char* where) const {
     for (const auto& p : m->parameters())
       count += p.requires_grad() && !trainable_at_prepare_.count(p.unsafeGetTensorImpl());
   if (count == 0) return;
-  std::string names;
-  int listed = 0;
+  std::vector<std::string> made_trainable;
   for (const auto& m : models_)
     for (const auto& p : m->named_parameters())
       if (p.value().requires_grad() &&
-          !trainable_at_prepare_.count(p.value().unsafeGetTensorImpl()) && listed++ < 10)
-        names += (names.empty() ? "" : ", ") + p.key();
-  if (count > 10) names += ", ... (" + std::to_string(count) + " in all)";
+          !trainable_at_prepare_.count(p.value().unsafeGetTensorImpl()))
+        made_trainable.push_back(p.key());
+  const std::string names = ::tandem::detail::first_names(made_trainable, 10);
   throw ::tandem::Refused(
       state_.prefix() + " " + where + ": these parameters require gradients now but did not "
       "when acc.prepare(model) ran: " + names + ". " + strategy_->name() + " over " +

@@ -347,7 +347,8 @@ inline std::string project_text(const std::string& root) {
   std::ostringstream text;
   for (auto& f : files) {
     std::ifstream in(f, std::ios::binary);
-    if (fs::file_size(f) > 0) text << in.rdbuf();
+    if (!in) throw std::runtime_error("cannot read " + f.string() + " (the example's text)");
+    if (fs::file_size(f) > 0) text << in.rdbuf();  // an empty file would set text's failbit
   }
   return text.str();
 }

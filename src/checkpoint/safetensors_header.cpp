@@ -1,6 +1,7 @@
 // The safetensors header: dtype table, validating parser, layout and encoder (no LibTorch here:
 // tests/fuzz/safetensors_fuzz.cpp compiles this file on its own).
 #include "tandem/checkpoint/safetensors_header.h"
+#include "../detail/read_file.h"
 #include "tandem/error.h"
 
 #include <nlohmann/json.hpp>
@@ -558,15 +559,12 @@ SafetensorsIndex parse_safetensors_index(std::string_view text, const std::strin
 }
 
 SafetensorsIndex read_safetensors_index(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
+  if (!std::ifstream(path, std::ios::binary))
     throw SafetensorsError("safetensors index '" + path + "': cannot be opened (" +
                            std::strerror(errno) + "); check the path");
-  std::ostringstream bytes;
-  bytes << in.rdbuf();
-  const std::string text = bytes.str();
-  if (in.bad()) throw SafetensorsError("safetensors index '" + path + "': reading it failed");
-  return parse_safetensors_index(text, path);
+  const auto text = ::tandem::detail::read_file(path);
+  if (!text) throw SafetensorsError("safetensors index '" + path + "': reading it failed");
+  return parse_safetensors_index(*text, path);
 }
 
 }  // namespace tandem::checkpoint

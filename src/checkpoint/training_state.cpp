@@ -6,6 +6,7 @@
 // (tandem/checkpoint/layout.h); besides them, state.json (counters, loaders, schedulers, scaler,
 // tracking: main; one key per part) and manifest.json (size and xxh64 of every file: main, last).
 #include "tandem/checkpoint/training_state.h"
+#include "../detail/read_file.h"
 #include "tandem/error.h"
 
 #include <fcntl.h>
@@ -61,11 +62,9 @@ void write_file(const fs::path& p, const std::string& bytes) {
 }
 
 std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) throw std::runtime_error("cannot read " + p.string());
-  std::ostringstream bytes;
-  if (fs::file_size(p) > 0) bytes << in.rdbuf();
-  return bytes.str();
+  auto bytes = ::tandem::detail::read_file(p.string());
+  if (!bytes) throw std::runtime_error("cannot read " + p.string());
+  return std::move(*bytes);
 }
 
 std::string xxh64_of(const fs::path& p) {

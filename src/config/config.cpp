@@ -1,8 +1,9 @@
 // Accelerate-compatible configuration files: which keys exist, which tandem acts on, which it
 // accepts and ignores, and the validation of every value.
 #include "tandem/config/config.h"
-#include "tandem/error.h"
 #include "../detail/env.h"
+#include "../detail/read_file.h"
+#include "tandem/error.h"
 
 #include "tandem/comm/mesh.h"
 #include "tandem/config/run_env.h"
@@ -599,15 +600,13 @@ LaunchConfig parse_config(const std::string& text, const std::string& path) {
 }
 
 LaunchConfig load_config_file(const std::string& path) {
-  std::ifstream f(path);
-  if (!f)
+  const auto text = ::tandem::detail::read_file(path);
+  if (!text)
     throw ::tandem::Refused("cannot read the config file " + path + ": " +
                                 std::strerror(errno) +
                                 ". Check the path, or write one with "
                                 "`tandem config` (or `tandem config default`)");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return parse_config(ss.str(), path);
+  return parse_config(*text, path);
 }
 
 void validate(const LaunchConfig& c) {

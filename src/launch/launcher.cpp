@@ -1,5 +1,6 @@
 // tandem's local supervisor: fork/exec each rank, prefix its output, fail fast, forward signals.
 #include "tandem/launch/launcher.h"
+#include "../detail/read_file.h"
 #include "tandem/error.h"
 #include "tandem/launch/machine_rendezvous.h"
 #include "tandem/preemption.h"
@@ -295,13 +296,8 @@ std::optional<Hang> find_hang(const std::vector<Child>& children, double timeout
     if (!c.alive) continue;
     auto it = c.plan.env.find(config::var::kHeartbeatFile);
     if (it == c.plan.env.end()) continue;
-    std::ifstream f(it->second);
     std::optional<comm::HeartbeatReport> beat;
-    if (f) {
-      std::stringstream text;
-      text << f.rdbuf();
-      beat = comm::parse_heartbeat(text.str());
-    }
+    if (auto text = ::tandem::detail::read_file(it->second)) beat = comm::parse_heartbeat(*text);
     if (beat)
       seen.push_back({&c, *beat, std::max(0.0, now - beat->wall_s)});
     else

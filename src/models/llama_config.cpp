@@ -8,6 +8,8 @@
 // (token ids, dtype, generation defaults) are kept and written back.
 #include "tandem/models/llama.h"
 
+#include "../detail/read_file.h"
+
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -304,11 +306,9 @@ LlamaConfig LlamaConfig::from_json_text(const std::string& text, const std::stri
 }
 
 LlamaConfig LlamaConfig::from_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Refused("cannot read '" + path + "' (a model's config.json)");
-  std::stringstream text;
-  text << in.rdbuf();
-  return from_json_text(text.str(), path);
+  const auto text = ::tandem::detail::read_file(path);
+  if (!text) throw Refused("cannot read '" + path + "' (a model's config.json)");
+  return from_json_text(*text, path);
 }
 
 std::string LlamaConfig::architecture() const {

@@ -1,5 +1,6 @@
 // Module hooks (see module.h, Note [Forward hooks]).
 #include "tandem/nn/module.h"
+#include "../detail/names.h"
 #include "tandem/error.h"
 
 #include <algorithm>
@@ -70,9 +71,7 @@ void refuse_released_parameters(const torch::nn::Module& m, const std::string& n
       released.push_back(item.key());
   }
   if (released.empty()) return;
-  std::string names;
-  for (size_t k = 0; k < released.size() && k < 5; ++k) names += (k ? ", " : "") + released[k];
-  if (released.size() > 5) names += ", ... (" + std::to_string(released.size()) + " in all)";
+  const std::string names = ::tandem::detail::first_names(released, 5);
   const bool save = std::string(what) == "torch::save";
   throw ::tandem::Refused(
       std::string(what) + " of " + name + ": its parameters " + names +

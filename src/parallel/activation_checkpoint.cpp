@@ -1,6 +1,7 @@
 // Activation checkpointing: the checkpoint autograd function, the Checkpointed module holder and
 // the in-place wrapping of Sequential entries (see activation_checkpoint.h).
 #include "tandem/parallel/activation_checkpoint.h"
+#include "../detail/names.h"
 #include "tandem/error.h"
 
 #include "tandem/nn/module.h"
@@ -497,10 +498,9 @@ std::vector<std::shared_ptr<CheckpointedImpl>> apply_activation_checkpointing(
   walk(model, "", w);
   const auto& unreachable = w.unreachable;
   if (!unreachable.empty()) {
-    std::string names;
-    for (size_t k = 0; k < unreachable.size() && k < 8; ++k)
-      names += (k ? ", " : "") + unreachable[k].first;
-    if (unreachable.size() > 8) names += ", ... (" + std::to_string(unreachable.size()) + " in all)";
+    std::vector<std::string> paths;
+    for (const auto& u : unreachable) paths.push_back(u.first);
+    const std::string names = ::tandem::detail::first_names(paths, 8);
     throw ::tandem::Refused(
         "apply_activation_checkpointing: the predicate matches " + names +
         ", which " + (unreachable.size() == 1 ? "is" : "are") +

@@ -1,5 +1,6 @@
 // GradientReducer: bucketed gradient allreduce overlapped with backward (see ddp.h).
 #include "tandem/parallel/ddp.h"
+#include "../detail/names.h"
 #include "tandem/error.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -429,17 +430,16 @@ void GradientReducer::finalize() {
         "accelerator.no_sync(model) / accelerator.accumulate(model)");
   }
   if (!unused.empty() && !options_.find_unused_parameters()) {
-    std::string names;
-    for (size_t k = 0; k < unused.size() && k < 20; ++k)
-      names += (k ? ", " : "") + names_[unused[k]];
-    if (unused.size() > 20) names += ", ... (" + std::to_string(unused.size()) + " in all)";
+    std::vector<std::string> unused_names;
+    for (size_t i : unused) unused_names.push_back(names_[i]);
+    const std::string names = ::tandem::detail::first_names(unused_names, 20);
     // A parameter frozen after prepare (requires_grad false now) is not unused by the model:
     // the reducer was built with it; say so, and the fix that fits.
-    std::string frozen;
-    int64_t frozen_count = 0;
+    std::vector<std::string> frozen_names;
     for (size_t i : unused)
-      if (!params_[i].requires_grad() && frozen_count++ < 20)
-        frozen += (frozen.empty() ? "" : ", ") + names_[i];
+      if (!params_[i].requires_grad()) frozen_names.push_back(names_[i]);
+    const size_t frozen_count = frozen_names.size();
+    const std::string frozen = ::tandem::detail::first_names(frozen_names, 20);
     wait_launched();
     reset();
     if (frozen_count > 0)
@@ -447,7 +447,6 @@ void GradientReducer::finalize() {
           pg_->prefix() + " these parameters" +
           (options_.model_label().empty() ? "" : " of " + options_.model_label()) +
           " were frozen (requires_grad false) after acc.prepare(model): " + frozen +
-          (frozen_count > 20 ? ", ... (" + std::to_string(frozen_count) + " in all)" : "") +
           ". Data parallel reduces the parameters that trained when the model was prepared, "
           "every step; freeze them before acc.prepare(model), or pass "
           "AcceleratorOptions().find_unused_parameters(true) to let them go without gradients");

@@ -6,6 +6,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "../detail/read_file.h"
 #include "tandem/track/trackers.h"
 #include "track/detail/files.h"
 
@@ -63,10 +64,7 @@ std::vector<std::string> parse_header(const std::string& text, size_t& end) {
 }
 
 std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
+  return ::tandem::detail::read_file(path).value_or("");
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // `tandem doctor`: every rank's flight recorder dump read together (Note [Flight recorder] in
 // tandem/comm/flight_recorder.h).
 #include "tandem/track/flight_doctor.h"
+#include "../detail/read_file.h"
 
 #include <algorithm>
 #include <filesystem>
@@ -51,10 +52,9 @@ Dump read_dump(const fs::path& file) {
     throw std::runtime_error("tandem doctor: " + file.string() + ": " + what +
                              " (expected a flight recorder dump, rank<r>.json)");
   };
-  std::ifstream in(file);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string text = ss.str();
+  const auto read = ::tandem::detail::read_file(file.string());
+  if (!read) fail("cannot be read");
+  const std::string& text = *read;
   if (auto deep = checkpoint::detail::json_depth_problem(text); !deep.empty()) fail(deep);
   Dump d;
   try {

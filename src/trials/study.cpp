@@ -1,5 +1,6 @@
 // Study files, the results file, the trials table and the in-process study.
 #include "tandem/trials/study.h"
+#include "../detail/read_file.h"
 #include "tandem/error.h"
 
 #include <sys/stat.h>
@@ -179,11 +180,9 @@ StudyConfig parse_study(const std::string& text, const std::string& source, bool
 }
 
 StudyConfig load_study(const std::string& path, bool needs_program) {
-  std::ifstream in(path);
-  if (!in) throw ::tandem::Refused("study file " + path + ": cannot be read");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return parse_study(ss.str(), path, needs_program);
+  const auto text = ::tandem::detail::read_file(path);
+  if (!text) throw ::tandem::Refused("study file " + path + ": cannot be read");
+  return parse_study(*text, path, needs_program);
 }
 
 void validate(const StudyConfig& c, bool needs_program) {

@@ -1,5 +1,6 @@
 // The sweep: trials as `tandem launch` jobs, followed through their metrics.jsonl.
 #include "tandem/trials/sweep.h"
+#include "../detail/read_file.h"
 #include "tandem/error.h"
 
 #include <signal.h>
@@ -93,11 +94,7 @@ void read_metrics(Running& r, const std::string& metric) {
       }
     if (r.metrics.empty()) return;
   }
-  std::ifstream in(r.metrics, std::ios::binary);
-  in.seekg(r.offset);
-  std::ostringstream read;
-  read << in.rdbuf();
-  const std::string chunk = read.str();
+  const std::string chunk = ::tandem::detail::read_file(r.metrics, r.offset).value_or("");
   r.offset += static_cast<std::streamoff>(chunk.size());
   r.partial += chunk;
   size_t nl;
