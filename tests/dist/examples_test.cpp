@@ -29,7 +29,7 @@ namespace {
 const std::string kTrainGpt = TRAIN_GPT;
 const std::string kTrainGptJobs = TRAIN_GPT_JOBS;  // train_gpt that runs a launch's jobs
 const std::string kTrainMlp = TRAIN_MLP;
-const std::string kTrainLlm = TRAIN_LLM;
+const std::string kTrainLlmJobs = TRAIN_LLM_JOBS;  // train_llm that runs a launch's jobs
 
 // A small GPT, a few steps: seconds per run.
 const std::vector<std::string> kSmallGpt{"--steps", "4", "--layers", "2", "--width", "64",
@@ -176,17 +176,19 @@ TEST(Examples, TrainGptUnderActivationCheckpointingEqualsWithout) {
 // The launcher's --gradient_accumulation_steps reaches the examples, and their own --accumulate
 // overrides it.
 TEST(Examples, LauncherSettingsHoldUnlessTheExampleIsToldOtherwise) {
-  auto launcher =
-      launch(1, kTrainGpt, gpt_args(), with_flags({"--gradient_accumulation_steps", "2"}));
-  ASSERT_EQ(launcher.exit_code, 0) << launcher.output;
-  EXPECT_EQ(count_of(launcher.output, "gradient accumulation 2;"), 1) << launcher.output;
-  auto plain = launch(1, kTrainGpt, gpt_args(), with_flags());
-  EXPECT_GT(std::abs(final_loss(launcher.output) - final_loss(plain.output)), 1e-4)
-      << "accumulation changed nothing\n" << launcher.output << plain.output;
   std::vector<std::string> args = kSmallGpt;
   args.insert(args.end(), {"--accumulate", "3"});
-  auto own =
-      launch(1, kTrainGpt, gpt_args(args), with_flags({"--gradient_accumulation_steps", "2"}));
+  auto runs = tandem::testing::launch_jobs(  // jobs of one launch
+      1, kTrainGptJobs,
+      {{gpt_args(), with_flags({"--gradient_accumulation_steps", "2"})},
+       {gpt_args(), with_flags()},
+       {gpt_args(args), with_flags({"--gradient_accumulation_steps", "2"})}});
+  const auto &launcher = runs[0], &plain = runs[1], &own = runs[2];
+  ASSERT_EQ(launcher.exit_code, 0) << launcher.output;
+  EXPECT_EQ(count_of(launcher.output, "gradient accumulation 2;"), 1) << launcher.output;
+  EXPECT_GT(std::abs(final_loss(launcher.output) - final_loss(plain.output)), 1e-4)
+      << "accumulation changed nothing\n"
+      << launcher.output << plain.output;
   ASSERT_EQ(own.exit_code, 0) << own.output;
   EXPECT_EQ(count_of(own.output, "gradient accumulation 3;"), 1) << own.output;
   auto mlp = launch(1, kTrainMlp, {"--samples", "512", "--epochs", "1"},
@@ -350,6 +352,8 @@ TEST(Examples, GenerateLlmUnderTheLauncher) {
 // tensor parallel 2 (another layout: resharded) within float rounding of it, and to and from ZeRO-3
 // x context parallel 2; the flags without what they need are refused.
 TEST(Examples, TrainLlmResumesFromItsCheckpoints) {
+  // The runs are jobs of launches by size, in two rounds: the runs that write the step-2
+  // checkpoints (and the refusals), then the runs that resume from copies of them.
   const auto dir = tandem::testing::temp_path("examples", "llm_ckpt");
   std::filesystem::remove_all(dir);
   const std::vector<std::string> args{"--steps", "4", "--seq_len", "32", "--batch_size", "2",
@@ -359,48 +363,71 @@ TEST(Examples, TrainLlmResumesFromItsCheckpoints) {
     a.insert(a.end(), extra.begin(), extra.end());
     return a;
   };
-  auto straight = launch(1, kTrainLlm,
-                         with({"--checkpoint_every", "2", "--checkpoint_async", "--project_dir",
-                               dir + "/a", "--save", dir + "/out_a"}),
-                         with_flags());
-  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  using tandem::testing::Job;
+  auto first = tandem::testing::launch_jobs_by_size(
+      kTrainLlmJobs, {{"a", 1,
+                       Job{with({"--checkpoint_every", "2", "--checkpoint_async", "--project_dir",
+                                 dir + "/a", "--save", dir + "/out_a"}),
+                           with_flags()}},
+                      // Note [Context parallel]: ZeRO-3 over dp_shard x cp (every sequence split
+                      // over 2 ranks, the global batch the same), checkpointing at step 2.
+                      {"e", 2,
+                       Job{with({"--checkpoint_every", "2", "--project_dir", dir + "/e", "--save",
+                                 dir + "/out_e"}),
+                           with_flags({"--use_fsdp", "--cp_size", "2"})}},
+                      {"resume alone", 1, Job{with({"--resume"}), with_flags(), true}},
+                      {"async alone", 1, Job{with({"--checkpoint_async"}), with_flags(), true}}});
+  ASSERT_EQ(first["a"].exit_code, 0) << first["a"].output;
   ASSERT_TRUE(std::filesystem::exists(dir + "/a/checkpoints/checkpoint_1/manifest.json"))
-      << straight.output;
-  auto resume_from_step_2 = [&](const std::string& name, int n, std::vector<std::string> flags) {
+      << first["a"].output;
+  ASSERT_EQ(first["e"].exit_code, 0) << first["e"].output;
+  for (const auto& [name, words] : std::vector<std::pair<std::string, std::string>>{
+           {"resume alone", "--resume needs --project_dir"},
+           {"async alone", "give --checkpoint_every N"}}) {
+    EXPECT_NE(first[name].exit_code, 0) << first[name].output;
+    EXPECT_GE(count_of(first[name].output, words), 1) << words << "\n" << first[name].output;
+  }
+  // The step-2 checkpoint alone, resumed with --resume: on the same layout (b), on tensor
+  // parallel 2 (c: resharded), on ZeRO-3 x context parallel 2 (d), and e's, which that layout
+  // wrote, on one process (f).
+  auto resume_from_step_2 = [&](const std::string& name, const std::string& from,
+                                std::vector<std::string> flags) {
     std::filesystem::create_directories(dir + "/" + name + "/checkpoints");
-    std::filesystem::copy(dir + "/a/checkpoints/checkpoint_0",
+    std::filesystem::copy(dir + "/" + from + "/checkpoints/checkpoint_0",
                           dir + "/" + name + "/checkpoints/checkpoint_0",
                           std::filesystem::copy_options::recursive);
-    auto r = launch(n, kTrainLlm,
-                    with({"--resume", "--project_dir", dir + "/" + name, "--save",
-                          dir + "/out_" + name}),
-                    with_flags(std::move(flags)));
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_EQ(count_of(r.output, "at step 2"), 1) << r.output;
-    return r;
+    return Job{
+        with({"--resume", "--project_dir", dir + "/" + name, "--save", dir + "/out_" + name}),
+        with_flags(std::move(flags))};
   };
-  resume_from_step_2("b", 1, {});
+  auto second = tandem::testing::launch_jobs_by_size(
+      kTrainLlmJobs, {{"b", 1, resume_from_step_2("b", "a", {})},
+                      {"f", 1, resume_from_step_2("f", "e", {})},
+                      {"c", 2, resume_from_step_2("c", "a", {"--tp_size", "2"})},
+                      {"d", 2, resume_from_step_2("d", "a", {"--use_fsdp", "--cp_size", "2"})}});
+  for (const std::string name : {"b", "c", "d", "f"}) {
+    EXPECT_EQ(second[name].exit_code, 0) << name << ": " << second[name].output;
+    EXPECT_EQ(count_of(second[name].output, "at step 2"), 1) << name << ": " << second[name].output;
+  }
+  // Resumed on the same layout, it ends bitwise where the uninterrupted run ended.
   std::ifstream fa(dir + "/out_a/model.safetensors", std::ios::binary),
       fb(dir + "/out_b/model.safetensors", std::ios::binary);
   const std::string a_bytes((std::istreambuf_iterator<char>(fa)), {}),
       b_bytes((std::istreambuf_iterator<char>(fb)), {});
   ASSERT_GT(a_bytes.size(), 1000u);
   EXPECT_TRUE(a_bytes == b_bytes) << "resumed on the same layout, the model differs";
-  auto tp = resume_from_step_2("c", 2, {"--tp_size", "2"});
-  EXPECT_EQ(count_of(tp.output, "resharded"), 1) << tp.output;
+  EXPECT_EQ(count_of(second["c"].output, "resharded"), 1) << second["c"].output;
   tandem::checkpoint::SafetensorsFile want(dir + "/out_a/model.safetensors"),
       got(dir + "/out_c/model.safetensors");
   for (const auto& name : want.names()) {
     auto w = want.tensor(name), g = got.tensor(name);
     EXPECT_LE((w - g).abs().max().item<double>(), 1e-5 * w.abs().max().item<double>()) << name;
   }
-  // Note [Context parallel]: to and from ZeRO-3 over dp_shard x cp (every sequence split over
-  // 2 ranks, the global batch the same): the step-2 checkpoint of one process resumed there, and
-  // that layout's own step-2 checkpoint resumed on one process, each within float rounding of
-  // the uninterrupted run (and that layout's own uninterrupted run too).
-  // Within 1% of the distance 4 AdamW steps can move an element (4 x lr 3e-3): AdamW gives an
-  // element whose gradient is near zero a step of rounding's sign (seen: 2e-5); a checkpoint
-  // restored wrong (moments, step, schedule, data position) moves elements by whole steps.
+  // To and from ZeRO-3 x cp 2, each within float rounding of the uninterrupted run (and that
+  // layout's own uninterrupted run too): within 1% of the distance 4 AdamW steps can move an
+  // element (4 x lr 3e-3). AdamW gives an element whose gradient is near zero a step of
+  // rounding's sign (seen: 2e-5); a checkpoint restored wrong (moments, step, schedule, data
+  // position) moves elements by whole steps.
   auto near_a = [&](const std::string& out) {
     tandem::checkpoint::SafetensorsFile w(dir + "/out_a/model.safetensors"),
         g(dir + "/" + out + "/model.safetensors");
@@ -408,31 +435,10 @@ TEST(Examples, TrainLlmResumesFromItsCheckpoints) {
       EXPECT_LE((w.tensor(name) - g.tensor(name)).abs().max().item<double>(), 1e-2 * 4 * 3e-3)
           << out << ": " << name;
   };
-  auto to_cp = resume_from_step_2("d", 2, {"--use_fsdp", "--cp_size", "2"});
-  EXPECT_EQ(count_of(to_cp.output, "context parallel: cp 2"), 1) << to_cp.output;
+  EXPECT_EQ(count_of(second["d"].output, "context parallel: cp 2"), 1) << second["d"].output;
   near_a("out_d");
-  auto on_cp = launch(2, kTrainLlm,
-                      with({"--checkpoint_every", "2", "--project_dir", dir + "/e", "--save",
-                            dir + "/out_e"}),
-                      with_flags({"--use_fsdp", "--cp_size", "2"}));
-  ASSERT_EQ(on_cp.exit_code, 0) << on_cp.output;
   near_a("out_e");
-  std::filesystem::create_directories(dir + "/f/checkpoints");
-  std::filesystem::copy(dir + "/e/checkpoints/checkpoint_0", dir + "/f/checkpoints/checkpoint_0",
-                        std::filesystem::copy_options::recursive);
-  auto from_cp = launch(1, kTrainLlm,
-                        with({"--resume", "--project_dir", dir + "/f", "--save", dir + "/out_f"}),
-                        with_flags());
-  ASSERT_EQ(from_cp.exit_code, 0) << from_cp.output;
-  EXPECT_EQ(count_of(from_cp.output, "at step 2"), 1) << from_cp.output;
   near_a("out_f");
-  auto refused = [&](std::vector<std::string> extra, const std::string& words) {
-    auto r = launch(1, kTrainLlm, with(std::move(extra)), with_flags());
-    EXPECT_NE(r.exit_code, 0) << r.output;
-    EXPECT_GE(count_of(r.output, words), 1) << words << "\n" << r.output;
-  };
-  refused({"--resume"}, "--resume needs --project_dir");
-  refused({"--checkpoint_async"}, "give --checkpoint_every N");
   std::filesystem::remove_all(dir);
 }
 
@@ -442,58 +448,22 @@ TEST(Examples, TrainLlmResumesFromItsCheckpoints) {
 // a pipeline over a tied head, --microbatches without a pipeline, a tp size that splits heads, a model whose vocabulary the byte data overflows, and
 // data shorter than a global batch.
 TEST(Examples, TrainLlmTakesTheLaunchersSettingsAndRefusesWhatItCannotDo) {
+  // The runs of one size are jobs of one launch (launch_jobs_by_size): each job gets exactly the
+  // variables its own launch would give it; a refusal is a job that may fail.
   const std::vector<std::string> args{"--steps", "4", "--seq_len", "32", "--batch_size", "2",
                                       "--text", fixed_text()};
   const auto logs = tandem::testing::temp_path("examples", "llm_logs");
   auto dp_args = args;
   dp_args.insert(dp_args.end(), {"--log_with", "jsonl", "--project_dir", logs});
-  auto dp = launch(2, kTrainLlm, dp_args, with_flags());
-  ASSERT_EQ(dp.exit_code, 0) << dp.output;
-  EXPECT_EQ(count_of(dp.output, "llama with"), 1) << dp.output;
-  EXPECT_EQ(count_of(dp.output, "MFU"), 1) << dp.output;  // the report at step 4
-  std::ifstream metrics(logs + "/logs/train_llm/metrics.jsonl");
-  const std::string logged((std::istreambuf_iterator<char>(metrics)), {});
-  EXPECT_NE(logged.find("\"mfu\""), std::string::npos) << logged;
-  EXPECT_NE(logged.find("\"tokens_per_s\""), std::string::npos) << logged;
   // Accumulating 2 micro-steps of 1 sequence equals 1 step of 2 sequences.
   auto accum_args = args;
   accum_args[5] = "1";
-  auto accum = launch(2, kTrainLlm, accum_args, with_flags({"--gradient_accumulation_steps", "2"}));
-  ASSERT_EQ(accum.exit_code, 0) << accum.output;
-  EXPECT_EQ(count_of(accum.output, "gradient accumulation 2"), 1) << accum.output;
-  EXPECT_NEAR(final_loss(accum.output), final_loss(dp.output), 1e-5) << accum.output;
-  auto bf16 = launch(2, kTrainLlm, args, with_flags({"--mixed_precision", "bf16"}));
-  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
-  EXPECT_EQ(count_of(bf16.output, "precision bf16"), 1) << bf16.output;
-  EXPECT_NEAR(final_loss(bf16.output), final_loss(dp.output), 0.05) << bf16.output;
-  EXPECT_NE(final_loss(bf16.output), final_loss(dp.output)) << "bf16 changed nothing";
-
-  // Pipeline stages (tests/oracle/llama_training_oracle.py trains them): a head tied to the
-  // embedding cannot be split from it, and --microbatches without a pipeline would act on nothing.
-  auto pp = launch(2, kTrainLlm, args, with_flags({"--pp_size", "2"}));
-  EXPECT_NE(pp.exit_code, 0) << pp.output;
-  EXPECT_NE(pp.output.find("with tie_word_embeddings true cannot be split into pipeline stages"),
-            std::string::npos) << pp.output;
   auto micro_args = args;
   micro_args.insert(micro_args.end(), {"--microbatches", "2"});
-  auto micro = launch(1, kTrainLlm, micro_args, with_flags());
-  EXPECT_NE(micro.exit_code, 0) << micro.output;
-  EXPECT_NE(micro.output.find("--microbatches 2 splits a pipeline's batch, and this run has no "
-                              "pipeline"),
-            std::string::npos) << micro.output;
-  auto tp3 = launch(3, kTrainLlm, args, with_flags({"--tp_size", "3"}));
-  EXPECT_NE(tp3.exit_code, 0) << tp3.output;
-  EXPECT_NE(tp3.output.find("tensor parallel size 3 does not divide the llama model's "
-                            "num_attention_heads (4)"),
-            std::string::npos) << tp3.output;
   const auto config = tandem::testing::temp_path("examples", "small_vocab.json");
   std::ofstream(config) << R"({"model_type": "qwen3", "vocab_size": 100, "hidden_size": 32,
       "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
       "num_key_value_heads": 1, "head_dim": 16})";
-  auto vocab = launch(1, kTrainLlm, {"--config", config, "--steps", "1"}, with_flags());
-  EXPECT_NE(vocab.exit_code, 0) << vocab.output;
-  EXPECT_NE(vocab.output.find("vocab_size is 100; give --data"), std::string::npos)
-      << vocab.output;
   // A mixture of experts whose loss adds the load-balancing term trains (experts a rank's batch
   // did not choose have no gradient there), and under activation checkpointing, where the
   // router's logits would carry no gradient, is refused naming the fix.
@@ -504,27 +474,61 @@ TEST(Examples, TrainLlmTakesTheLaunchersSettingsAndRefusesWhatItCannotDo) {
       "moe_intermediate_size": 24, "output_router_logits": true, "router_aux_loss_coef": 0.5})";
   auto moe_args = args;
   moe_args.insert(moe_args.end(), {"--config", moe});
-  auto sparse = launch(2, kTrainLlm, moe_args, with_flags());
-  ASSERT_EQ(sparse.exit_code, 0) << sparse.output;
-  EXPECT_EQ(count_of(sparse.output, "qwen3_moe with"), 1) << sparse.output;
-  // On pipeline stages the load-balancing loss cannot be summed (its router logits stay on
-  // their stages): refused naming the key.
-  auto sparse_pp = launch(2, kTrainLlm, moe_args, with_flags({"--pp_size", "2"}));
-  EXPECT_NE(sparse_pp.exit_code, 0) << sparse_pp.output;
-  EXPECT_NE(sparse_pp.output.find("set \"output_router_logits\": false, or train without "
-                                  "--pp_size"),
-            std::string::npos) << sparse_pp.output;
-  auto sparse_ckpt = launch(2, kTrainLlm, moe_args, with_flags({"--activation_checkpointing"}));
-  EXPECT_NE(sparse_ckpt.exit_code, 0) << sparse_ckpt.output;
-  EXPECT_NE(sparse_ckpt.output.find("Turn activation checkpointing off for this model, or set "
-                                    "output_router_logits to false"),
-            std::string::npos) << sparse_ckpt.output;
-
   const auto data = tandem::testing::temp_path("examples", "short.jsonl");
   std::ofstream(data) << "{\"input_ids\": [1, 2, 3]}\n";
-  auto short_data = launch(2, kTrainLlm, {"--config", config, "--data", data, "--steps", "1"},
-                           with_flags());
-  EXPECT_NE(short_data.exit_code, 0) << short_data.output;
-  EXPECT_NE(short_data.output.find("fewer than one global batch"), std::string::npos)
-      << short_data.output;
+  using tandem::testing::Job;
+  auto refusal = [](std::vector<std::string> a, std::vector<std::string> flags) {
+    return Job{std::move(a), with_flags(std::move(flags)), true};
+  };
+  auto runs = tandem::testing::launch_jobs_by_size(
+      kTrainLlmJobs,
+      {{"dp", 2, Job{dp_args, with_flags()}},
+       {"accum", 2, Job{accum_args, with_flags({"--gradient_accumulation_steps", "2"})}},
+       {"bf16", 2, Job{args, with_flags({"--mixed_precision", "bf16"})}},
+       // Pipeline stages (tests/oracle/llama_training_oracle.py trains them): a head tied to the
+       // embedding cannot be split from it, and --microbatches without a pipeline would act on
+       // nothing.
+       {"pp", 2, refusal(args, {"--pp_size", "2"})},
+       {"micro", 1, refusal(micro_args, {})},
+       {"tp3", 3, refusal(args, {"--tp_size", "3"})},
+       {"vocab", 1, refusal({"--config", config, "--steps", "1"}, {})},
+       {"sparse", 2, Job{moe_args, with_flags()}},
+       // On pipeline stages the load-balancing loss cannot be summed (its router logits stay on
+       // their stages): refused naming the key.
+       {"sparse_pp", 2, refusal(moe_args, {"--pp_size", "2"})},
+       {"sparse_ckpt", 2, refusal(moe_args, {"--activation_checkpointing"})},
+       {"short_data", 2, refusal({"--config", config, "--data", data, "--steps", "1"}, {})}});
+  for (const std::string name : {"dp", "accum", "bf16", "sparse"})
+    ASSERT_EQ(runs[name].exit_code, 0) << name << ": " << runs[name].output;
+  const auto& dp = runs["dp"];
+  EXPECT_EQ(count_of(dp.output, "llama with"), 1) << dp.output;
+  EXPECT_EQ(count_of(dp.output, "MFU"), 1) << dp.output;  // the report at step 4
+  std::ifstream metrics(logs + "/logs/train_llm/metrics.jsonl");
+  const std::string logged((std::istreambuf_iterator<char>(metrics)), {});
+  EXPECT_NE(logged.find("\"mfu\""), std::string::npos) << logged;
+  EXPECT_NE(logged.find("\"tokens_per_s\""), std::string::npos) << logged;
+  const auto& accum = runs["accum"];
+  EXPECT_EQ(count_of(accum.output, "gradient accumulation 2"), 1) << accum.output;
+  EXPECT_NEAR(final_loss(accum.output), final_loss(dp.output), 1e-5) << accum.output;
+  const auto& bf16 = runs["bf16"];
+  EXPECT_EQ(count_of(bf16.output, "precision bf16"), 1) << bf16.output;
+  EXPECT_NEAR(final_loss(bf16.output), final_loss(dp.output), 0.05) << bf16.output;
+  EXPECT_NE(final_loss(bf16.output), final_loss(dp.output)) << "bf16 changed nothing";
+  EXPECT_EQ(count_of(runs["sparse"].output, "qwen3_moe with"), 1) << runs["sparse"].output;
+  for (const auto& [name, words] : std::vector<std::pair<std::string, std::string>>{
+           {"pp", "with tie_word_embeddings true cannot be split into pipeline stages"},
+           {"micro", "--microbatches 2 splits a pipeline's batch, and this run has no pipeline"},
+           {"tp3",
+            "tensor parallel size 3 does not divide the llama model's "
+            "num_attention_heads (4)"},
+           {"vocab", "vocab_size is 100; give --data"},
+           {"sparse_pp", "set \"output_router_logits\": false, or train without --pp_size"},
+           {"sparse_ckpt",
+            "Turn activation checkpointing off for this model, or set "
+            "output_router_logits to false"},
+           {"short_data", "fewer than one global batch"}}) {
+    EXPECT_NE(runs[name].exit_code, 0) << name << ": " << runs[name].output;
+    EXPECT_NE(runs[name].output.find(words), std::string::npos) << name << ": " << words << "\n"
+                                                                << runs[name].output;
+  }
 }
