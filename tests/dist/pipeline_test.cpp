@@ -69,14 +69,12 @@ double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
 // configurations a schedule cannot run refused on every rank with the advice: fewer
 // micro-batches than stages, and for interleaved 1F1B micro-batches that are not a multiple of
 // the stages.
-void check_against_reference(int stages, int dp) {
+void check_training(const tandem::testing::RunResult& r, int stages, int dp,
+                    const std::string& dir) {
   const auto& [ref_params, ref_losses] = reference();
   ASSERT_EQ(ref_params.size(), 8u * (16 * 16 + 16));
   ASSERT_EQ(ref_losses.size(), 3u);
   const int n = stages * dp;
-  auto r = launch(n, kWorker,
-                  {"train", "--stages", std::to_string(stages), "--dp", std::to_string(dp), "--out",
-                   out_dir()});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   double worst_params = 0, worst_loss = 0;
   int trained = 0;
@@ -98,7 +96,7 @@ void check_against_reference(int stages, int dp) {
       for (int d = 0; d < dp; ++d) {
         std::vector<float> params;
         for (int g = 0; g < stages * v; ++g) {
-          auto part = read_floats(out_dir() + "/" + name + "-stage" + std::to_string(g) + "-d" +
+          auto part = read_floats(dir + "/" + name + "-stage" + std::to_string(g) + "-d" +
                                   std::to_string(d) + ".bin");
           params.insert(params.end(), part.begin(), part.end());
         }
@@ -108,7 +106,7 @@ void check_against_reference(int stages, int dp) {
       }
       for (int rank = 0; rank < n; ++rank) {
         const double diff = max_rel_diff(
-            read_floats(out_dir() + "/" + name + "-rank" + std::to_string(rank) + "-loss.bin"),
+            read_floats(dir + "/" + name + "-rank" + std::to_string(rank) + "-loss.bin"),
             ref_losses);
         EXPECT_LE(diff, 1e-5) << name << " rank " << rank;
         worst_loss = std::max(worst_loss, diff);
@@ -122,23 +120,35 @@ void check_against_reference(int stages, int dp) {
             << " s)" << std::endl;
 }
 
+// A directory of its own for one run's files, under out_dir().
+std::string run_dir(const std::string& name) {
+  const std::string dir = out_dir() + "/" + name;
+  std::system(("mkdir -p " + dir).c_str());
+  return dir;
+}
+
+// "train" on stages x dp ranks, launched alone, checked against the reference.
+void check_against_reference(int stages, int dp) {
+  const std::string dir = run_dir("train-" + std::to_string(stages) + "x" + std::to_string(dp));
+  auto r = launch(
+      stages * dp, kWorker,
+      {"train", "--stages", std::to_string(stages), "--dp", std::to_string(dp), "--out", dir});
+  check_training(r, stages, dp, dir);
+}
+
 }  // namespace
 
-TEST(PipelineParallel, TwoStagesEqualOneProcess) { check_against_reference(2, 1); }
-TEST(PipelineParallel, FourStagesEqualOneProcess) { check_against_reference(4, 1); }
-// Ranks 0, 1 and 2, 3 are pipelines; 0, 2 and 1, 3 average their stage's gradients.
-TEST(PipelineParallel, TwoStagesTimesTwoReplicasEqualOneProcess) { check_against_reference(2, 2); }
+TEST(PipelineParallel, TwoStagesEqualOneProcess) {
+  check_against_reference(2, 1);
+}
 
-// Stage 1 of 4 exits in the middle of step 1: the job ends with its exit code and the launcher
-// names it. The group's timeout (300 s) is longer than the harness's (120 s): the job ends
-// because the failure is seen, not because something timed out.
+namespace {
+
 // Through the Accelerator: `tandem launch --pp_size 2 --activation_checkpointing` on 4 ranks
 // gives a (pp 2, dp 2) mesh; prepare_pipeline splits the model, wraps the stage's entries in
 // Checkpointed, and averages gradients over mesh["dp"]. Equal to one process within rtol 1e-5.
-TEST(PipelineParallel, AcceleratorPipelineTimesDataParallelWithCheckpointingEqualsOneProcess) {
+void check_accelerator_pipeline(const tandem::testing::RunResult& r, const std::string& dir) {
   const auto& [ref_params, ref_losses] = reference();
-  auto r = launch(4, kWorker, {"accelerate", "--out", out_dir()},
-                  LaunchOptions().flags({"--pp_size", "2", "--activation_checkpointing"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* line : {"acc rank 0 stage 0 of 2 replica 0 of 2 checkpointed 8",
                            "acc rank 1 stage 0 of 2 replica 1 of 2 checkpointed 8",
@@ -148,9 +158,10 @@ TEST(PipelineParallel, AcceleratorPipelineTimesDataParallelWithCheckpointingEqua
   for (int d = 0; d < 2; ++d) {
     std::vector<float> params;
     for (int s = 0; s < 2; ++s) {
-      auto part = read_floats(out_dir() + "/acc-d" + std::to_string(d) + "-s" + std::to_string(s) + ".bin");
+      auto part =
+          read_floats(dir + "/acc-d" + std::to_string(d) + "-s" + std::to_string(s) + ".bin");
       params.insert(params.end(), part.begin(), part.end());
-      EXPECT_LE(max_rel_diff(read_floats(out_dir() + "/acc-d" + std::to_string(d) + "-s" +
+      EXPECT_LE(max_rel_diff(read_floats(dir + "/acc-d" + std::to_string(d) + "-s" +
                                          std::to_string(s) + "-loss.bin"),
                              ref_losses),
                 1e-5);
@@ -166,13 +177,9 @@ TEST(PipelineParallel, AcceleratorPipelineTimesDataParallelWithCheckpointingEqua
 // holding stages r and r + 2 (4 entries, all checkpointed); a program that asks for 1F1B itself
 // is refused naming both; the whole model, gathered by name (get_state_dict), equals one
 // process's within rtol 1e-5, as does every rank's loss.
-TEST(PipelineParallel, InterleavedScheduleFromTheLauncherEqualsOneProcess) {
+void check_interleaved_from_the_launcher(const tandem::testing::RunResult& r,
+                                         const std::string& dir) {
   const auto& [ref_params, ref_losses] = reference();
-  auto r = launch(4, kWorker, {"accelerate", "--out", out_dir()},
-                  LaunchOptions()
-                      .flags({"--pp_size", "2", "--activation_checkpointing", "--pp_schedule",
-                              "interleaved_1f1b", "--pp_virtual_stages", "2"})
-                      .env({{"PIPELINE_SCHEDULE_FROM_RUN", "1"}}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* line :
        {"acc rank 0 stage 0 of 2 replica 0 of 2 checkpointed 8 schedule Interleaved1F1B virtual stages 2",
@@ -185,33 +192,16 @@ TEST(PipelineParallel, InterleavedScheduleFromTheLauncherEqualsOneProcess) {
                        "Interleaved1F1B (--pp_schedule"),
             4)
       << r.output;
-  const double diff = max_rel_diff(read_floats(out_dir() + "/acc-full.bin"), ref_params);
+  const double diff = max_rel_diff(read_floats(dir + "/acc-full.bin"), ref_params);
   std::cout << "interleaved from the launcher: max relative difference to one process " << diff
             << std::endl;
   EXPECT_LE(diff, 1e-5);
   for (int d = 0; d < 2; ++d)
     for (int s = 0; s < 2; ++s)
-      EXPECT_LE(max_rel_diff(read_floats(out_dir() + "/acc-d" + std::to_string(d) + "-s" +
+      EXPECT_LE(max_rel_diff(read_floats(dir + "/acc-d" + std::to_string(d) + "-s" +
                                          std::to_string(s) + "-loss.bin"),
                              ref_losses),
                 1e-5);
-}
-
-// Zero bubble computes input and weight gradients with torch::autograd::grad, which a
-// checkpointed region refuses: prepare_pipeline refuses the pair on every rank, naming the fix,
-// before any step.
-TEST(PipelineParallel, ZeroBubbleWithActivationCheckpointingIsRefused) {
-  auto r = launch(2, kWorker, {"accelerate", "--out", out_dir()},
-                  LaunchOptions()
-                      .flags({"--pp_size", "2", "--activation_checkpointing", "--pp_schedule",
-                              "zero_bubble"})
-                      .env({{"PIPELINE_SCHEDULE_FROM_RUN", "1"}}));
-  EXPECT_EQ(r.exit_code, 3) << r.output;
-  EXPECT_EQ(lines_with(r.output, "pipeline refused: ",
-                       "use the 1f1b or interleaved_1f1b schedule with it, or turn activation "
-                       "checkpointing off"),
-            2)
-      << r.output;
 }
 
 // DP x PP x TP on one 4-rank mesh (pp 2, tp 2): the example GPT as a Sequential, each stage's
@@ -227,22 +217,22 @@ struct GptSchedule {
   std::vector<std::string> flags;
   std::string printed;  // what the pipeline reports
 };
-void PrintTo(const GptSchedule& s, std::ostream* os) { *os << s.label; }
-class PipelineGpt : public ::testing::TestWithParam<GptSchedule> {};
+const std::vector<GptSchedule> kGptSchedules = {
+    {"1f1b", {}, " schedule 1F1B virtual stages 1"},
+    {"interleaved",
+     {"--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"},
+     " schedule Interleaved1F1B virtual stages 2"},
+    {"zero_bubble", {"--pp_schedule", "zero_bubble"}, " schedule ZeroBubble virtual stages 1"}};
 
-TEST_P(PipelineGpt, PipelineTimesTensorParallelGptEqualsOneProcess) {
-  std::vector<std::string> flags = {"--pp_size", "2", "--tp_size", "2"};
-  flags.insert(flags.end(), GetParam().flags.begin(), GetParam().flags.end());
-  const std::string dir = out_dir() + "/" + GetParam().label;
-  std::system(("mkdir -p " + dir).c_str());
-  auto r = launch(4, kWorker, {"gpt", "--out", dir},
-                  LaunchOptions().flags(flags));
+void check_gpt(const tandem::testing::RunResult& r, const GptSchedule& schedule) {
+  SCOPED_TRACE("gpt under " + schedule.label);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // 1F1B: stage 0 holds the vocab-parallel token embedding and block 0's four layers, stage 1
   // block 1's four layers and the head; interleaved: 5 split layers on each rank too.
   for (const char* line : {"gpt rank 0 stage 0 tp 0 split layers 5", "gpt rank 1 stage 0 tp 1 split layers 5",
                            "gpt rank 2 stage 1 tp 0 split layers 5", "gpt rank 3 stage 1 tp 1 split layers 5"})
-    EXPECT_EQ(count_of(r.output, std::string(line) + GetParam().printed), 1) << line << "\n" << r.output;
+    EXPECT_EQ(count_of(r.output, std::string(line) + schedule.printed), 1) << line << "\n"
+                                                                           << r.output;
   int checks = 0;
   std::istringstream in(r.output);
   for (std::string line; std::getline(in, line);) {
@@ -276,15 +266,61 @@ TEST_P(PipelineGpt, PipelineTimesTensorParallelGptEqualsOneProcess) {
       << r.output;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Schedules, PipelineGpt,
-    ::testing::Values(GptSchedule{"1f1b", {}, " schedule 1F1B virtual stages 1"},
-                      GptSchedule{"interleaved",
-                                  {"--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"},
-                                  " schedule Interleaved1F1B virtual stages 2"},
-                      GptSchedule{"zero_bubble", {"--pp_schedule", "zero_bubble"},
-                                  " schedule ZeroBubble virtual stages 1"}),
-    [](const ::testing::TestParamInfo<GptSchedule>& info) { return info.param.label; });
+}  // namespace
+
+// Every layout on 4 ranks, each against one process: 4 stages; 2 stages x 2 replicas (ranks 0, 1
+// and 2, 3 are pipelines; 0, 2 and 1, 3 average their stage's gradients); the Accelerator's
+// pipeline x data parallel with checkpointing; the launcher's interleaved schedule; the GPT under
+// pp x tp in each schedule. They are jobs of one launch, each with exactly the variables its own
+// launch would give it (tandem::testing::launch_jobs).
+TEST(PipelineParallel, EveryFourRankLayoutEqualsOneProcess) {
+  reference();
+  std::vector<tandem::testing::Job> jobs{
+      {{"train", "--stages", "4", "--dp", "1", "--out", run_dir("train-4x1")}, LaunchOptions()},
+      {{"train", "--stages", "2", "--dp", "2", "--out", run_dir("train-2x2")}, LaunchOptions()},
+      {{"accelerate", "--out", run_dir("acc")},
+       LaunchOptions().flags({"--pp_size", "2", "--activation_checkpointing"})},
+      {{"accelerate", "--out", run_dir("acc-interleaved")},
+       LaunchOptions()
+           .flags({"--pp_size", "2", "--activation_checkpointing", "--pp_schedule",
+                   "interleaved_1f1b", "--pp_virtual_stages", "2"})
+           .env({{"PIPELINE_SCHEDULE_FROM_RUN", "1"}})}};
+  for (const auto& schedule : kGptSchedules) {
+    std::vector<std::string> flags = {"--pp_size", "2", "--tp_size", "2"};
+    flags.insert(flags.end(), schedule.flags.begin(), schedule.flags.end());
+    jobs.push_back(
+        {{"gpt", "--out", run_dir("gpt-" + schedule.label)}, LaunchOptions().flags(flags)});
+  }
+  const auto runs = tandem::testing::launch_jobs(4, kWorker, jobs);
+  {
+    SCOPED_TRACE("4 stages");
+    check_training(runs[0], 4, 1, run_dir("train-4x1"));
+  }
+  {
+    SCOPED_TRACE("2 stages x 2 replicas");
+    check_training(runs[1], 2, 2, run_dir("train-2x2"));
+  }
+  check_accelerator_pipeline(runs[2], run_dir("acc"));
+  check_interleaved_from_the_launcher(runs[3], run_dir("acc-interleaved"));
+  for (size_t k = 0; k < kGptSchedules.size(); ++k) check_gpt(runs[4 + k], kGptSchedules[k]);
+}
+
+// Zero bubble computes input and weight gradients with torch::autograd::grad, which a
+// checkpointed region refuses: prepare_pipeline refuses the pair on every rank, naming the fix,
+// before any step.
+TEST(PipelineParallel, ZeroBubbleWithActivationCheckpointingIsRefused) {
+  auto r = launch(
+      2, kWorker, {"accelerate", "--out", out_dir()},
+      LaunchOptions()
+          .flags({"--pp_size", "2", "--activation_checkpointing", "--pp_schedule", "zero_bubble"})
+          .env({{"PIPELINE_SCHEDULE_FROM_RUN", "1"}}));
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_EQ(lines_with(r.output, "pipeline refused: ",
+                       "use the 1f1b or interleaved_1f1b schedule with it, or turn activation "
+                       "checkpointing off"),
+            2)
+      << r.output;
+}
 
 // A ZeRO stage with a pipeline is refused on every rank with the fix (the pipeline reduces
 // each stage's gradients itself).
@@ -321,6 +357,9 @@ TEST(PipelineParallel, ZeroWithAPipelineIsRefused) {
   }
 }
 
+// Stage 1 of 4 exits in the middle of step 1: the job ends with its exit code and the launcher
+// names it. The group's timeout (300 s) is longer than the harness's (120 s): the job ends
+// because the failure is seen, not because something timed out.
 TEST(PipelineParallel, AStageThatDiesEndsTheJob) {
   auto r = launch(4, kWorker, {"die"},
                   LaunchOptions().env({{"PIPELINE_DIE_RANK", "1"}, {"PIPELINE_TIMEOUT_S", "300"}}));

@@ -48,9 +48,10 @@
 
 #include "../../examples/common/gpt.h"
 #include "../common/compare_weights.h"
+#include "../common/jobs_main.h"
 #include "../common/small_gpt.h"
-#include "tandem/checkpoint/merge_weights.h"
 #include "tandem/accelerator.h"
+#include "tandem/checkpoint/merge_weights.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/parallel/activation_checkpoint.h"
 #include "tandem/parallel/pipeline.h"
@@ -440,7 +441,7 @@ int p2p(const std::string& mode) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_worker(int argc, char** argv) {
   CLI::App app("pipeline test worker");
   std::string mode = "train", dir = "/tmp";
   int stages = 2, dp = 1;
@@ -456,4 +457,8 @@ int main(int argc, char** argv) {
   if (mode == "gpt") return gpt(dir);
   if (mode == "reshape") return reshape();
   return p2p(mode);
+}
+
+int main(int argc, char** argv) {
+  return tandem::testing::main_with_jobs(argc, argv, run_worker);
 }

@@ -68,13 +68,15 @@ void expect_state_dict_is_dense(const std::string& output, int ranks) {
 
 }  // namespace
 
+namespace {
+
 // Each layer on 2 ranks against the dense layer (same seed on every rank): outputs, input
 // gradients and this rank's shard of the weight gradients, within 1e-5 (float32 sums in
 // another order; the largest differences seen are ~1e-6). The sequence-parallel forms take or
 // give this rank's half of the 8 positions; a row-parallel bias added to them still gets the
 // whole dense gradient.
-TEST(TensorParallel, EveryLayerEqualsTheDenseLayerOnTwoRanks) {
-  auto r = launch(2, kWorker, {"layers"}, with_flags());
+void check_every_layer_equals_the_dense_layer_on_two_ranks(const tandem::testing::RunResult& r) {
+  SCOPED_TRACE("EveryLayerEqualsTheDenseLayerOnTwoRanks");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto c = parse_checks(r.output);
   for (const char* name :
@@ -98,27 +100,11 @@ TEST(TensorParallel, EveryLayerEqualsTheDenseLayerOnTwoRanks) {
   EXPECT_EQ(count_of(r.output, "tp_worker done"), 2);
 }
 
-// The example GPT (width 32, 4 heads, 2 layers, vocab 64, 16 positions) parallelized by its
-// plan on 2 ranks: the loss and every parameter's gradient (or its shard) equal the dense
-// GPT's within 1e-5; the head stays tied to the (now vocab-parallel) token embedding.
-TEST(TensorParallel, ExampleGptEqualsTheDenseGpt) {
-  auto r = launch(2, kWorker, {"gpt"}, with_flags());
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  auto c = parse_checks(r.output);
-  EXPECT_EQ(c.count["gpt_loss"], 2);
-  EXPECT_EQ(c.count["gpt_grad h1.attn.qkv.weight"], 2) << r.output;
-  EXPECT_EQ(c.count["gpt_grad wte.weight"], 2) << r.output;
-  EXPECT_EQ(c.count["gpt_grad ln_f.weight"], 2) << r.output;
-  EXPECT_GE(c.worst.size(), 40u);
-  expect_all_within(c, 2, 1e-5, r.output);
-  EXPECT_EQ(count_of(r.output, "gpt_tied 1 32"), 2) << r.output;  // 64 / 2 vocabulary rows
-}
-
 // The sequence-parallel plan (norms, residual adds on 8 of the 16 positions per rank): the same
 // loss and gradients as the dense GPT within 1e-5. ln_f's own gradient on a rank is a partial
 // sum that differs from the dense one; the plan's hook sums it over tp to the dense gradient.
-TEST(TensorParallel, SequenceParallelGptEqualsTheDenseGpt) {
-  auto r = launch(2, kWorker, {"gpt", "--sequence_parallel"}, with_flags());
+void check_sequence_parallel_gpt_equals_the_dense_gpt(const tandem::testing::RunResult& r) {
+  SCOPED_TRACE("SequenceParallelGptEqualsTheDenseGpt");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto c = parse_checks(r.output);
   EXPECT_EQ(c.count["gpt_loss"], 2);
@@ -140,8 +126,8 @@ TEST(TensorParallel, SequenceParallelGptEqualsTheDenseGpt) {
 // the per-rank stream, so the shared stream is where the batch draws left it, on both ranks;
 // the same seeds give bitwise the same loss and gradients, another tp seed another loss.
 // Plain tensor parallel: the masks are the dense GPT's, from the shared stream.
-TEST(TensorParallel, DropoutDrawsPerRankMasksOnSequenceShards) {
-  auto r = launch(2, kWorker, {"dropout"}, with_flags());
+void check_dropout_draws_per_rank_masks_on_sequence_shards(const tandem::testing::RunResult& r) {
+  SCOPED_TRACE("DropoutDrawsPerRankMasksOnSequenceShards");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto c = parse_checks(r.output);
   EXPECT_EQ(c.count["dropout_shared_stream_untouched"], 6) << r.output;  // 3 runs x 2 ranks
@@ -181,8 +167,9 @@ TEST(TensorParallel, DropoutDrawsPerRankMasksOnSequenceShards) {
 // averaged over mesh["dp"]
 // equal one dense process training on the global batch: losses within 1e-5, parameters within
 // 1e-5 relative.
-TEST(TensorParallel, TensorTimesDataParallelTrainingEqualsOneProcess) {
-  auto r = launch(4, kWorker, {"train"}, with_flags({"--tp_size", "2"}));
+void check_tensor_times_data_parallel_training_equals_one_process(
+    const tandem::testing::RunResult& r) {
+  SCOPED_TRACE("TensorTimesDataParallelTrainingEqualsOneProcess");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_mesh_lines(r.output, {"mesh tp 2 dp 2 rank 0 tp_peers 0,1 dp_peers 0,2",
                                "mesh tp 2 dp 2 rank 1 tp_peers 0,1 dp_peers 1,3",
@@ -197,8 +184,9 @@ TEST(TensorParallel, TensorTimesDataParallelTrainingEqualsOneProcess) {
 // The same through the Accelerator: AcceleratorOptions come from the launcher's --tp_size, the
 // Accelerator builds the mesh, splits the GPT by the plan, and averages gradients over
 // mesh["dp"] with its bucketed data parallel; equal to one dense process within 1e-5.
-TEST(TensorParallel, AcceleratorTensorTimesDataParallelEqualsOneProcess) {
-  auto r = launch(4, kWorker, {"accelerate"}, with_flags({"--tp_size", "2"}));
+void check_accelerator_tensor_times_data_parallel_equals_one_process(
+    const tandem::testing::RunResult& r) {
+  SCOPED_TRACE("AcceleratorTensorTimesDataParallelEqualsOneProcess");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_mesh_lines(r.output, kAcceleratorMeshLines);
   auto c = parse_checks(r.output);
@@ -213,8 +201,8 @@ TEST(TensorParallel, AcceleratorTensorTimesDataParallelEqualsOneProcess) {
 // A module written with typed members and called directly (`up(x)`) cannot be reached by a
 // plan: parallelize refuses it on every rank, naming the member and the fixes, before the
 // model's own code meets a half-width layer or each tp rank trains its own half-model.
-TEST(TensorParallel, TypedMembersCalledDirectlyAreRefused) {
-  auto r = launch(2, kWorker, {"typed", "direct"}, with_flags({"--tp_size", "2"}));
+void check_typed_members_called_directly_are_refused(const tandem::testing::RunResult& r) {
+  SCOPED_TRACE("TypedMembersCalledDirectlyAreRefused");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "parallelize_module: up (torch::nn::LinearImpl"), 1) << r.output;
   EXPECT_GE(count_of(r.output, "`tandem::nn::Linear up;`"), 1) << r.output;
@@ -223,25 +211,11 @@ TEST(TensorParallel, TypedMembersCalledDirectlyAreRefused) {
   EXPECT_EQ(count_of(r.output, "typed trained rank"), 0) << r.output;
 }
 
-// The same module calling its members through the planned child, and a Sequential whose entries
-// the plan replaces: AdamW steps equal the dense model, and get_state_dict gives it back.
-TEST(TensorParallel, TypedMembersThroughPlannedChildAndSequentialsEqualTheDenseModel) {
-  for (const char* variant : {"planned", "sequential"}) {
-    auto r = launch(2, kWorker, {"typed", variant}, with_flags({"--tp_size", "2"}));
-    ASSERT_EQ(r.exit_code, 0) << variant << "\n" << r.output;
-    auto c = parse_checks(r.output);
-    EXPECT_EQ(c.count["typed_loss_step2"], 2) << variant;
-    expect_all_within(c, 2, 1e-5, r.output);
-    expect_state_dict_is_dense(r.output, 2);
-  }
-}
-
 // The same with the GPT's sequence-parallel plan: LayerNorm gradients summed over tp, then
 // averaged over dp by the Accelerator; the clipped norm (LayerNorms and row-parallel biases
 // counted once) is the dense model's, and four steps equal one dense process within 1e-5.
-TEST(TensorParallel, AcceleratorSequenceParallelEqualsOneProcess) {
-  auto r =
-      launch(4, kWorker, {"accelerate", "--sequence_parallel"}, with_flags({"--tp_size", "2"}));
+void check_accelerator_sequence_parallel_equals_one_process(const tandem::testing::RunResult& r) {
+  SCOPED_TRACE("AcceleratorSequenceParallelEqualsOneProcess");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   expect_mesh_lines(r.output, kAcceleratorMeshLines);
   auto c = parse_checks(r.output);
@@ -249,6 +223,77 @@ TEST(TensorParallel, AcceleratorSequenceParallelEqualsOneProcess) {
   EXPECT_EQ(c.count["acc_loss_step3"], 4);
   EXPECT_EQ(c.count["acc_params_relative"], 4);
   expect_all_within(c, 4, 1e-5, r.output);
+}
+
+// The same module calling its members through the planned child, and a Sequential whose entries
+// the plan replaces: AdamW steps equal the dense model, and get_state_dict gives it back.
+void check_typed_members_through_planned_child_or_sequential(const tandem::testing::RunResult& r,
+                                                             const std::string& variant) {
+  SCOPED_TRACE("typed members: " + variant);
+  ASSERT_EQ(r.exit_code, 0) << variant << "\n" << r.output;
+  auto c = parse_checks(r.output);
+  EXPECT_EQ(c.count["typed_loss_step2"], 2) << variant;
+  expect_all_within(c, 2, 1e-5, r.output);
+  expect_state_dict_is_dense(r.output, 2);
+}
+
+}  // namespace
+
+// The layers, the sequence-parallel GPT, dropout, typed members and tensor x data parallel
+// training (each checked as its function above says), as jobs of one launch per number of
+// ranks (tandem::testing::launch_jobs_by_size): each job gets exactly the variables its own
+// launch would give it.
+TEST(TensorParallel, LayersGptDropoutTypedMembersAndTensorTimesDataParallelEqualTheDenseModel) {
+  auto runs = tandem::testing::launch_jobs_by_size(
+      kWorker, {{"EveryLayerEqualsTheDenseLayerOnTwoRanks", 2,
+                 tandem::testing::Job{{"layers"}, with_flags()}},
+                {"SequenceParallelGptEqualsTheDenseGpt", 2,
+                 tandem::testing::Job{{"gpt", "--sequence_parallel"}, with_flags()}},
+                {"DropoutDrawsPerRankMasksOnSequenceShards", 2,
+                 tandem::testing::Job{{"dropout"}, with_flags()}},
+                {"TensorTimesDataParallelTrainingEqualsOneProcess", 4,
+                 tandem::testing::Job{{"train"}, with_flags({"--tp_size", "2"})}},
+                {"AcceleratorTensorTimesDataParallelEqualsOneProcess", 4,
+                 tandem::testing::Job{{"accelerate"}, with_flags({"--tp_size", "2"})}},
+                {"TypedMembersCalledDirectlyAreRefused", 2,
+                 tandem::testing::Job{{"typed", "direct"}, with_flags({"--tp_size", "2"}), true}},
+                {"AcceleratorSequenceParallelEqualsOneProcess", 4,
+                 tandem::testing::Job{{"accelerate", "--sequence_parallel"},
+                                      with_flags({"--tp_size", "2"})}},
+                {"typed planned", 2,
+                 tandem::testing::Job{{"typed", "planned"}, with_flags({"--tp_size", "2"})}},
+                {"typed sequential", 2,
+                 tandem::testing::Job{{"typed", "sequential"}, with_flags({"--tp_size", "2"})}}});
+  check_every_layer_equals_the_dense_layer_on_two_ranks(
+      runs["EveryLayerEqualsTheDenseLayerOnTwoRanks"]);
+  check_sequence_parallel_gpt_equals_the_dense_gpt(runs["SequenceParallelGptEqualsTheDenseGpt"]);
+  check_dropout_draws_per_rank_masks_on_sequence_shards(
+      runs["DropoutDrawsPerRankMasksOnSequenceShards"]);
+  check_tensor_times_data_parallel_training_equals_one_process(
+      runs["TensorTimesDataParallelTrainingEqualsOneProcess"]);
+  check_accelerator_tensor_times_data_parallel_equals_one_process(
+      runs["AcceleratorTensorTimesDataParallelEqualsOneProcess"]);
+  check_typed_members_called_directly_are_refused(runs["TypedMembersCalledDirectlyAreRefused"]);
+  check_accelerator_sequence_parallel_equals_one_process(
+      runs["AcceleratorSequenceParallelEqualsOneProcess"]);
+  for (const std::string variant : {"planned", "sequential"})
+    check_typed_members_through_planned_child_or_sequential(runs["typed " + variant], variant);
+}
+
+// The example GPT (width 32, 4 heads, 2 layers, vocab 64, 16 positions) parallelized by its
+// plan on 2 ranks: the loss and every parameter's gradient (or its shard) equal the dense
+// GPT's within 1e-5; the head stays tied to the (now vocab-parallel) token embedding.
+TEST(TensorParallel, ExampleGptEqualsTheDenseGpt) {
+  auto r = launch(2, kWorker, {"gpt"}, with_flags());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto c = parse_checks(r.output);
+  EXPECT_EQ(c.count["gpt_loss"], 2);
+  EXPECT_EQ(c.count["gpt_grad h1.attn.qkv.weight"], 2) << r.output;
+  EXPECT_EQ(c.count["gpt_grad wte.weight"], 2) << r.output;
+  EXPECT_EQ(c.count["gpt_grad ln_f.weight"], 2) << r.output;
+  EXPECT_GE(c.worst.size(), 40u);
+  expect_all_within(c, 2, 1e-5, r.output);
+  EXPECT_EQ(count_of(r.output, "gpt_tied 1 32"), 2) << r.output;  // 64 / 2 vocabulary rows
 }
 
 // ZeRO over mesh["dp"] with tensor parallel: each tp rank's shards of the split GPT are sharded
