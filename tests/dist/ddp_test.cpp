@@ -105,58 +105,37 @@ INSTANTIATE_TEST_SUITE_P(
         EquivalenceGroup{"gpt", {{"gpt", 2, 1}, {"gpt", 3, 1}, {"gpt", 2, 2}}}),
     [](const auto& info) { return info.param.name; });
 
-TEST(DataParallel, UnusedParametersAreNamedOrHandled) {
-  for (const char* mode : {"unused", "unused-find"}) {
-    auto r = launch(2, kWorker, {mode}, kLaunch);
-    EXPECT_EQ(r.exit_code, 0) << mode << "\n" << r.output;
-    EXPECT_EQ(count_of(r.output, "unused OK"), 2) << mode << "\n" << r.output;
-  }
-}
-
-TEST(DataParallel, TiedWeightsStayTiedAndEqual) {
-  auto r = launch(3, kWorker, {"tied"}, kLaunch);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count_of(r.output, "tied OK"), 3) << r.output;
-}
-
 TEST(DataParallel, BuffersAreBroadcast) {
   auto r = launch(2, kWorker, {"buffers"}, kLaunch);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "buffers OK"), 2) << r.output;
 }
 
-TEST(DataParallel, FirstBucketAllreduceStartsBeforeBackwardEnds) {
-  auto r = launch(2, kWorker, {"overlap"}, kLaunch);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count_of(r.output, "overlap OK"), 2) << r.output;
-}
-
-TEST(DataParallel, GatherForMetricsCountsEachSampleOnce) {
-  for (int n : {2, 3, 4}) {
-    auto r = launch(n, kWorker, {"metrics"}, kLaunch);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_EQ(count_of(r.output, "metrics OK"), n) << r.output;
-  }
-}
-
-TEST(DataParallel, CompressionHooksEqualTheAllreduceOfRoundedGradients) {
-  auto r = launch(2, kWorker, {"compress"}, kLaunch);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count_of(r.output, "compress OK"), 2) << r.output;
-}
-
-TEST(DataParallel, GradientsAsBucketViewsTrainTheSame) {
-  for (int n : {2, 3}) {
-    auto r = launch(n, kWorker, {"bucketview"}, kLaunch);
-    EXPECT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_EQ(count_of(r.output, "bucketview OK"), n) << r.output;
-  }
-}
-
-TEST(DataParallel, TimelineAndTrackers) {
+// The worker's own checks, each ending in "<mode> OK" on every rank: unused parameters named (or
+// handled with find_unused_parameters), tied weights that stay tied and equal, the first
+// bucket's allreduce started before backward ends, gather_for_metrics counting each sample once
+// (2, 3 and 4 ranks), compression hooks equal to the allreduce of rounded gradients, gradients as
+// bucket views training the same (2 and 3 ranks), the timeline and trackers. Jobs of one launch
+// per number of ranks (tandem::testing::launch_jobs_by_size), each with exactly the variables its
+// own launch would give it.
+TEST(DataParallel, UnusedTiedOverlapMetricsCompressionBucketViewsAndTrackers) {
   const std::string dir = temp_path("tracking");
-  auto r = launch(2, kWorker, {"tracking", "--out", dir}, kLaunch);
-  EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count_of(r.output, "tracking OK"), 2) << r.output;
+  const std::vector<std::pair<std::string, int>> modes{
+      {"unused", 2},     {"unused-find", 2}, {"tied", 3},    {"overlap", 2},
+      {"metrics", 2},    {"metrics", 3},     {"metrics", 4}, {"compress", 2},
+      {"bucketview", 2}, {"bucketview", 3},  {"tracking", 2}};
+  std::vector<std::tuple<std::string, int, tandem::testing::Job>> jobs;
+  for (const auto& [mode, n] : modes) {
+    std::vector<std::string> args{mode};
+    if (mode == "tracking") args.insert(args.end(), {"--out", dir});
+    jobs.emplace_back(mode + " " + std::to_string(n), n, tandem::testing::Job{args, kLaunch});
+  }
+  const auto runs = tandem::testing::launch_jobs_by_size(kWorker, jobs);
+  for (const auto& [mode, n] : modes) {
+    const auto& r = runs.at(mode + " " + std::to_string(n));
+    EXPECT_EQ(r.exit_code, 0) << mode << " on " << n << " ranks\n" << r.output;
+    const std::string ok = (mode == "unused-find" ? std::string("unused") : mode) + " OK";
+    EXPECT_EQ(count_of(r.output, ok), n) << mode << " on " << n << " ranks\n" << r.output;
+  }
   std::system(("rm -rf " + dir).c_str());
 }
