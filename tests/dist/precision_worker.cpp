@@ -12,6 +12,7 @@
 
 #include "../../examples/common/gpt.h"
 #include "../../examples/common/mlp.h"
+#include "../common/jobs_main.h"
 #include "../common/small_gpt.h"
 #include "tandem/tandem.h"
 
@@ -182,7 +183,7 @@ int train(const Args& a) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_worker(int argc, char** argv) {
   CLI::App app{"precision_worker"};
   Args a;
   app.add_option("mode", a.mode);
@@ -204,4 +205,8 @@ int main(int argc, char** argv) {
   }
   std::cerr << "unknown mode " << a.mode << std::endl;
   return 2;
+}
+
+int main(int argc, char** argv) {
+  return tandem::testing::main_with_jobs(argc, argv, run_worker);
 }
