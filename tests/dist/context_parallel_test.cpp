@@ -28,9 +28,9 @@ using tandem::testing::run_command;
 namespace {
 
 const std::string kWorker = CONTEXT_PARALLEL_WORKER;
-const std::string kTrainGpt = TRAIN_GPT;
 const std::string kTrainLlm = TRAIN_LLM;
 const std::string kTrainLlmJobs = TRAIN_LLM_JOBS;  // train_llm that runs a launch's jobs
+const std::string kTrainGptJobs = TRAIN_GPT_JOBS;  // train_gpt that runs a launch's jobs
 const std::string kCli = TANDEM_CLI;
 
 LaunchOptions with_flags(std::vector<std::string> flags = {}) {
@@ -159,48 +159,31 @@ TEST(ContextParallel, ShardsLoadBalancedChunksAndRefusesAnUnevenSequence) {
 
 // --cp_size reaches every rank; a model that does not split its sequences (the example GPT) is
 // refused by prepare, naming cp_size and the interface, and by prepare_pipeline beside a
-// pipeline; cp_comm_strategy without cp is refused.
-TEST(ContextParallel, TheLauncherRefusesWhatCannotSplitItsSequences) {
-  auto gpt = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--cp_size", "2"}));
-  EXPECT_NE(gpt.exit_code, 0) << gpt.output;
-  EXPECT_GE(count_of(gpt.output, "this run has cp_size 2"), 1) << gpt.output;
-  EXPECT_GE(count_of(gpt.output, "tandem::parallel::ContextParallelModel"), 1) << gpt.output;
-  // Beside a pipeline (Note [Context parallel beside a pipeline]): no stage of the GPT has an
-  // attention layer that splits its sequences.
-  auto pp = launch(4, kTrainGpt, {"--steps", "1"},
-                   with_flags({"--cp_size", "2", "--pp_size", "2"}));
-  EXPECT_NE(pp.exit_code, 0) << pp.output;
-  EXPECT_GE(count_of(pp.output, "no stage of the model holds an attention layer that splits its "
-                                "sequences"), 1)
-      << pp.output;
-  auto comm = launch(2, kTrainGpt, {"--steps", "1"},
-                     with_flags({"--cp_comm_strategy", "allgather"}));
-  EXPECT_NE(comm.exit_code, 0) << comm.output;
-  EXPECT_GE(count_of(comm.output, "cp_comm_strategy is set"), 1) << comm.output;
-}
-
-// Note [Expert parallel]: --ep_size reaches every rank; a model without ExpertParallelModel (the
-// example GPT) and a model without experts (the default Llama) are refused, and so are an
-// ep_size that does not divide dp and ep beside ZeRO's optimizer state on disk.
-TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
-  auto gpt = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "2"}));
-  EXPECT_NE(gpt.exit_code, 0) << gpt.output;
-  EXPECT_GE(count_of(gpt.output, "this run has ep_size 2"), 1) << gpt.output;
-  EXPECT_GE(count_of(gpt.output, "tandem::parallel::ExpertParallelModel"), 1) << gpt.output;
-  auto dense = launch(2, kTrainLlm, {"--steps", "1"}, with_flags({"--ep_size", "2"}));
-  EXPECT_NE(dense.exit_code, 0) << dense.output;
-  EXPECT_GE(count_of(dense.output, "has no experts to split"), 1) << dense.output;
-  auto odd = launch(2, kTrainGpt, {"--steps", "1"}, with_flags({"--ep_size", "3"}));
-  EXPECT_NE(odd.exit_code, 0) << odd.output;
-  EXPECT_GE(count_of(odd.output, "does not divide the 2 data-parallel ranks"), 1) << odd.output;
-  auto nvme = launch(2, kTrainGpt, {"--steps", "1"},
-                     with_flags({"--ep_size", "2", "--use_deepspeed", "--zero_stage", "3",
-                                 "--offload_optimizer_device", "nvme",
-                                 "--offload_optimizer_nvme_path", "/tmp/tandem-ep-nvme"}));
-  EXPECT_NE(nvme.exit_code, 0) << nvme.output;
-  EXPECT_GE(count_of(nvme.output, "does not combine with optimizer state on disk"), 1)
-      << nvme.output;
-  // A small mixture trains under ep 2 (the byte-level default data).
+// pipeline; cp_comm_strategy without cp is refused. Note [Expert parallel]: --ep_size reaches
+// every rank; a model without ExpertParallelModel (the example GPT) and a model without experts
+// (the default Llama) are refused, and so are an ep_size that does not divide dp and ep beside
+// ZeRO's optimizer state on disk; beside a pipeline, a model no stage of which has a mixture layer.
+// A small mixture trains under ep 2. The runs are jobs of one launch per program and size
+// (tandem::testing::launch_jobs_by_size), each with exactly the variables its own launch would
+// give it; a refusal is a job that may fail.
+TEST(ContextParallel, TheLauncherRefusesWhatCannotSplitItsSequencesOrItsExperts) {
+  using tandem::testing::Job;
+  auto refusal = [](std::vector<std::string> args, std::vector<std::string> flags) {
+    return Job{std::move(args), with_flags(std::move(flags)), true};
+  };
+  const std::vector<std::string> one{"--steps", "1"};
+  auto gpt = tandem::testing::launch_jobs_by_size(
+      kTrainGptJobs, {{"cp", 2, refusal(one, {"--cp_size", "2"})},
+                      // Beside a pipeline (Note [Context parallel beside a pipeline]): no stage of
+                      // the GPT has an attention layer that splits its sequences.
+                      {"cp pp", 4, refusal(one, {"--cp_size", "2", "--pp_size", "2"})},
+                      {"comm", 2, refusal(one, {"--cp_comm_strategy", "allgather"})},
+                      {"ep", 2, refusal(one, {"--ep_size", "2"})},
+                      {"odd", 2, refusal(one, {"--ep_size", "3"})},
+                      {"nvme", 2,
+                       refusal(one, {"--ep_size", "2", "--use_deepspeed", "--zero_stage", "3",
+                                     "--offload_optimizer_device", "nvme",
+                                     "--offload_optimizer_nvme_path", "/tmp/tandem-ep-nvme"})}});
   tandem::testing::TempDir dir;
   write_moe(dir.str(), 16, 2);
   const std::vector<std::string> moe{"--config", dir.str() + "/moe.json", "--seq_len", "16",
@@ -211,15 +194,28 @@ TEST(ExpertParallel, TheLauncherRefusesWhatCannotSplitItsExperts) {
       << R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 48,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "max_position_embeddings": 64, "tie_word_embeddings": false})";
-  auto dense_pp = launch(4, kTrainLlm,
-                         {"--config", dir.str() + "/dense.json", "--seq_len", "16", "--batch_size",
-                          "2", "--steps", "1"},
-                         with_flags({"--ep_size", "2", "--pp_size", "2"}));
-  EXPECT_NE(dense_pp.exit_code, 0) << dense_pp.output;
-  EXPECT_GE(count_of(dense_pp.output, "no stage of the model holds a layer that splits its "
-                                      "experts"), 1)
-      << dense_pp.output;
-  auto ok = launch(2, kTrainLlm, moe, with_flags({"--ep_size", "2"}));
+  auto llm = tandem::testing::launch_jobs_by_size(
+      kTrainLlmJobs, {{"dense", 2, refusal(one, {"--ep_size", "2"})},
+                      {"dense pp", 4,
+                       refusal({"--config", dir.str() + "/dense.json", "--seq_len", "16",
+                                "--batch_size", "2", "--steps", "1"},
+                               {"--ep_size", "2", "--pp_size", "2"})},
+                      {"ok", 2, Job{moe, with_flags({"--ep_size", "2"})}}});
+  auto refused = [](const tandem::testing::RunResult& r, const std::string& words) {
+    EXPECT_NE(r.exit_code, 0) << words << "\n" << r.output;
+    EXPECT_GE(count_of(r.output, words), 1) << words << "\n" << r.output;
+  };
+  refused(gpt["cp"], "this run has cp_size 2");
+  refused(gpt["cp"], "tandem::parallel::ContextParallelModel");
+  refused(gpt["cp pp"], "no stage of the model holds an attention layer that splits its sequences");
+  refused(gpt["comm"], "cp_comm_strategy is set");
+  refused(gpt["ep"], "this run has ep_size 2");
+  refused(gpt["ep"], "tandem::parallel::ExpertParallelModel");
+  refused(gpt["odd"], "does not divide the 2 data-parallel ranks");
+  refused(gpt["nvme"], "does not combine with optimizer state on disk");
+  refused(llm["dense"], "has no experts to split");
+  refused(llm["dense pp"], "no stage of the model holds a layer that splits its experts");
+  const auto& ok = llm["ok"];
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_GE(count_of(ok.output, "expert parallel: ep 2, 2 of every layer's 4 experts per rank"), 1)
       << ok.output;
@@ -260,13 +256,15 @@ TEST(ExpertParallel, CompressionHooksReduceTheExpertsAsEveryOtherGradient) {
   for (const std::string name : {"h", "e"})
     EXPECT_NEAR(step4_grad_norm(runs[name].output), norm, 5e-4 * norm) << runs[name].output;
 
-  auto zero =
-      launch(2, kTrainGpt, {"--steps", "1"},
-             with_flags({"--use_deepspeed", "--zero_stage", "2", "--ddp_comm_hook", "bf16"}));
+  auto refused = tandem::testing::launch_jobs(  // jobs of one launch that may fail
+      2, kTrainGptJobs,
+      {{{"--steps", "1"},
+        with_flags({"--use_deepspeed", "--zero_stage", "2", "--ddp_comm_hook", "bf16"}),
+        true},
+       {{"--steps", "1"}, with_flags({"--pp_size", "2", "--ddp_comm_hook", "fp16"}), true}});
+  const auto &zero = refused[0], &pp = refused[1];
   EXPECT_NE(zero.exit_code, 0) << zero.output;
   EXPECT_GE(count_of(zero.output, "ZeRO stage 2 reduce-scatters them itself"), 1) << zero.output;
-  auto pp = launch(2, kTrainGpt, {"--steps", "1"},
-                   with_flags({"--pp_size", "2", "--ddp_comm_hook", "fp16"}));
   EXPECT_NE(pp.exit_code, 0) << pp.output;
   EXPECT_GE(count_of(pp.output, "comm_hook fp16"), 1) << pp.output;
   EXPECT_GE(count_of(pp.output, "averages each stage's gradients itself"), 1) << pp.output;
