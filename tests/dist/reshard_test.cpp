@@ -42,34 +42,64 @@ std::map<std::string, double> worst_checks(const std::string& output) {
   return worst;
 }
 
-// Saves after step 2 on `from`, resumes on `to` for steps 2-4; returns the resumed job's output.
-std::string expect_resume_equals_dense(const Layout& from, const Layout& to,
-                                       const std::string& saved_on,
-                                       const std::string& resumed_on) {
-  const auto dir = tandem::testing::temp_path("reshard", "ckpt");
-  auto saved = launch(from.processes, kWorker, {"--steps", "5", "--stop", "2", "--save_dir", dir},
-                      LaunchOptions().flags(from.flags).timeout_s(180));
-  EXPECT_EQ(saved.exit_code, 0) << saved.output;
-  EXPECT_EQ(count_of(saved.output, "saved at step 2"), from.processes) << saved.output;
-  auto resumed = launch(to.processes, kWorker, {"--steps", "5", "--load_dir", dir},
-                        LaunchOptions().flags(to.flags).timeout_s(180));
-  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
-  // The loaders continue at sample 24 of the epoch on the new data-parallel size.
-  EXPECT_EQ(count_of(resumed.output, "resumed at step 2 from " + saved_on + " resharded 1 loaders 1"),
-            to.processes)
-      << resumed.output;
-  EXPECT_EQ(count_of(resumed.output, "was saved on " + saved_on + "; resuming on " + resumed_on),
-            1)
-      << resumed.output;
-  auto worst = worst_checks(resumed.output);
-  for (int s = 2; s < 5; ++s)
-    EXPECT_LT(worst.at("resumed_loss_step" + std::to_string(s)), 1e-5) << resumed.output;
-  EXPECT_LT(worst.at("resumed_params"), 1e-5) << resumed.output;
-  std::cout << saved_on << " -> " << resumed_on << ": parameters within "
-            << worst.at("resumed_params") << " of the dense run" << std::endl;
-  EXPECT_EQ(count_of(resumed.output, "is not the dense model's"), 0) << resumed.output;
-  std::system(("rm -rf " + dir).c_str());
-  return resumed.output;
+// A layout change: saved after step 2 on `from` (named `saved_on` in the resumed run's line),
+// resumed on `to` (`resumed_on`) for steps 2-4.
+struct Change {
+  std::string name;
+  Layout from, to;
+  std::string saved_on, resumed_on;
+};
+
+// Every change's two runs, as jobs of launches by size (tandem::testing::launch_jobs_by_size):
+// first the saving runs (one per distinct `from`), then the resuming ones; each resumed run is
+// checked against the dense run.
+void expect_resumes_equal_dense(const std::vector<Change>& changes) {
+  const auto root = tandem::testing::temp_path("reshard", "ckpts");
+  std::system(("rm -rf " + root + " && mkdir -p " + root).c_str());
+  std::map<std::string, std::string> dir_of;  // the saving run's directory, by saved_on
+  std::vector<std::tuple<std::string, int, tandem::testing::Job>> saves, resumes;
+  for (const auto& c : changes) {
+    if (!dir_of.count(c.saved_on)) {
+      const std::string dir = root + "/" + std::to_string(dir_of.size());
+      dir_of[c.saved_on] = dir;
+      saves.emplace_back(c.saved_on, c.from.processes,
+                         tandem::testing::Job{{"--steps", "5", "--stop", "2", "--save_dir", dir},
+                                              LaunchOptions().flags(c.from.flags).timeout_s(180)});
+    }
+    resumes.emplace_back(c.name, c.to.processes,
+                         tandem::testing::Job{{"--steps", "5", "--load_dir", dir_of[c.saved_on]},
+                                              LaunchOptions().flags(c.to.flags).timeout_s(180)});
+  }
+  auto saved = tandem::testing::launch_jobs_by_size(kWorker, saves);
+  for (const auto& c : changes) {
+    const auto& r = saved[c.saved_on];
+    EXPECT_EQ(r.exit_code, 0) << c.saved_on << "\n" << r.output;
+    EXPECT_EQ(count_of(r.output, "saved at step 2"), c.from.processes) << r.output;
+  }
+  auto resumed = tandem::testing::launch_jobs_by_size(kWorker, resumes);
+  for (const auto& c : changes) {
+    SCOPED_TRACE(c.name);
+    const auto& r = resumed[c.name];
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    // The loaders continue at sample 24 of the epoch on the new data-parallel size.
+    EXPECT_EQ(count_of(r.output, "resumed at step 2 from " + c.saved_on + " resharded 1 loaders 1"),
+              c.to.processes)
+        << r.output;
+    EXPECT_EQ(count_of(r.output, "was saved on " + c.saved_on + "; resuming on " + c.resumed_on), 1)
+        << r.output;
+    auto worst = worst_checks(r.output);
+    for (int s = 2; s < 5; ++s) {
+      const std::string key = "resumed_loss_step" + std::to_string(s);
+      ASSERT_TRUE(worst.count(key)) << r.output;
+      EXPECT_LT(worst.at(key), 1e-5) << r.output;
+    }
+    ASSERT_TRUE(worst.count("resumed_params")) << r.output;
+    EXPECT_LT(worst.at("resumed_params"), 1e-5) << r.output;
+    std::cout << c.saved_on << " -> " << c.resumed_on << ": parameters within "
+              << worst.at("resumed_params") << " of the dense run" << std::endl;
+    EXPECT_EQ(count_of(r.output, "is not the dense model's"), 0) << r.output;
+  }
+  std::system(("rm -rf " + root).c_str());
 }
 
 const Layout kDp2Tp2{4, {"--tp_size", "2"}};
@@ -85,52 +115,31 @@ const Layout kZero1On2{2, {"--use_deepspeed", "--zero_stage", "1"}};
 
 }  // namespace
 
-TEST(Reshard, DataTimesTensorParallelResumesOnDataParallel) {
-  expect_resume_equals_dense(kDp2Tp2, kDp4, "dp 2 x tp 2 (4 processes, ddp)",
-                             "dp 4 (4 processes, ddp)");
-}
-
-TEST(Reshard, TensorParallelResumesOnZero3OverThreeRanks) {
-  expect_resume_equals_dense(kTp2, kZero3On3, "tp 2 (2 processes, ddp)",
-                             "dp 3 (3 processes, zero-3)");
-}
-
 // Interleaved stages: rank 0 holds the embedding and block 1, rank 1 block 0 and the head; the
 // checkpoint records the stages per rank beside the mesh, so that a pipeline of one stage per
 // rank (same mesh, other entries per rank) reshards it as it would another mesh; and on data
-// parallel.
-TEST(Reshard, InterleavedPipelineResumesOnZeroBubbleAndOnDataParallel) {
+// parallel. Sharded on a mesh (each tp rank's shards cut again over its data-parallel pair) into
+// another ZeRO stage without tensor parallel, and a ZeRO checkpoint onto a pipeline of
+// tensor-parallel stages.
+TEST(Reshard, EveryLayoutChangeResumesEqualToTheDenseRun) {
   const Layout interleaved{2, {"--pp_size", "2", "--pp_schedule", "interleaved_1f1b",
                                "--pp_virtual_stages", "2"}};
   const Layout zero_bubble{2, {"--pp_size", "2", "--pp_schedule", "zero_bubble"}};
-  const std::string saved_on = "pp 2 (2 processes, ddp, 2 pipeline stages per rank)";
-  expect_resume_equals_dense(interleaved, zero_bubble, saved_on, "pp 2 (2 processes, ddp)");
-  expect_resume_equals_dense(interleaved, kDp2, saved_on, "dp 2 (2 processes, ddp)");
-}
-
-TEST(Reshard, PipelineResumesOnDataParallel) {
-  expect_resume_equals_dense(kPp2, kDp2, "pp 2 (2 processes, ddp)", "dp 2 (2 processes, ddp)");
-}
-
-TEST(Reshard, Zero2ResumesOnTensorParallel) {
-  expect_resume_equals_dense(kZero2On4, kTp2, "dp 4 (4 processes, zero-2)",
-                             "tp 2 (2 processes, ddp)");
-}
-
-TEST(Reshard, PipelineTimesTensorParallelResumesOnDataTimesTensorParallel) {
-  expect_resume_equals_dense(kPp2Tp2, kDp2Tp2, "pp 2 x tp 2 (4 processes, ddp)",
-                             "dp 2 x tp 2 (4 processes, ddp)");
-}
-
-// Sharded on a mesh (each tp rank's shards cut again over its data-parallel pair) into another
-// ZeRO stage without tensor parallel, and a ZeRO checkpoint onto a pipeline of tensor-parallel
-// stages.
-TEST(Reshard, Zero3TimesTensorParallelResumesOnZero1) {
-  expect_resume_equals_dense(kZero3Tp2, kZero1On2, "dp 2 x tp 2 (4 processes, zero-3)",
-                             "dp 2 (2 processes, zero-1)");
-}
-
-TEST(Reshard, Zero1ResumesOnPipelineTimesTensorParallel) {
-  expect_resume_equals_dense(kZero1On2, kPp2Tp2, "dp 2 (2 processes, zero-1)",
-                             "pp 2 x tp 2 (4 processes, ddp)");
+  const std::string interleaved_on = "pp 2 (2 processes, ddp, 2 pipeline stages per rank)";
+  expect_resumes_equal_dense(
+      {{"dp x tp -> dp", kDp2Tp2, kDp4, "dp 2 x tp 2 (4 processes, ddp)",
+        "dp 4 (4 processes, ddp)"},
+       {"tp -> zero-3 on 3", kTp2, kZero3On3, "tp 2 (2 processes, ddp)",
+        "dp 3 (3 processes, zero-3)"},
+       {"interleaved -> zero bubble", interleaved, zero_bubble, interleaved_on,
+        "pp 2 (2 processes, ddp)"},
+       {"interleaved -> dp", interleaved, kDp2, interleaved_on, "dp 2 (2 processes, ddp)"},
+       {"pp -> dp", kPp2, kDp2, "pp 2 (2 processes, ddp)", "dp 2 (2 processes, ddp)"},
+       {"zero-2 -> tp", kZero2On4, kTp2, "dp 4 (4 processes, zero-2)", "tp 2 (2 processes, ddp)"},
+       {"pp x tp -> dp x tp", kPp2Tp2, kDp2Tp2, "pp 2 x tp 2 (4 processes, ddp)",
+        "dp 2 x tp 2 (4 processes, ddp)"},
+       {"zero-3 x tp -> zero-1", kZero3Tp2, kZero1On2, "dp 2 x tp 2 (4 processes, zero-3)",
+        "dp 2 (2 processes, zero-1)"},
+       {"zero-1 -> pp x tp", kZero1On2, kPp2Tp2, "dp 2 (2 processes, zero-1)",
+        "pp 2 x tp 2 (4 processes, ddp)"}});
 }

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "../../examples/common/gpt.h"
+#include "../common/jobs_main.h"
 #include "../common/small_gpt.h"
 #include "tandem/accelerator.h"
 #include "tandem/data/sampler.h"
@@ -183,7 +184,7 @@ int run(const Args& a) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_worker(int argc, char** argv) {
   torch::set_num_threads(1);
   try {
     return run(parse(argc, argv));
@@ -191,4 +192,8 @@ int main(int argc, char** argv) {
     std::cerr << "reshard_worker: " << e.what() << std::endl;
     return 1;
   }
+}
+
+int main(int argc, char** argv) {
+  return tandem::testing::main_with_jobs(argc, argv, run_worker);
 }
