@@ -6,7 +6,9 @@
 
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../common/launch.h"
@@ -32,6 +34,28 @@ tandem::testing::RunResult run(int n, std::vector<std::string> flags, const std:
   return tandem::testing::launch(
       n, kWorker, {mode}, tandem::testing::LaunchOptions().flags(std::move(flags)).timeout_s(240));
 }
+
+// Runs of a test, as jobs of one launch per number of ranks (tandem::testing::launch_jobs_by_size):
+// each gets exactly the variables its own launch would give it. add() names a run, run() runs
+// them all, then [name] is its result.
+class Runs {
+ public:
+  // `may_fail`: a refusal every rank makes alike.
+  void add(const std::string& name, int n, std::vector<std::string> flags, const std::string& mode,
+           bool may_fail = false) {
+    jobs_.emplace_back(name, n,
+                       tandem::testing::Job{
+                           {mode},
+                           tandem::testing::LaunchOptions().flags(std::move(flags)).timeout_s(240),
+                           may_fail});
+  }
+  void run() { results_ = tandem::testing::launch_jobs_by_size(kWorker, jobs_); }
+  const tandem::testing::RunResult& operator[](const std::string& name) { return results_[name]; }
+
+ private:
+  std::vector<std::tuple<std::string, int, tandem::testing::Job>> jobs_;
+  std::map<std::string, tandem::testing::RunResult> results_;
+};
 
 double figure(const std::string& out, const std::string& key) {
   auto at = out.find(key);
@@ -69,30 +93,39 @@ TEST(ModuleHooksDist, TypedBlocksAreZero3UnitsByTheirClass) {
                                         "  fsdp_sharding_strategy: FULL_SHARD\n"
                                         "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
                                         "  fsdp_transformer_layer_cls_to_wrap: Block\n");
-  auto r = run(2, {"--config_file", fsdp}, "train");
+  Runs runs;
+  runs.add("fsdp", 2, {"--config_file", fsdp}, "train");
+  // Without a class list (DeepSpeed's stage 3): the outermost modules a user declared.
+  runs.add("zero-3", 2, {"--use_deepspeed", "--zero_stage", "3"}, "train");
+  runs.run();
+  auto r = runs["fsdp"];
   expect_dense(r, "fsdp");
   for (const char* b : {"h0", "h1", "h2"})
     EXPECT_EQ(count_of(r.output, std::string("hooks ") + b + ": zero-3 unit\n"), 1) << r.output;
   EXPECT_EQ(count_of(r.output, "hooks h"), 3) << r.output;
-  // Without a class list (DeepSpeed's stage 3): the outermost modules a user declared.
-  r = run(2, {"--use_deepspeed", "--zero_stage", "3"}, "train");
+  r = runs["zero-3"];
   expect_dense(r, "zero-3");
   EXPECT_EQ(count_of(r.output, ": zero-3 unit\n"), 3) << r.output;
   EXPECT_EQ(count_of(r.output, "hooks h1: zero-3 unit\n"), 1) << r.output;
 }
 
 TEST(ModuleHooksDist, ActivationCheckpointingFromTheConfigFileReachesTypedBlocks) {
-  const auto ddp = config_file("ac", "distributed_type: MULTI_CPU\nfsdp_config:\n"
-                                     "  fsdp_activation_checkpointing: true\n");
-  auto r = run(2, {"--config_file", ddp}, "train");
-  expect_dense(r, "ddp + activation checkpointing");
-  EXPECT_EQ(count_of(r.output, ": activation checkpoint\n"), 3) << r.output;
+  const auto ddp = config_file("ac",
+                               "distributed_type: MULTI_CPU\nfsdp_config:\n"
+                               "  fsdp_activation_checkpointing: true\n");
   // With ZeRO-3 units on the same blocks: the recompute gathers the unit again.
   const auto both = config_file("both", "distributed_type: FSDP\nfsdp_config:\n"
                                         "  fsdp_sharding_strategy: FULL_SHARD\n"
                                         "  fsdp_transformer_layer_cls_to_wrap: Block\n"
                                         "  fsdp_activation_checkpointing: true\n");
-  r = run(2, {"--config_file", both}, "train");
+  Runs runs;
+  runs.add("ddp", 2, {"--config_file", ddp}, "train");
+  runs.add("both", 2, {"--config_file", both}, "train");
+  runs.run();
+  auto r = runs["ddp"];
+  expect_dense(r, "ddp + activation checkpointing");
+  EXPECT_EQ(count_of(r.output, ": activation checkpoint\n"), 3) << r.output;
+  r = runs["both"];
   expect_dense(r, "fsdp + activation checkpointing");
   EXPECT_EQ(count_of(r.output, ": activation checkpoint, zero-3 unit\n"), 3) << r.output;
 }
@@ -102,23 +135,31 @@ TEST(ModuleHooksDist, TorchNnHoldersAreRefusedNamingTheFix) {
   const auto fsdp = config_file("fsdp-plain", "distributed_type: FSDP\nfsdp_config:\n"
                                               "  fsdp_sharding_strategy: FULL_SHARD\n"
                                               "  fsdp_transformer_layer_cls_to_wrap: PlainBlock\n");
-  auto r = run(2, {"--config_file", fsdp}, "plain");
+  const auto ac = config_file("ac-plain",
+                              "distributed_type: MULTI_CPU\nfsdp_config:\n"
+                              "  fsdp_activation_checkpointing: true\n");
+  // A class that names no module is refused with the classes the model has.
+  const auto wrong = config_file("fsdp-wrong",
+                                 "distributed_type: FSDP\nfsdp_config:\n"
+                                 "  fsdp_sharding_strategy: FULL_SHARD\n"
+                                 "  fsdp_transformer_layer_cls_to_wrap: Layer\n");
+  Runs runs;
+  runs.add("fsdp", 2, {"--config_file", fsdp}, "plain", true);
+  runs.add("ac", 2, {"--config_file", ac}, "plain", true);
+  runs.add("tp", 2, {"--tp_size", "2"}, "plain-tp", true);
+  runs.add("wrong", 2, {"--config_file", wrong}, "train", true);
+  runs.run();
+  auto r = runs["fsdp"];
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "declare it with TANDEM_MODULE(PlainBlock)"), 1) << r.output;
   EXPECT_EQ(count_of(r.output, "hooks trained rank"), 0) << r.output;
-  const auto ac = config_file("ac-plain", "distributed_type: MULTI_CPU\nfsdp_config:\n"
-                                          "  fsdp_activation_checkpointing: true\n");
-  r = run(2, {"--config_file", ac}, "plain");
+  r = runs["ac"];
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "has no block it can reach"), 1) << r.output;
-  r = run(2, {"--tp_size", "2"}, "plain-tp");
+  r = runs["tp"];
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "tandem::nn::Linear up;"), 1) << r.output;
-  // A class that names no module is refused with the classes the model has.
-  const auto wrong = config_file("fsdp-wrong", "distributed_type: FSDP\nfsdp_config:\n"
-                                               "  fsdp_sharding_strategy: FULL_SHARD\n"
-                                               "  fsdp_transformer_layer_cls_to_wrap: Layer\n");
-  r = run(2, {"--config_file", wrong}, "train");
+  r = runs["wrong"];
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "names Layer, which is no module of the model"), 1) << r.output;
   EXPECT_GE(count_of(r.output, "Block"), 1) << r.output;
@@ -148,37 +189,44 @@ TEST(MeshCollectives, MetricsOnDp2EqualDp2TimesTp2) {
 // Note [A topology always built]: a plain run has one too (its dp group the world group
 // itself), and the data-parallel sizes take effect through the strategy or are refused.
 TEST(Topology, AlwaysBuiltAndItsSizesTakeEffect) {
-  auto r = run(2, {}, "topology");
+  Runs runs;
+  runs.add("plain", 2, {}, "topology");
+  runs.add("fsdp", 2, {"--use_fsdp"}, "topology");
+  runs.add("zero-2 tp", 4, {"--use_deepspeed", "--zero_stage", "2", "--tp_size", "2"}, "topology");
+  runs.add("fsdp shard", 2, {"--use_fsdp", "--dp_shard_size", "2"}, "train");
+  runs.add("shard alone", 2, {"--dp_shard_size", "2"}, "topology", true);
+  runs.add("hybrid", 4, {"--use_fsdp", "--dp_replicate_size", "2"}, "train");
+  runs.run();
+  auto r = runs["plain"];
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "topology pp 1 x dp_replicate 2 x dp_shard 1 x tp 1 x dp 2; dp 2 "
                                "(the world group); shard 1; strategy ddp; mesh built\n"),
             1)
       << r.output;
   // A ZeRO stage shards over every data-parallel rank.
-  r = run(2, {"--use_fsdp"}, "topology");
+  r = runs["fsdp"];
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "topology pp 1 x dp_replicate 1 x dp_shard 2 x tp 1 x dp 2; dp 2 "
                                "(the world group); shard 2; strategy zero-3"),
             1)
       << r.output;
-  r = run(4, {"--use_deepspeed", "--zero_stage", "2", "--tp_size", "2"}, "topology");
+  r = runs["zero-2 tp"];
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_of(r.output, "topology pp 1 x dp_replicate 1 x dp_shard 2 x tp 2 x dp 2; dp 2; "
                                "shard 2; strategy zero-2"),
             1)
       << r.output;
   // dp_shard_size set: ZeRO-3 over those ranks trains as one dense process.
-  r = run(2, {"--use_fsdp", "--dp_shard_size", "2"}, "train");
-  expect_dense(r, "fsdp --dp_shard_size 2");
+  expect_dense(runs["fsdp shard"], "fsdp --dp_shard_size 2");
   // Sizes no strategy honours are refused on every rank, naming the flag and the fix.
-  r = run(2, {"--dp_shard_size", "2"}, "topology");
+  r = runs["shard alone"];
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_GE(count_of(r.output, "dp_shard_size 2 (--dp_shard_size"), 1) << r.output;
   EXPECT_GE(count_of(r.output, "--use_fsdp"), 1) << r.output;
   EXPECT_EQ(count_of(r.output, "topology pp"), 0) << r.output;
   // dp_replicate_size with a ZeRO stage is hybrid sharding (Note [Hybrid sharding]): ZeRO-3
   // over each pair of ranks, the pairs' shards averaged, trains as one dense process.
-  r = run(4, {"--use_fsdp", "--dp_replicate_size", "2"}, "train");
+  r = runs["hybrid"];
   expect_dense(r, "fsdp --dp_replicate_size 2", 4);
   EXPECT_EQ(count_of(r.output, "hybrid: shards over dp_shard 2, replicas over dp_replicate 2"), 1)
       << r.output;

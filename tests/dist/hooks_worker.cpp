@@ -14,9 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "tandem/tandem.h"
+#include "../common/jobs_main.h"
 #include "tandem/nn/module.h"
 #include "tandem/parallel/tensor_parallel.h"
+#include "tandem/tandem.h"
 
 namespace {
 
@@ -187,7 +188,7 @@ int topology() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_worker(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   try {
     if (mode == "tp" || mode == "train") return train<Net>(mode);
@@ -201,4 +202,8 @@ int main(int argc, char** argv) {
     std::cerr << "hooks_worker: " << e.what() << std::endl;
     return 1;
   }
+}
+
+int main(int argc, char** argv) {
+  return tandem::testing::main_with_jobs(argc, argv, run_worker);
 }
