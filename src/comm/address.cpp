@@ -45,7 +45,10 @@ int try_bind(const std::string& host, int port) {
 // Note [Free ports]: a port is free when checked and bound by rank 0 a moment later; in between,
 // any outgoing connection on the machine may take it, because the OS hands out the same
 // ephemeral range (ip_local_port_range) both to bind(port 0) and to connect(). Picking below that
-// range leaves only another job choosing the same random port in the same instant.
+// range leaves another job choosing the same random port in the same instant, or another
+// program binding it: then rank 0 writes "port-taken" into TANDEM_ERROR_FILE, and the launcher
+// that chose the port starts the ranks again on another (launch/launcher.cpp); a port the user
+// chose (--main_process_port, MASTER_PORT) is refused, naming it.
 std::string host_resolution_error(const std::string& host) {
   if (host.empty()) return "the address is empty";
   addrinfo hints{};

@@ -298,6 +298,16 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
         // Note [Loopback rendezvous]: a job on one machine never needs the store off loopback.
         tcp = compat::make_tcp_store(st.master_addr, so, is_loopback(st.master_addr));
       } catch (const std::exception& e) {
+        // Note [Free ports]: the port was found free and taken before this rank listened on it;
+        // the launcher that picked it starts the ranks again on another.
+        const std::string what = e.what();
+        if (so.isServer && !st.error_file.empty() &&
+            what.find("already in use") != std::string::npos) {
+          if (FILE* f = std::fopen(st.error_file.c_str(), "w")) {
+            std::fprintf(f, "port-taken\n");
+            std::fclose(f);
+          }
+        }
         if (so.isServer)
           throw std::runtime_error(
               st.prefix() + " cannot host the rendezvous store at " + where + ": " +

@@ -235,6 +235,20 @@ void spawn(Child& c, const LaunchOptions& opts) {
 // fail because another rank went away (comm/process_group.cpp); the launcher reads it here. A
 // rank killed by SIGPIPE wrote to a socket whose peer had gone (a program that put SIGPIPE back
 // to its default): a consequence too.
+// Note [Free ports]: rank 0 writes "port-taken" into TANDEM_ERROR_FILE when the port the
+// launcher found free was taken before it listened on it (comm/process_group.cpp).
+bool port_was_taken(const std::vector<Child>& children) {
+  for (const auto& c : children) {
+    if (c.plan.rank != 0) continue;
+    auto it = c.plan.env.find(config::var::kErrorFile);
+    if (it == c.plan.env.end()) return false;
+    std::ifstream f(it->second);
+    std::string word;
+    return static_cast<bool>(f >> word) && word == "port-taken";
+  }
+  return false;
+}
+
 bool failed_because_of_peer(const Child& c) {
   if (WIFSIGNALED(c.status) && WTERMSIG(c.status) == SIGPIPE) return true;
   auto it = c.plan.env.find(config::var::kErrorFile);
@@ -794,6 +808,10 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
   } restore{plan, error_dir, old_int, old_term, old_preemption, preemption_signal};
   int rc = 0;
   const std::vector<RankPlan> launched = plan;
+  // The launcher chose the port (Note [Free ports]): it may choose another.
+  const bool own_port = opts.main_process_port() == 0 && !machines && !plan.empty() &&
+                        plan[0].env.count("MASTER_PORT");
+  int port_retries = 0;
   for (int attempt = 0;; ++attempt) {
     if (machines) {
       // Note [Elastic machines]: this attempt's machines, and this one's rank among them.
@@ -846,6 +864,22 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
     bool interrupted = false;
     std::vector<const Child*> lost;
     rc = run_once(children, opts, interrupted, lost);
+    // Note [Free ports]: a port this launcher picked (no --main_process_port) and another
+    // program took in the moment before rank 0 listened on it is the launcher's to replace: the
+    // ranks start again on another, which is no restart of the job (up to 3 times).
+    if (rc != 0 && !interrupted && own_port && port_retries < 3 && port_was_taken(children)) {
+      ++port_retries;
+      const std::string taken = plan[0].env["MASTER_PORT"];
+      const std::string port = std::to_string(find_free_port(opts.main_process_ip()));
+      for (auto& p : plan) p.env["MASTER_PORT"] = port;
+      write_all(2, "tandem launch: port " + taken +
+                       ", which was free when the launcher chose it, "
+                       "was taken by another program before rank 0 listened on it; starting the "
+                       "ranks again on port " +
+                       port + "\n");
+      --attempt;
+      continue;
+    }
     if (rc == 0 || interrupted || attempt >= opts.max_restarts()) break;
     const std::string restart =
         "restart " + std::to_string(attempt + 1) + " of " + std::to_string(opts.max_restarts());

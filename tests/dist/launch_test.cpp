@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "../common/launch.h"
+#include "../common/temp_dir.h"
 
 using tandem::testing::count_of;
 using tandem::testing::free_port;
@@ -118,6 +119,66 @@ TEST(Launch, PortInUseGivesAClearError) {
             std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("--main_process_port"), std::string::npos) << r.output;
+  // A port the user chose is not the launcher's to replace.
+  EXPECT_EQ(r.output.find("starting the ranks again"), std::string::npos) << r.output;
+}
+
+// Note [Free ports]: a port the launcher found free and another program took before rank 0
+// listened on it is replaced: rank 0 says so in TANDEM_ERROR_FILE, and the launcher starts the
+// ranks again on another port, without counting a restart. Here rank 0 (a shell) says it on its
+// first run; a real rank 0 says it when hosting the store fails with "Address already in use"
+// (RankZeroSaysWhenItsPortWasTaken).
+TEST(Launch, APortTakenBeforeRankZeroListensIsReplaced) {
+  tandem::testing::TempDir dir;
+  const std::string ports = dir.str() + "/ports", once = dir.str() + "/once";
+  auto r = run_command(
+      {kCli, "launch", "--num_processes", "2", "--cpu", "/bin/sh", "-c",
+       "if [ \"$RANK\" = 0 ]; then echo $MASTER_PORT >> " + ports + "; if [ ! -e " + once +
+           " ]; then touch " + once + "; echo port-taken > \"$TANDEM_ERROR_FILE\"; exit 1; fi; fi"},
+      {}, 60);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count_of(r.output,
+                     "was taken by another program before rank 0 listened on it; "
+                     "starting the ranks again on port "),
+            1)
+      << r.output;
+  std::ifstream in(ports);
+  std::vector<std::string> seen;
+  for (std::string line; std::getline(in, line);) seen.push_back(line);
+  ASSERT_EQ(seen.size(), 2u) << r.output;
+  EXPECT_NE(seen[0], seen[1]);
+  EXPECT_NE(r.output.find("port " + seen[0] + ", which was free"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("again on port " + seen[1]), std::string::npos) << r.output;
+}
+
+TEST(Launch, RankZeroSaysWhenItsPortWasTaken) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 4), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  tandem::testing::TempDir dir;
+  const std::string error_file = dir.str() + "/rank0.error";
+  auto r = run_command({kWorker, "all"},
+                       {{"RANK", "0"},
+                        {"WORLD_SIZE", "2"},
+                        {"MASTER_ADDR", "127.0.0.1"},
+                        {"MASTER_PORT", std::to_string(ntohs(addr.sin_port))},
+                        {"TANDEM_ERROR_FILE", error_file},
+                        {"TANDEM_TEST_TIMEOUT_S", "10"}},
+                       60);
+  close(fd);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("cannot host the rendezvous store"), std::string::npos) << r.output;
+  std::ifstream in(error_file);
+  std::string word;
+  in >> word;
+  EXPECT_EQ(word, "port-taken") << r.output;
 }
 
 // Note [Loopback rendezvous]: a job on one machine (MASTER_ADDR 127.0.0.1) hosts its store on
