@@ -45,6 +45,16 @@ bool is_loopback(const std::string& host) {
   return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
 }
 
+// Tells the launcher why this rank failed: one line into TANDEM_ERROR_FILE (`file`; empty: not
+// launched by tandem launch). Note [Secondary failures], Note [Free ports].
+void tell_launcher(const std::string& file, const std::string& line) {
+  if (file.empty()) return;
+  if (FILE* f = std::fopen(file.c_str(), "w")) {
+    std::fprintf(f, "%s\n", line.c_str());
+    std::fclose(f);
+  }
+}
+
 std::string first_line(const std::string& s) {
   auto nl = s.find('\n');
   return nl == std::string::npos ? s : s.substr(0, nl);
@@ -105,12 +115,7 @@ void Work::wait() {
     recorder.end(impl_->flight, false);
     const auto dumped = recorder.dump(impl_->what + " failed: " + first_line(e.what()));
     // Note [Secondary failures]: tell the launcher this rank failed because of a peer.
-    if (!impl_->error_file.empty()) {
-      if (FILE* f = std::fopen(impl_->error_file.c_str(), "w")) {
-        std::fprintf(f, "peer %s\n", impl_->what.c_str());
-        std::fclose(f);
-      }
-    }
+    tell_launcher(impl_->error_file, "peer " + impl_->what);
     throw std::runtime_error(impl_->prefix + " " + impl_->what + " failed: " + first_line(e.what()) +
                              ". Another rank probably exited or stopped responding; the launcher's "
                              "output names the rank that failed first." +
@@ -300,14 +305,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
       } catch (const std::exception& e) {
         // Note [Free ports]: the port was found free and taken before this rank listened on it;
         // the launcher that picked it starts the ranks again on another.
-        const std::string what = e.what();
-        if (so.isServer && !st.error_file.empty() &&
-            what.find("already in use") != std::string::npos) {
-          if (FILE* f = std::fopen(st.error_file.c_str(), "w")) {
-            std::fprintf(f, "port-taken\n");
-            std::fclose(f);
-          }
-        }
+        if (so.isServer && std::string(e.what()).find("already in use") != std::string::npos)
+          tell_launcher(st.error_file, "port-taken");
         if (so.isServer)
           throw std::runtime_error(
               st.prefix() + " cannot host the rendezvous store at " + where + ": " +
@@ -351,13 +350,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
     // Note [Secondary failures]: a peer that closed its end while the mesh was connecting
     // (it exited, or failed first) is the cause; this rank's failure follows from it.
     const std::string what = e.what();
-    if (!st.error_file.empty() && (what.find("closed by peer") != std::string::npos ||
-                                   what.find("reset by peer") != std::string::npos)) {
-      if (FILE* f = std::fopen(st.error_file.c_str(), "w")) {
-        std::fprintf(f, "peer connect\n");
-        std::fclose(f);
-      }
-    }
+    if (what.find("closed by peer") != std::string::npos ||
+        what.find("reset by peer") != std::string::npos)
+      tell_launcher(st.error_file, "peer connect");
     throw std::runtime_error(st.prefix() + " could not connect the Gloo process group of " +
                              std::to_string(st.world_size) + " ranks (store at " + where + "): " +
                              first_line(e.what()));

@@ -231,31 +231,31 @@ void spawn(Child& c, const LaunchOptions& opts) {
   }
 }
 
+// The first word of what rank `c` wrote into TANDEM_ERROR_FILE ("" when nothing).
+std::string error_word(const Child& c) {
+  auto it = c.plan.env.find(config::var::kErrorFile);
+  if (it == c.plan.env.end()) return "";
+  std::ifstream f(it->second);
+  std::string word;
+  f >> word;
+  return word;
+}
+
 // Note [Secondary failures]: tandem's collectives write "peer" into TANDEM_ERROR_FILE when they
 // fail because another rank went away (comm/process_group.cpp); the launcher reads it here. A
 // rank killed by SIGPIPE wrote to a socket whose peer had gone (a program that put SIGPIPE back
 // to its default): a consequence too.
+bool failed_because_of_peer(const Child& c) {
+  if (WIFSIGNALED(c.status) && WTERMSIG(c.status) == SIGPIPE) return true;
+  return error_word(c) == "peer";
+}
+
 // Note [Free ports]: rank 0 writes "port-taken" into TANDEM_ERROR_FILE when the port the
 // launcher found free was taken before it listened on it (comm/process_group.cpp).
 bool port_was_taken(const std::vector<Child>& children) {
-  for (const auto& c : children) {
-    if (c.plan.rank != 0) continue;
-    auto it = c.plan.env.find(config::var::kErrorFile);
-    if (it == c.plan.env.end()) return false;
-    std::ifstream f(it->second);
-    std::string word;
-    return static_cast<bool>(f >> word) && word == "port-taken";
-  }
+  for (const auto& c : children)
+    if (c.plan.rank == 0) return error_word(c) == "port-taken";
   return false;
-}
-
-bool failed_because_of_peer(const Child& c) {
-  if (WIFSIGNALED(c.status) && WTERMSIG(c.status) == SIGPIPE) return true;
-  auto it = c.plan.env.find(config::var::kErrorFile);
-  if (it == c.plan.env.end()) return false;
-  std::ifstream f(it->second);
-  std::string word;
-  return static_cast<bool>(f >> word) && word == "peer";
 }
 
 int exit_code_of(int status) {
