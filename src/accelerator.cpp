@@ -23,6 +23,7 @@
 #include "tandem/checkpoint/optimizer_state.h"
 #include "tandem/checkpoint/training_state.h"
 #include "tandem/comm/flight_recorder.h"
+#include "tandem/comm/replicas.h"
 #include "tandem/config/run_config.h"
 #include "tandem/host_allocator.h"
 #include "tandem/parallel/activation_checkpoint.h"
@@ -165,7 +166,9 @@ Accelerator::Accelerator(AcceleratorOptions options)
     auto_resume_pending_ = true;
     loader_state_->before_first_pass = [this] { auto_resume(); };
   }
-  // Note [Flight recorder]: a failed collective, or SIGUSR2, writes project_dir/flight/rank<r>.json.
+  if (!state_.replica_store.empty()) start_replicas();  // Note [Replica recovery]
+  // Note [Flight recorder]: a failed collective, or SIGUSR2, writes
+  // project_dir/flight/rank<r>.json.
   {
     auto& flight = comm::FlightRecorder::instance();
     flight.set_dump_path((std::filesystem::path(options_.project_dir()) / "flight").string(),
@@ -718,6 +721,7 @@ data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o)
   data::detail::Placement p;
   p.rank = topology_->data_parallel()->rank();
   p.world = topology_->data_parallel()->size();
+  p.replicas = replica_shard_;
   p.device = device_;
   p.even_batches = o.even_batches().value_or(options_.even_batches());
   p.split_batches = o.split_batches().value_or(options_.split_batches());
@@ -1149,6 +1153,7 @@ void AcceleratedOptimizer::step() {
   skipped_ = acc && !acc->sync_gradients();
   if (skipped_) return;
   if (acc) acc->unsynced_backwards_ = 0;  // the boundary's step (even one skipped for overflow)
+  if (acc && acc->replicas_) acc->average_over_replicas(*optimizer_);  // Note [Replica recovery]
   if (acc && acc->sync_gradients() && !acc->precision_->before_step(acc->pg_.get())) {  // inf/NaN on some rank: every rank skips
     skipped_ = true;
     // Note [Schedulers step with the optimizer]: the boundary happened; a scheduler stepped on
@@ -1178,6 +1183,7 @@ at::Tensor AcceleratedOptimizer::step(const torch::optim::Optimizer::LossClosure
   Accelerator* acc = owner();
   if (!acc) return optimizer_->step(closure);
   acc->check_model_split("optimizer step");
+  if (acc->replicas_) acc->refuse_under_replicas("optimizer step(closure)");
   if (acc->strategy_->name() != "ddp")
     throw ::tandem::Refused(acc->state_.prefix() + " optimizer step(closure) under " +
                             acc->strategy_->name() + ": an optimizer that evaluates the loss "

@@ -147,6 +147,35 @@ ProcessState ProcessState::from_env(const EnvMap& env) {
   }
   if (auto v = get(env, config::var::kLocalAddr)) s.local_addr = *v;
   if (auto v = get(env, "GLOO_SOCKET_IFNAME")) s.socket_ifname = *v;
+  if (auto v = get(env, config::var::kReplicaStore)) {
+    const auto colon = v->rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == v->size())
+      throw ::tandem::Refused(std::string(config::var::kReplicaStore) + "='" + *v +
+                              "' is not host:port (tandem launch --fault_tolerant_replicas sets "
+                              "it; leave it unset)");
+    parse_int(config::var::kReplicaStore, v->substr(colon + 1));
+    s.replica_store = *v;
+    const auto n = get(env, config::var::kReplicas);
+    s.replicas = n ? parse_int(config::var::kReplicas, *n) : 0;
+    if (s.replicas < 1)
+      throw ::tandem::Refused(std::string(config::var::kReplicas) + " must be at least 1 beside " +
+                              config::var::kReplicaStore + " (tandem launch sets both)");
+  }
+  if (auto v = get(env, config::var::kReplicaTimeoutS)) {
+    double seconds = 0;
+    try {
+      size_t pos = 0;
+      seconds = std::stod(*v, &pos);
+      if (pos != v->size()) seconds = 0;
+    } catch (const std::exception&) {
+      seconds = 0;
+    }
+    if (!(seconds > 0))
+      throw ::tandem::Refused(std::string(config::var::kReplicaTimeoutS) + "='" + *v +
+                              "' is not a number of seconds above 0 (tandem launch "
+                              "--replica_timeout_s)");
+    s.replica_timeout_s = seconds;
+  }
   if (s.launcher == LauncherKind::kTorchrun) {
     if (auto v = get(env, "TORCHELASTIC_USE_AGENT_STORE"); v && *v == "True") {
       const auto attempt = get(env, "TORCHELASTIC_RESTART_COUNT");

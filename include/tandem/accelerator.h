@@ -54,6 +54,9 @@ class BuildScope;
 }  // namespace tandem::nn
 
 namespace tandem {
+namespace comm {
+class Replicas;
+}
 
 namespace parallel {
 struct TensorParallelPlan;
@@ -266,6 +269,7 @@ class Accelerator {
   std::shared_ptr<data::StreamLoader<Example>> prepare_stream_loader(
       std::function<std::function<std::optional<Example>()>()> make_stream,
       data::DataLoaderOptions options = {}) {
+    if (replica_shard_) refuse_under_replicas("prepare_stream_loader");
     return std::make_shared<data::StreamLoader<Example>>(std::move(make_stream), options,
                                                          placement(options), loader_state_);
   }
@@ -504,8 +508,12 @@ class Accelerator {
     recorder_->init_trackers(project_name, config);
   }
   /// Logs scalar values at a step (main process only).
+  /// Under fault-tolerant replicas the values get "replicas": how many took part in the step.
   void log(const std::map<std::string, double>& values, int64_t step) {
-    recorder_->log(values, step);
+    if (!replica_shard_) return recorder_->log(values, step);
+    auto with = values;
+    with.emplace("replicas", static_cast<double>(replicas()));
+    recorder_->log(with, step);
   }
   /// Waits for an asynchronous save in flight, finishes the trackers and writes the timeline.
   void end_training();
@@ -536,6 +544,10 @@ class Accelerator {
   /// steps; an optimizer that steps again starts the next boundary. Steps skipped off the
   /// accumulation boundary or for fp16 overflow do not count.
   int64_t step() const { return optimizer_steps_; }
+  /// Note [Replica recovery]: how many replicas (machines) the last optimizer step averaged
+  /// over under `tandem launch --fault_tolerant_replicas` (the quorum of now before the first);
+  /// 1 otherwise.
+  int replicas() const;
 
  private:
   friend class AcceleratedOptimizer;
@@ -643,6 +655,19 @@ class Accelerator {
   std::unique_ptr<preemption::Watch> preemption_;
   // At the end of a step: when any rank was signalled, save, say so and exit on every rank.
   void stop_if_preempted();
+  // Note [Replica recovery]: this process's membership of the replicas' quorum, the shard its
+  // loaders take, the loader epoch and sample of the last batch drawn (-1: none yet), whether it
+  // is joining (then it takes the loader position too), the replicas of the last step.
+  std::unique_ptr<comm::Replicas> replicas_;
+  std::shared_ptr<data::detail::ReplicaShard> replica_shard_;
+  std::pair<int64_t, int64_t> replica_boundary_{-1, 0};
+  bool replica_joining_ = false;
+  int replicas_in_step_ = 0;
+  void start_replicas();  // in the constructor, when launched as a replica
+  void join_replicas();   // as the first pass of a loader begins
+  void exchange_state(ProcessGroup* group, int root);
+  void average_over_replicas(torch::optim::Optimizer& optimizer);
+  [[noreturn]] void refuse_under_replicas(const std::string& what) const;
 };
 
 }  // namespace tandem

@@ -47,6 +47,13 @@ struct ProcessState {
   double heartbeat_interval_s = 1.0;
   std::string local_addr;
   std::string socket_ifname;
+  /// Note [Replica recovery]: under `tandem launch --fault_tolerant_replicas`, the store of the
+  /// replicas' quorum ("host:port", TANDEM_REPLICA_STORE; empty: not a replica), the replicas
+  /// the job starts with (TANDEM_REPLICAS) and the seconds a replica's sum or vote may take
+  /// (TANDEM_REPLICA_TIMEOUT_S).
+  std::string replica_store;
+  int replicas = 0;
+  double replica_timeout_s = 30;
   /// Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the agent already hosts the store at
   /// MASTER_ADDR:MASTER_PORT and every rank, rank 0 included, connects to it as a client, its
   /// keys under this prefix ("/worker/attempt_<TORCHELASTIC_RESTART_COUNT>", as PyTorch's

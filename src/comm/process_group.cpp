@@ -55,6 +55,28 @@ void tell_launcher(const std::string& file, const std::string& line) {
   }
 }
 
+// Note [Secondary failures]: Gloo writes to its sockets with writev(), which raises SIGPIPE
+// when a peer has gone; left at its default that signal kills this rank before its collective
+// can say why (and the launcher would name it instead of the rank that failed first). Ignored,
+// as Python ignores it under torch.distributed, the write fails with EPIPE and the collective
+// reports the lost peer. A handler the program installed is left alone.
+// A child the program forks (system(), popen()) gets the default back, as Python's
+// subprocess restores it.
+void ignore_sigpipe() {
+  struct sigaction pipe_action {};
+  if (::sigaction(SIGPIPE, nullptr, &pipe_action) == 0 && pipe_action.sa_handler == SIG_DFL) {
+    ::signal(SIGPIPE, SIG_IGN);
+    static std::once_flag at_fork;
+    std::call_once(at_fork, [] {
+      ::pthread_atfork(nullptr, nullptr, [] {
+        struct sigaction now {};
+        if (::sigaction(SIGPIPE, nullptr, &now) == 0 && now.sa_handler == SIG_IGN)
+          ::signal(SIGPIPE, SIG_DFL);
+      });
+    });
+  }
+}
+
 std::string first_line(const std::string& s) {
   auto nl = s.find('\n');
   return nl == std::string::npos ? s : s.substr(0, nl);
@@ -109,6 +131,10 @@ void Work::wait() {
     for (auto& part : impl_->more) part->wait();
   } catch (const std::exception& e) {
     impl_->done = true;
+    if (impl_->failures_expected) {
+      comm::FlightRecorder::instance().end(impl_->flight, false);
+      throw std::runtime_error(impl_->what + " failed: " + first_line(e.what()));
+    }
     // Note [Flight recorder]: the ring as it stands when a collective fails (a timeout, a peer
     // gone), for tandem doctor.
     auto& recorder = comm::FlightRecorder::instance();
@@ -189,6 +215,7 @@ Work ProcessGroup::Impl::issue(std::string what, std::vector<at::Tensor> out, do
   w->what = std::move(what);
   w->prefix = prefix();
   w->error_file = state.error_file;
+  w->failures_expected = failures_expected;
   w->tensors = std::move(out);
   w->divide_by = divide_by;
   return Work(std::move(w));
@@ -230,25 +257,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
   if (options.backend() != "auto" && options.backend() != "gloo" && options.backend() != "nccl")
     throw ::tandem::Refused(st.prefix() + " unknown process group backend '" +
                                 options.backend() + "': use auto, gloo or nccl");
-  // Note [Secondary failures]: Gloo writes to its sockets with writev(), which raises SIGPIPE
-  // when a peer has gone; left at its default that signal kills this rank before its collective
-  // can say why (and the launcher would name it instead of the rank that failed first). Ignored,
-  // as Python ignores it under torch.distributed, the write fails with EPIPE and the collective
-  // reports the lost peer. A handler the program installed is left alone.
-  // A child the program forks (system(), popen()) gets the default back, as Python's
-  // subprocess restores it.
-  struct sigaction pipe_action {};
-  if (::sigaction(SIGPIPE, nullptr, &pipe_action) == 0 && pipe_action.sa_handler == SIG_DFL) {
-    ::signal(SIGPIPE, SIG_IGN);
-    static std::once_flag at_fork;
-    std::call_once(at_fork, [] {
-      ::pthread_atfork(nullptr, nullptr, [] {
-        struct sigaction now {};
-        if (::sigaction(SIGPIPE, nullptr, &now) == 0 && now.sa_handler == SIG_IGN)
-          ::signal(SIGPIPE, SIG_DFL);
-      });
-    });
-  }
+  ignore_sigpipe();
   auto impl = std::make_unique<Impl>();
   impl->rank = st.rank;
   impl->size = st.world_size;
@@ -356,6 +365,30 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(const ProcessState& st,
     throw std::runtime_error(st.prefix() + " could not connect the Gloo process group of " +
                              std::to_string(st.world_size) + " ranks (store at " + where + "): " +
                              first_line(e.what()));
+  }
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroupFactory::on_store(const ProcessState& state,
+                                                            c10::intrusive_ptr<c10d::Store> store,
+                                                            const std::string& name, int rank,
+                                                            int size,
+                                                            const ProcessGroupOptions& options) {
+  ignore_sigpipe();
+  auto impl = std::make_unique<ProcessGroup::Impl>();
+  impl->rank = rank;
+  impl->size = size;
+  impl->state = state;
+  impl->state.error_file.clear();
+  impl->failures_expected = true;
+  impl->options = options;
+  for (int r = 0; r < size; ++r) impl->global_ranks.push_back(r);
+  impl->store_prefix = name + "/";
+  impl->store = std::move(store);
+  if (size > 1) {
+    impl->gloo_device = make_gloo_device(state);
+    impl->gloo = make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", impl->store), rank, size,
+                           impl->gloo_device, options);
   }
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
 }

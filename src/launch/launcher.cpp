@@ -625,6 +625,29 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
   if (o.min_machines() > 0 && !(o.rdzv_timeout_s() > 0))
     throw ::tandem::Refused("--rdzv_timeout=" + number_text(o.rdzv_timeout_s()) +
                                 " must be above 0: seconds machine 0 waits for the others");
+  if (o.fault_tolerant_replicas()) {
+    // Note [Replica recovery]
+    if (o.num_machines() < 2)
+      throw ::tandem::Refused(
+          "--fault_tolerant_replicas makes every machine one replica, and "
+          "this job has --num_machines=" +
+          std::to_string(o.num_machines()) + ": run 2 or more machines, or leave the flag out");
+    if (o.num_processes() != 1)
+      throw ::tandem::Refused(
+          "--fault_tolerant_replicas runs one process on each machine, and "
+          "this job asks for " +
+          std::to_string(o.num_processes()) +
+          " per machine: give --num_processes equal to --num_machines");
+    if (o.min_machines() > 0 || o.min_processes() > 0)
+      throw ::tandem::Refused(
+          "--fault_tolerant_replicas with --min_machines or --min_processes: "
+          "replicas go on without a lost machine instead of restarting the "
+          "job; leave out --min_machines/--min_processes");
+    if (!(o.replica_timeout_s() > 0))
+      throw ::tandem::Refused("--replica_timeout_s=" + number_text(o.replica_timeout_s()) +
+                              " must be above 0: seconds a replica's gradient sum or vote may "
+                              "take before the others go on without it");
+  }
   preemption_signal_of(o);  // refuses a name that is not a signal
   if (!(o.preemption_grace_s() >= 0))
     throw ::tandem::Refused("--preemption_grace_s=" + number_text(o.preemption_grace_s()) +
@@ -727,6 +750,17 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
     if (!o.preemption_signal().empty())
       p.env[config::var::kPreemptionSignal] = o.preemption_signal();
     if (!environment.count(config::var::kRestartCount)) p.env[config::var::kRestartCount] = "0";
+    if (o.fault_tolerant_replicas()) {
+      // Note [Replica recovery]: each machine's process is a world of its own, one replica of
+      // the quorum that machine 0's launcher keeps.
+      p.rank = 0;
+      p.env["RANK"] = "0";
+      p.env["WORLD_SIZE"] = "1";
+      p.env["MASTER_ADDR"] = "127.0.0.1";
+      p.env[config::var::kReplicaStore] = o.main_process_ip() + ":" + std::to_string(port + 1);
+      p.env[config::var::kReplicas] = std::to_string(o.num_machines());
+      p.env[config::var::kReplicaTimeoutS] = number_text(o.replica_timeout_s());
+    }
     plan.push_back(std::move(p));
   }
   return plan;
@@ -769,6 +803,10 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
   // launch to the full command line: Note [A launcher without LibTorch]).
   std::unique_ptr<MachineRendezvous> machines;
   if (opts.min_machines() > 0) machines = std::make_unique<MachineRendezvous>(opts);
+  // Note [Replica recovery]: machine 0's launcher holds the replicas' store for the whole job.
+  std::unique_ptr<MachineRendezvous> replica_store;
+  if (opts.fault_tolerant_replicas() && opts.machine_rank() == 0)
+    replica_store = std::make_unique<MachineRendezvous>(opts);
   if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0)
     throw std::runtime_error(std::string("pipe() failed: ") + std::strerror(errno));
   struct sigaction sa {};
@@ -915,6 +953,11 @@ int run(std::vector<RankPlan> plan, const LaunchOptions& opts) {
                      "); restarting on the " + std::to_string(remain) + " that remain (" +
                      restart + ")\n");
   }
+  // The other replicas may still be in their last step: the store stays until they finish.
+  const double linger_s = std::max(60.0, 2 * opts.replica_timeout_s());
+  if (replica_store && rc == 0 && !replica_store->wait_for_replicas(linger_s))
+    write_all(2, "tandem launch: the other replicas had not finished " + number_text(linger_s) +
+                     " s after this machine's; closing the replicas' store\n");
   return rc;
 }
 

@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "../comm/detail/replicas_store.h"
 #include "../compat/c10d.h"
 
 namespace tandem::launch {
@@ -26,6 +27,8 @@ MachineRendezvous::MachineRendezvous(const LaunchOptions& o) : options_(o) {
   ::c10d::TCPStoreOptions so;
   so.port = static_cast<std::uint16_t>(o.main_process_port() + 1);
   so.isServer = o.machine_rank() == 0;
+  if (o.fault_tolerant_replicas() && !so.isServer)
+    throw std::logic_error("only machine 0's launcher holds the replicas' store");
   so.waitWorkers = false;
   // A client waits this long for machine 0's store at the first attempt, and for each round.
   so.timeout = std::chrono::milliseconds(static_cast<int64_t>((o.rdzv_timeout_s() + 60) * 1000));
@@ -34,8 +37,11 @@ MachineRendezvous::MachineRendezvous(const LaunchOptions& o) : options_(o) {
     impl_->store = compat::make_tcp_store(o.main_process_ip(), so, false);
   } catch (const std::exception& e) {
     throw std::runtime_error(
-        std::string("the machines' rendezvous (--min_machines) on ") + o.main_process_ip() + ":" +
-        std::to_string(so.port) + " (--main_process_port + 1) failed: " + e.what() +
+        std::string(o.fault_tolerant_replicas()
+                        ? "the replicas' store (--fault_tolerant_replicas) on "
+                        : "the machines' rendezvous (--min_machines) on ") +
+        o.main_process_ip() + ":" + std::to_string(so.port) +
+        " (--main_process_port + 1) failed: " + e.what() +
         (so.isServer ? "; free that port or choose another --main_process_port"
                      : "; machine 0's launcher hosts it: start it, or check the address"));
   }
@@ -91,6 +97,20 @@ std::vector<int> MachineRendezvous::join(int attempt) {
                              "): machine 0's launcher hosts it; when machine 0 is lost the job "
                              "ends");
   }
+}
+
+bool MachineRendezvous::wait_for_replicas(double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  try {
+    while (!comm::detail::every_replica_left(*impl_->store)) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  } catch (const std::exception&) {
+    return false;
+  }
+  return true;
 }
 
 }  // namespace tandem::launch

@@ -15,12 +15,16 @@ int visible_cuda_devices() {
   return 0;  // a LibTorch without CUDA sees none
 }
 
-// LaunchCommand::run hands a launch with --min_machines to the full command line first.
+// LaunchCommand::run hands a launch with --min_machines or --fault_tolerant_replicas to the
+// full command line first.
 struct MachineRendezvous::Impl {};
 MachineRendezvous::MachineRendezvous(const LaunchOptions& options) : options_(options) {
   throw std::logic_error("the machines' rendezvous needs LibTorch: run through needs_libtorch()");
 }
 MachineRendezvous::~MachineRendezvous() = default;
 std::vector<int> MachineRendezvous::join(int) { return {}; }
+bool MachineRendezvous::wait_for_replicas(double) {
+  return true;
+}
 
 }  // namespace tandem::launch

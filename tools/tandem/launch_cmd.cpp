@@ -102,6 +102,16 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
                    "Elastic machines: before every attempt the machines meet (machine 0 hosts "
                    "it on --main_process_port + 1); run on those that came, at least N")
       ->group(dist);
+  sub_->add_flag(both("fault_tolerant_replicas"), fault_tolerant_replicas_,
+                 "Every machine is one replica of one process: a machine lost while the job runs "
+                 "is dropped at the next step and the others go on; one started again joins at a "
+                 "step boundary with the state of a live replica (machine 0 keeps the quorum on "
+                 "--main_process_port + 1)")
+      ->group(dist);
+  sub_->add_option(both("replica_timeout_s"), replica_timeout_,
+                   "Seconds a replica's gradient sum or vote may take before the others go on "
+                   "without it (30)")
+      ->group(dist);
   sub_->add_option(both("rdzv_timeout"), rdzv_timeout_,
                    "Seconds machine 0 waits for the other machines at each meeting (30)")
       ->group(dist);
@@ -222,6 +232,7 @@ int LaunchCommand::run() {
     // What needs LibTorch comes first, before anything is printed (Note [A launcher without
     // LibTorch]): bin/tandem hands such a launch to the full command line at that point.
     if (min_machines_ > 0) needs_libtorch();  // the machines' rendezvous store
+    if (fault_tolerant_replicas_) needs_libtorch();  // the replicas' store
     launch::FlagValues flags;
     bool cpu_flag = false;
     for (const auto& t : tracked_) {
@@ -270,6 +281,8 @@ int LaunchCommand::run() {
     lo.max_restarts(max_restarts_)
         .min_processes(min_processes_)
         .min_machines(min_machines_)
+        .fault_tolerant_replicas(fault_tolerant_replicas_)
+        .replica_timeout_s(replica_timeout_)
         .rdzv_timeout_s(rdzv_timeout_)
         .monitor_interval_s(monitor_)
         .grace_period_s(grace_)

@@ -43,6 +43,8 @@ class LaunchCommand {
   int min_processes_ = 0;
   int min_machines_ = 0;
   double rdzv_timeout_ = 30.0;
+  bool fault_tolerant_replicas_ = false;
+  double replica_timeout_ = 30.0;
   double monitor_ = 0.1, grace_ = 5.0, preemption_grace_ = 30.0, heartbeat_timeout_ = 0.0;
   std::string preemption_signal_;
   std::string log_dir_;

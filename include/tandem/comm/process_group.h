@@ -169,6 +169,7 @@ class ProcessGroup {
   Impl& impl() { return *impl_; }
 
  private:
+  friend struct ProcessGroupFactory;
   explicit ProcessGroup(std::unique_ptr<Impl> impl);
   /// Throws unless `peer` is another rank of this group and `tag` >= 0.
   void check_peer(int peer, int tag, const char* op) const;

@@ -79,6 +79,9 @@ inline constexpr const char kHeartbeatFile[] = "TANDEM_HEARTBEAT_FILE";
 inline constexpr const char kHeartbeatIntervalS[] = "TANDEM_HEARTBEAT_INTERVAL_S";
 inline constexpr const char kCpuAffinity[] = "TANDEM_CPU_AFFINITY";
 inline constexpr const char kLocalAddr[] = "TANDEM_LOCAL_ADDR";
+inline constexpr const char kReplicaStore[] = "TANDEM_REPLICA_STORE";
+inline constexpr const char kReplicas[] = "TANDEM_REPLICAS";
+inline constexpr const char kReplicaTimeoutS[] = "TANDEM_REPLICA_TIMEOUT_S";
 // Read by the CLI, and by the fault injection of the crash-consistency tests.
 inline constexpr const char kConfigHome[] = "TANDEM_CONFIG_HOME";
 inline constexpr const char kCheckpointCrash[] = "TANDEM_CHECKPOINT_CRASH";

@@ -272,9 +272,26 @@ class Prefetcher {
 };
 
 /// Where this rank stands in the job, for loaders.
+/// Note [Replica recovery]: the live quorum of fault-tolerant replicas a loader shards over.
+/// Each step takes the next size x batch samples of the epoch's order (so a step's samples are
+/// those DistributedSampler gives a world of that size), member `index` every size-th of them;
+/// the quorum may change between two batches.
+struct ReplicaShard {
+  int64_t size = 1;
+  int64_t index = 0;
+  /// Runs before each batch is drawn, with the loader's epoch and the samples its pass took so
+  /// far: the step boundary, where a quorum admits a joining replica (and size, index change).
+  std::function<void(int64_t epoch, int64_t consumed)> at_boundary;
+  /// Set when this replica joined a running job: the epoch and sample its first pass continues
+  /// at (taken once).
+  std::optional<std::pair<int64_t, int64_t>> start;
+};
+
 struct Placement {
   int64_t rank = 0;
   int64_t world = 1;
+  /// Set under fault-tolerant replicas (then rank 0 of world 1: each replica is one process).
+  std::shared_ptr<ReplicaShard> replicas;
   c10::Device device = c10::Device(c10::kCPU);
   bool even_batches = true;
   bool split_batches = false;
@@ -399,8 +416,13 @@ class DataLoader : public ResumableLoader {
                                       .pad(placement_.even_batches));
   }
 
-  /// Batches of one epoch on this rank.
+  /// Batches of one epoch on this rank (under fault-tolerant replicas: for the quorum of now).
   int64_t size() const {
+    if (placement_.replicas) {
+      const int64_t step = placement_.replicas->size * batch_size_;
+      const int64_t n = sampler_->dataset_size();
+      return options_.drop_last() ? n / step : (n + step - 1) / step;
+    }
     int64_t n = sampler_->num_samples();
     return options_.drop_last() ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
   }
@@ -421,6 +443,7 @@ class DataLoader : public ResumableLoader {
       state_->before_first_pass = nullptr;
       first_pass();
     }
+    if (placement_.replicas) return begin_replicas();
     auto indices = std::make_shared<std::vector<int64_t>>(sampler_->indices());
     auto mask = std::make_shared<std::vector<bool>>(sampler_->padding_mask());
     const int64_t total = size();
@@ -462,6 +485,55 @@ class DataLoader : public ResumableLoader {
   iterator end() { return iterator(); }
 
  private:
+  // Note [Replica recovery]: a pass over the quorum of each moment. Batches are drawn in the
+  // calling thread (no prefetch), each after the step before it, so that every batch is cut
+  // for the quorum its step runs with.
+  iterator begin_replicas() {
+    auto shard = placement_.replicas;
+    int64_t first_sample = 0;
+    if (shard->start) {
+      sampler_->set_epoch(shard->start->first);
+      first_sample = shard->start->second;
+      shard->start.reset();
+    }
+    auto order = std::make_shared<std::vector<int64_t>>(sampler_->global_order());
+    const int64_t total = static_cast<int64_t>(order->size());
+    auto consumed = std::make_shared<int64_t>(first_sample);
+    *position_ = 0;
+    auto ds = dataset_;
+    auto collate = collate_;
+    const int64_t bs = batch_size_, epoch = sampler_->epoch();
+    const bool drop_last = options_.drop_last();
+    const auto device = detail::batch_device(options_, placement_);
+    const auto floating = placement_.floating_dtype;
+    auto source = [=]() -> std::optional<detail::Produced<Batch>> {
+      if (shard->at_boundary) shard->at_boundary(epoch, *consumed);
+      const int64_t n = shard->size, me = shard->index;
+      if (*consumed >= total || (drop_last && *consumed + n * bs > total)) return std::nullopt;
+      std::vector<size_t> idx;
+      int64_t valid = 0;
+      for (int64_t j = 0; j < bs; ++j) {
+        const int64_t k = *consumed + j * n + me;
+        idx.push_back(static_cast<size_t>((*order)[static_cast<size_t>(k % total)]));
+        if (k < total) ++valid;  // beyond the end: padding from the start, as even_batches
+      }
+      *consumed += n * bs;
+      auto fetched = Reader::fetch(*ds, idx);
+      if constexpr (Reader::collates) {
+        return detail::Produced<Batch>{to_device(fetched, device, floating), valid};
+      } else {
+        return detail::Produced<Batch>{to_device(collate(fetched), device, floating), valid};
+      }
+    };
+    auto pos = position_;
+    auto on_end = [this] { sampler_->set_epoch(sampler_->epoch() + 1); };
+    auto is_last = [pos, consumed, total, shard, bs, drop_last](int64_t yielded) {
+      *pos = yielded;
+      return *consumed >= total || (drop_last && *consumed + shard->size * bs > total);
+    };
+    return iterator(source, 0, state_, on_end, is_last);
+  }
+
   std::shared_ptr<Dataset> dataset_;
   DataLoaderOptions options_;
   detail::Placement placement_;

@@ -43,9 +43,10 @@ class DistributedSampler {
   int64_t num_samples() const;
   int64_t dataset_size() const { return size_; }
   const SamplerOptions& options() const { return options_; }
+  /// The epoch's order of every sample, before it is split between ranks.
+  std::vector<int64_t> global_order() const;
 
  private:
-  std::vector<int64_t> global_order() const;
   int64_t size_;
   SamplerOptions options_;
   int64_t epoch_ = 0;

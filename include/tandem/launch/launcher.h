@@ -65,6 +65,14 @@ struct LaunchOptions {
   /// machines that came, while at least this many did (Note [Elastic machines]); a lost
   /// machine's launcher never comes again. 0: a fixed set of machines.
   TORCH_ARG(int, min_machines) = 0;
+  /// Note [Replica recovery] (--fault_tolerant_replicas): every machine is one replica of one
+  /// process; a machine lost while the job runs is dropped at the next step and the others go
+  /// on; a machine started again joins them at a step boundary. Machine 0's launcher hosts the
+  /// replicas' store on main_process_port + 1.
+  TORCH_ARG(bool, fault_tolerant_replicas) = false;
+  /// Seconds a replica's gradient sum or vote may take before the others go on without it
+  /// (--replica_timeout_s).
+  TORCH_ARG(double, replica_timeout_s) = 30.0;
   /// How long machine 0 waits for the other machines at each meeting (--rdzv_timeout).
   TORCH_ARG(double, rdzv_timeout_s) = 30.0;
   TORCH_ARG(double, monitor_interval_s) = 0.1;

@@ -19,6 +19,10 @@ class MachineRendezvous {
   /// machine's index among them is its machine rank for the attempt. Throws when fewer than
   /// min_machines joined within rdzv_timeout_s, or machine 0's store is gone.
   std::vector<int> join(int attempt);
+  /// Note [Replica recovery]: on machine 0, which hosts the replicas' store, waits until every
+  /// member of the newest quorum has finished (or up to `timeout_s`), so that the store outlives
+  /// their last step. Returns whether they all finished.
+  bool wait_for_replicas(double timeout_s);
 
  private:
   struct Impl;

@@ -20,6 +20,9 @@ struct ProcessGroup::Impl {
   c10::intrusive_ptr<compat::Backend> nccl;  // CUDA tensors, created on first use
   int subgroup_counter = 0;
   std::string store_prefix;
+  /// Note [Replica recovery]: a failure of this group is the replicas' quorum's to handle: no
+  /// flight-recorder dump, no word to the launcher.
+  bool failures_expected = false;
 
   /// The backend for tensors on `device`.
   compat::Backend& backend_for(const at::Tensor& t);
@@ -48,6 +51,7 @@ struct Work::Impl {
   std::string prefix;
   /// ProcessState::error_file of the group (Note [Secondary failures]).
   std::string error_file;
+  bool failures_expected = false;  // ProcessGroup::Impl::failures_expected
   std::vector<at::Tensor> tensors;
   double divide_by = 1.0;
   /// Runs once after a successful wait (e.g. reduce_scatter's local sum); may be empty.
@@ -55,6 +59,16 @@ struct Work::Impl {
   bool done = false;
   /// Its flight recorder entry (0: none).
   uint64_t flight = 0;
+};
+
+/// Note [Replica recovery]: a Gloo group of `size` processes over `store` (its keys under it),
+/// this one `rank` among them, named `name` in the flight recorder; no failure of it is told to
+/// the launcher (a lost replica is the quorum's to handle).
+struct ProcessGroupFactory {
+  static std::shared_ptr<ProcessGroup> on_store(const ProcessState& state,
+                                                c10::intrusive_ptr<c10d::Store> store,
+                                                const std::string& name, int rank, int size,
+                                                const ProcessGroupOptions& options);
 };
 
 #if defined(TANDEM_WITH_NCCL)
