@@ -25,7 +25,7 @@ LAYERS = [
     ("track", [r"track/"]),
     ("run configuration", [r"config/run_config$", r"config/run_env$", r"config/env_readers?$",
                            r"accelerator_options$"]),
-    ("accelerator", [r"accelerator$", r"accelerator_state$"]),
+    ("accelerator", [r"accelerator$", r"accelerator_state$", r"accelerator_replicas$"]),
     ("inference", [r"inference/"]),
     ("models, peft", [r"models/", r"peft/"]),
     ("config files", [r"config/"]),

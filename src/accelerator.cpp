@@ -717,11 +717,11 @@ std::shared_ptr<torch::optim::LRScheduler> Accelerator::prepare_scheduler(
   return scheduler;
 }
 
-data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o) const {
+data::detail::Placement Accelerator::placement(const data::DataLoaderOptions& o) {
   data::detail::Placement p;
   p.rank = topology_->data_parallel()->rank();
   p.world = topology_->data_parallel()->size();
-  p.replicas = replica_shard_;
+  if (replicas_) p.replicas = replica_shard();
   p.device = device_;
   p.even_batches = o.even_batches().value_or(options_.even_batches());
   p.split_batches = o.split_batches().value_or(options_.split_batches());

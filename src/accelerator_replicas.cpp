@@ -35,19 +35,12 @@ void Accelerator::start_replicas() {
         " mixed precision fp16 under --fault_tolerant_replicas: its loss "
         "scale would differ between replicas that joined at different times; use bf16 or no");
   replicas_ = std::make_unique<comm::Replicas>(state_);
-  replica_shard_ = std::make_shared<data::detail::ReplicaShard>();
-  replica_shard_->size = state_.replicas;
-  // A loader may outlive the Accelerator (Note [Accelerator lifetime]): it reaches it through
-  // self_.
-  replica_shard_->at_boundary = [cell = self_](int64_t epoch, int64_t consumed) {
-    Accelerator* acc = *cell;
-    if (!acc || !acc->replicas_ || !acc->replicas_->joined()) return;
-    acc->replica_boundary_ = {epoch, consumed};
-    acc->replicas_->admit_at_boundary();
-  };
   replicas_->on_new_quorum([this](ProcessGroup* group, int root) {
-    replica_shard_->size = replicas_->size();
-    replica_shard_->index = replicas_->index();
+    for (const auto& weak : replica_shards_)
+      if (auto shard = weak.lock()) {
+        shard->size = replicas_->size();
+        shard->index = replicas_->index();
+      }
     exchange_state(group, root);
   });
   auto before = std::move(loader_state_->before_first_pass);
@@ -55,6 +48,25 @@ void Accelerator::start_replicas() {
     if (before) before();  // auto_resume first: the quorum's first member sends what it loaded
     join_replicas();
   };
+}
+
+std::shared_ptr<data::detail::ReplicaShard> Accelerator::replica_shard() {
+  auto shard = std::make_shared<data::detail::ReplicaShard>();
+  shard->size = replicas_->joined() ? replicas_->size() : state_.replicas;
+  shard->index = replicas_->joined() ? replicas_->index() : 0;
+  if (!replica_shard_) {
+    // The training data: its draws are the step boundaries. A loader may outlive the
+    // Accelerator (Note [Accelerator lifetime]): it reaches it through self_.
+    shard->at_boundary = [cell = self_](int64_t epoch, int64_t consumed) {
+      Accelerator* acc = *cell;
+      if (!acc || !acc->replicas_ || !acc->replicas_->joined()) return;
+      acc->replica_boundary_ = {epoch, consumed};
+      acc->replicas_->admit_at_boundary();
+    };
+    replica_shard_ = shard;
+  }
+  replica_shards_.push_back(shard);
+  return shard;
 }
 
 void Accelerator::join_replicas() {
@@ -65,7 +77,8 @@ void Accelerator::join_replicas() {
 
 int Accelerator::replicas() const {
   if (!replicas_) return 1;
-  return replicas_in_step_ > 0 ? replicas_in_step_ : static_cast<int>(replica_shard_->size);
+  if (replicas_in_step_ > 0) return replicas_in_step_;
+  return replicas_->joined() ? replicas_->size() : state_.replicas;
 }
 
 namespace {
@@ -116,7 +129,8 @@ void Accelerator::exchange_state(ProcessGroup* group, int root) {
         ", " + std::to_string(optimizers_.size()) + " and " + std::to_string(schedulers_.size()) +
         ": every replica runs the same program, prepared before its loader's first pass");
   optimizer_steps_ = h[0];
-  if (replica_joining_ && h[1] >= 0) replica_shard_->start = std::make_pair(h[1], h[2]);
+  if (replica_joining_ && h[1] >= 0 && replica_shard_)
+    replica_shard_->start = std::make_pair(h[1], h[2]);
   for (const auto& sched : schedulers_) {
     auto count =
         at::tensor({static_cast<int64_t>(checkpoint::scheduler_step_count(*sched))}, at::kLong);

@@ -269,7 +269,7 @@ class Accelerator {
   std::shared_ptr<data::StreamLoader<Example>> prepare_stream_loader(
       std::function<std::function<std::optional<Example>()>()> make_stream,
       data::DataLoaderOptions options = {}) {
-    if (replica_shard_) refuse_under_replicas("prepare_stream_loader");
+    if (replicas_) refuse_under_replicas("prepare_stream_loader");
     return std::make_shared<data::StreamLoader<Example>>(std::move(make_stream), options,
                                                          placement(options), loader_state_);
   }
@@ -510,7 +510,7 @@ class Accelerator {
   /// Logs scalar values at a step (main process only).
   /// Under fault-tolerant replicas the values get "replicas": how many took part in the step.
   void log(const std::map<std::string, double>& values, int64_t step) {
-    if (!replica_shard_) return recorder_->log(values, step);
+    if (!replicas_) return recorder_->log(values, step);
     auto with = values;
     with.emplace("replicas", static_cast<double>(replicas()));
     recorder_->log(with, step);
@@ -565,7 +565,7 @@ class Accelerator {
   // Note [The transform order]: prepare, build and prepare_pipeline ready a model through it.
   struct Transforms;
   void apply_transforms(torch::nn::Module& model, const Transforms& steps);
-  data::detail::Placement placement(const data::DataLoaderOptions& o) const;
+  data::detail::Placement placement(const data::DataLoaderOptions& o);  // a new loader's
   void after_optimizer_step(const torch::optim::Optimizer& optimizer);
   void profile_parameters(const torch::nn::Module& model);  // TANDEM_PROFILE
   void auto_resume();  // AcceleratorOptions::auto_resume, once
@@ -659,7 +659,9 @@ class Accelerator {
   // loaders take, the loader epoch and sample of the last batch drawn (-1: none yet), whether it
   // is joining (then it takes the loader position too), the replicas of the last step.
   std::unique_ptr<comm::Replicas> replicas_;
-  std::shared_ptr<data::detail::ReplicaShard> replica_shard_;
+  std::vector<std::weak_ptr<data::detail::ReplicaShard>> replica_shards_;  // one per loader
+  std::shared_ptr<data::detail::ReplicaShard> replica_shard_;   // the first loader's (training)
+  std::shared_ptr<data::detail::ReplicaShard> replica_shard();  // a new loader's
   std::pair<int64_t, int64_t> replica_boundary_{-1, 0};
   bool replica_joining_ = false;
   int replicas_in_step_ = 0;

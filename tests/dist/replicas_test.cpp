@@ -85,14 +85,14 @@ TEST(Replicas, ALostMachineIsDroppedAndAReplacementJoinsEqualToItsPeers) {
   const std::map<std::string, std::string> env{{"TANDEM_CONFIG_HOME", "/nonexistent"}};
   RunResult r0, r1, lost, joined;
   std::thread m1([&] {
-    r1 = run_command(on(1, machine(1, ip0, port, {"--sleep_ms", "60"})), env, 240);
+    r1 = run_command(on(1, machine(1, ip0, port, {"--sleep_ms", "100"})), env, 240);
   });
   std::thread m2([&] {
     lost =
-        run_command(on(1, machine(2, ip0, port, {"--sleep_ms", "60", "--die_at", "8"})), env, 240);
-    joined = run_command(on(1, machine(2, ip0, port, {"--sleep_ms", "60"})), env, 240);
+        run_command(on(1, machine(2, ip0, port, {"--sleep_ms", "100", "--die_at", "8"})), env, 240);
+    joined = run_command(on(1, machine(2, ip0, port, {"--sleep_ms", "100"})), env, 240);
   });
-  r0 = run_command(on(0, machine(0, ip0, port, {"--sleep_ms", "60"})), env, 240);
+  r0 = run_command(on(0, machine(0, ip0, port, {"--sleep_ms", "100"})), env, 240);
   m1.join();
   m2.join();
   SCOPED_TRACE(namespaces ? "machines in two network namespaces" : "machines on loopback");

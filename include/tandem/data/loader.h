@@ -279,11 +279,12 @@ class Prefetcher {
 struct ReplicaShard {
   int64_t size = 1;
   int64_t index = 0;
-  /// Runs before each batch is drawn, with the loader's epoch and the samples its pass took so
-  /// far: the step boundary, where a quorum admits a joining replica (and size, index change).
+  /// Set on the first loader prepared (the training data): runs before each of its batches is
+  /// drawn, with its epoch and the samples its pass took so far: the step boundary, where a
+  /// quorum admits a joining replica (and size, index change).
   std::function<void(int64_t epoch, int64_t consumed)> at_boundary;
-  /// Set when this replica joined a running job: the epoch and sample its first pass continues
-  /// at (taken once).
+  /// Set on the first loader when this replica joined a running job: the epoch and sample its
+  /// next pass continues at (taken once).
   std::optional<std::pair<int64_t, int64_t>> start;
 };
 
