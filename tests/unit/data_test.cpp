@@ -198,6 +198,69 @@ TEST(Loader, ShardsBatchesAndMarksPaddingForEveryRank) {
   for (int64_t i = 0; i < 10; ++i) EXPECT_EQ(real.count(i), 1u) << i;
 }
 
+// Note [Replica recovery]: a loader sharded over a quorum of n replicas gives every replica the
+// batches DistributedSampler's world of n gives the same rank, padding and drop_last included.
+TEST(Loader, ReplicaShardsOfAFixedQuorumAreTheWorldsOfThatSize) {
+  for (int64_t size : {200, 203, 5})
+    for (int64_t n : {1, 2, 3})
+      for (bool drop_last : {false, true})
+        for (int64_t me = 0; me < n; ++me) {
+          SCOPED_TRACE("size " + std::to_string(size) + " n " + std::to_string(n) + " rank " +
+                       std::to_string(me) + (drop_last ? " drop_last" : ""));
+          const auto options =
+              DataLoaderOptions().batch_size(4).shuffle(true).seed(3).drop_last(drop_last);
+          DataLoader<Range> world(Range(size), options, place(me, n), nullptr);
+          auto replica_place = place(0, 1);
+          replica_place.replicas = std::make_shared<tandem::data::detail::ReplicaShard>();
+          replica_place.replicas->size = n;
+          replica_place.replicas->index = me;
+          DataLoader<Range> replica(Range(size), options, replica_place, nullptr);
+          EXPECT_EQ(replica.size(), world.size());
+          EXPECT_EQ(batches_of(replica), batches_of(world));
+          EXPECT_EQ(batches_of(replica), batches_of(world));  // the next epoch too
+        }
+}
+
+// A quorum that loses a replica mid-epoch: the survivors cut the rest of the epoch between
+// them; the lost replica's batches already drawn are the only samples it took.
+TEST(Loader, ReplicaShardsFollowTheQuorumMidEpoch) {
+  const auto options = DataLoaderOptions().batch_size(4);
+  std::vector<std::shared_ptr<tandem::data::detail::ReplicaShard>> shards;
+  std::vector<std::unique_ptr<DataLoader<Range>>> loaders;
+  for (int64_t me = 0; me < 3; ++me) {
+    auto p = place(0, 1);
+    p.replicas = std::make_shared<tandem::data::detail::ReplicaShard>();
+    p.replicas->size = 3;
+    p.replicas->index = me;
+    shards.push_back(p.replicas);
+    loaders.push_back(std::make_unique<DataLoader<Range>>(Range(200), options, p, nullptr));
+  }
+  std::vector<int64_t> seen;
+  auto take = [&seen](const torch::Tensor& target) {
+    for (int64_t k = 0; k < target.size(0); ++k) seen.push_back(target[k].item<int64_t>());
+  };
+  auto a = loaders[0]->begin(), b = loaders[1]->begin(), c = loaders[2]->begin();
+  for (int step = 0; step < 2; ++step) {  // two steps on 3 replicas: 24 samples
+    take(a->target), take(b->target), take(c->target);
+    ++a, ++b, ++c;
+  }
+  take(a->target), take(b->target);  // the third step's batches were drawn on 3: C's is lost
+  shards[0]->size = shards[1]->size = 2;
+  shards[1]->index = 1;
+  int steps = 0;
+  for (++a, ++b; a != loaders[0]->end(); ++a, ++b, ++steps) {
+    ASSERT_TRUE(b != loaders[1]->end());
+    take(a->target), take(b->target);
+  }
+  EXPECT_TRUE(b == loaders[1]->end());
+  EXPECT_EQ(steps, (200 - 36) / 8 + 1);  // 164 samples left: 20 steps of 8 and one of 4
+  std::sort(seen.begin(), seen.end());
+  std::vector<int64_t> expected;
+  for (int64_t k = 0; k < 200; ++k)
+    if (k < 24 || k >= 36 || (k - 24) % 3 != 2) expected.push_back(k);
+  EXPECT_EQ(seen, expected);  // every sample once, but the 4 of C's lost batch
+}
+
 TEST(Loader, SkipFirstBatchesResumesMidEpochInTheSameOrder) {
   auto state = std::make_shared<LoaderState>();
   DataLoader<Range> full(Range(50), DataLoaderOptions().batch_size(4).shuffle(true).seed(3),

@@ -419,10 +419,10 @@ class DataLoader : public ResumableLoader {
 
   /// Batches of one epoch on this rank (under fault-tolerant replicas: for the quorum of now).
   int64_t size() const {
-    if (placement_.replicas) {
-      const int64_t step = placement_.replicas->size * batch_size_;
-      const int64_t n = sampler_->dataset_size();
-      return options_.drop_last() ? n / step : (n + step - 1) / step;
+    if (placement_.replicas) {  // as a world of that size (begin_replicas)
+      const int64_t n = placement_.replicas->size, all = sampler_->dataset_size();
+      const int64_t per = (all + n - 1) / n;
+      return options_.drop_last() ? per / batch_size_ : (per + batch_size_ - 1) / batch_size_;
     }
     int64_t n = sampler_->num_samples();
     return options_.drop_last() ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
@@ -507,18 +507,22 @@ class DataLoader : public ResumableLoader {
     const bool drop_last = options_.drop_last();
     const auto device = detail::batch_device(options_, placement_);
     const auto floating = placement_.floating_dtype;
+    // A step of n replicas ends the epoch at the samples DistributedSampler gives a world of n,
+    // padded to a multiple of n from the start of the order (as even_batches); drop_last drops
+    // the last, short batch. So with a fixed quorum every batch is the one a world of n gets.
+    auto end_of = [total](int64_t n) { return (total + n - 1) / n * n; };
     auto source = [=]() -> std::optional<detail::Produced<Batch>> {
       if (shard->at_boundary) shard->at_boundary(epoch, *consumed);
-      const int64_t n = shard->size, me = shard->index;
-      if (*consumed >= total || (drop_last && *consumed + n * bs > total)) return std::nullopt;
+      const int64_t n = shard->size, me = shard->index, end = end_of(n);
+      if (*consumed >= end || (drop_last && *consumed + n * bs > end)) return std::nullopt;
       std::vector<size_t> idx;
       int64_t valid = 0;
-      for (int64_t j = 0; j < bs; ++j) {
+      for (int64_t j = 0; j < bs && *consumed + j * n + me < end; ++j) {
         const int64_t k = *consumed + j * n + me;
         idx.push_back(static_cast<size_t>((*order)[static_cast<size_t>(k % total)]));
-        if (k < total) ++valid;  // beyond the end: padding from the start, as even_batches
+        if (k < total) ++valid;  // beyond the data set: padding
       }
-      *consumed += n * bs;
+      *consumed = std::min(end, *consumed + n * bs);
       auto fetched = Reader::fetch(*ds, idx);
       if constexpr (Reader::collates) {
         return detail::Produced<Batch>{to_device(fetched, device, floating), valid};
@@ -528,9 +532,10 @@ class DataLoader : public ResumableLoader {
     };
     auto pos = position_;
     auto on_end = [this] { sampler_->set_epoch(sampler_->epoch() + 1); };
-    auto is_last = [pos, consumed, total, shard, bs, drop_last](int64_t yielded) {
+    auto is_last = [pos, consumed, shard, bs, drop_last, end_of](int64_t yielded) {
       *pos = yielded;
-      return *consumed >= total || (drop_last && *consumed + shard->size * bs > total);
+      const int64_t n = shard->size, end = end_of(n);
+      return *consumed >= end || (drop_last && *consumed + n * bs > end);
     };
     return iterator(source, 0, state_, on_end, is_last);
   }
