@@ -22,6 +22,22 @@ std::optional<std::string> get(const EnvMap& env, const std::string& key) {
 }
 
 // Parses a non-negative integer; the error names the variable and the value.
+// A number of seconds above 0 in variable `name`; `origin` says where it comes from.
+double parse_seconds(const std::string& name, const std::string& value, const char* origin) {
+  double seconds = 0;
+  try {
+    size_t pos = 0;
+    seconds = std::stod(value, &pos);
+    if (pos != value.size()) seconds = 0;
+  } catch (const std::exception&) {
+    seconds = 0;
+  }
+  if (!(seconds > 0))
+    throw ::tandem::Refused(name + "='" + value + "' is not a number of seconds above 0 (" +
+                            origin + ")");
+  return seconds;
+}
+
 int parse_int(const std::string& name, const std::string& value) {
   size_t pos = 0;
   long v = 0;
@@ -130,21 +146,10 @@ ProcessState ProcessState::from_env(const EnvMap& env) {
   // Note [The environment is read in one place]: the process's own facts, whatever launched it.
   if (auto v = get(env, config::var::kErrorFile)) s.error_file = *v;
   if (auto v = get(env, config::var::kHeartbeatFile)) s.heartbeat_file = *v;
-  if (auto v = get(env, config::var::kHeartbeatIntervalS)) {
-    const std::string name = config::var::kHeartbeatIntervalS;
-    double seconds = 0;
-    try {
-      size_t pos = 0;
-      seconds = std::stod(*v, &pos);
-      if (pos != v->size()) seconds = 0;
-    } catch (const std::exception&) {
-      seconds = 0;
-    }
-    if (!(seconds > 0))
-      throw ::tandem::Refused(name + "='" + *v + "' is not a number of seconds above 0 (the "
-                              "launcher sets it from --heartbeat_timeout_s; leave it unset)");
-    s.heartbeat_interval_s = seconds;
-  }
+  if (auto v = get(env, config::var::kHeartbeatIntervalS))
+    s.heartbeat_interval_s = parse_seconds(config::var::kHeartbeatIntervalS, *v,
+                                           "the launcher sets it from --heartbeat_timeout_s; "
+                                           "leave it unset");
   if (auto v = get(env, config::var::kLocalAddr)) s.local_addr = *v;
   if (auto v = get(env, "GLOO_SOCKET_IFNAME")) s.socket_ifname = *v;
   if (auto v = get(env, config::var::kReplicaStore)) {
@@ -161,21 +166,9 @@ ProcessState ProcessState::from_env(const EnvMap& env) {
       throw ::tandem::Refused(std::string(config::var::kReplicas) + " must be at least 1 beside " +
                               config::var::kReplicaStore + " (tandem launch sets both)");
   }
-  if (auto v = get(env, config::var::kReplicaTimeoutS)) {
-    double seconds = 0;
-    try {
-      size_t pos = 0;
-      seconds = std::stod(*v, &pos);
-      if (pos != v->size()) seconds = 0;
-    } catch (const std::exception&) {
-      seconds = 0;
-    }
-    if (!(seconds > 0))
-      throw ::tandem::Refused(std::string(config::var::kReplicaTimeoutS) + "='" + *v +
-                              "' is not a number of seconds above 0 (tandem launch "
-                              "--replica_timeout_s)");
-    s.replica_timeout_s = seconds;
-  }
+  if (auto v = get(env, config::var::kReplicaTimeoutS))
+    s.replica_timeout_s =
+        parse_seconds(config::var::kReplicaTimeoutS, *v, "tandem launch --replica_timeout_s");
   if (s.launcher == LauncherKind::kTorchrun) {
     if (auto v = get(env, "TORCHELASTIC_USE_AGENT_STORE"); v && *v == "True") {
       const auto attempt = get(env, "TORCHELASTIC_RESTART_COUNT");

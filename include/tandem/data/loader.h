@@ -468,12 +468,7 @@ class DataLoader : public ResumableLoader {
         if (static_cast<size_t>(k) >= mask->size() || !(*mask)[static_cast<size_t>(k)]) ++valid;
       }
       ++*next;
-      auto fetched = Reader::fetch(*ds, idx);
-      if constexpr (Reader::collates) {
-        return detail::Produced<Batch>{to_device(fetched, device, floating), valid};
-      } else {
-        return detail::Produced<Batch>{to_device(collate(fetched), device, floating), valid};
-      }
+      return make_batch(*ds, collate, idx, valid, device, floating);
     };
     auto pos = position_;
     auto on_end = [this] { sampler_->set_epoch(sampler_->epoch() + 1); };
@@ -486,6 +481,19 @@ class DataLoader : public ResumableLoader {
   iterator end() { return iterator(); }
 
  private:
+  // The examples at `idx`, read, collated and placed; `valid` of them are not padding.
+  static detail::Produced<Batch> make_batch(Dataset& ds, const CollateFn& collate,
+                                            const std::vector<size_t>& idx, int64_t valid,
+                                            const std::optional<c10::Device>& device,
+                                            const std::optional<c10::ScalarType>& floating) {
+    auto fetched = Reader::fetch(ds, idx);
+    if constexpr (Reader::collates) {
+      return detail::Produced<Batch>{to_device(fetched, device, floating), valid};
+    } else {
+      return detail::Produced<Batch>{to_device(collate(fetched), device, floating), valid};
+    }
+  }
+
   // Note [Replica recovery]: a pass over the quorum of each moment. Batches are drawn in the
   // calling thread (no prefetch), each after the step before it, so that every batch is cut
   // for the quorum its step runs with.
@@ -523,12 +531,7 @@ class DataLoader : public ResumableLoader {
         if (k < total) ++valid;  // beyond the data set: padding
       }
       *consumed = std::min(end, *consumed + n * bs);
-      auto fetched = Reader::fetch(*ds, idx);
-      if constexpr (Reader::collates) {
-        return detail::Produced<Batch>{to_device(fetched, device, floating), valid};
-      } else {
-        return detail::Produced<Batch>{to_device(collate(fetched), device, floating), valid};
-      }
+      return make_batch(*ds, collate, idx, valid, device, floating);
     };
     auto pos = position_;
     auto on_end = [this] { sampler_->set_epoch(sampler_->epoch() + 1); };
