@@ -261,6 +261,50 @@ TEST(Loader, ReplicaShardsFollowTheQuorumMidEpoch) {
   EXPECT_EQ(seen, expected);  // every sample once, but the 4 of C's lost batch
 }
 
+// A quorum that grows mid-epoch (a replica joins at sample 16 of 203): the rest of the epoch is
+// cut for 3, every member takes as many batches (none empty), and every sample is taken.
+TEST(Loader, ReplicaShardsOfAJoinerMeetTheOthersToTheEnd) {
+  const auto options = DataLoaderOptions().batch_size(4).shuffle(true).seed(9);
+  std::vector<std::shared_ptr<tandem::data::detail::ReplicaShard>> shards;
+  std::vector<std::unique_ptr<DataLoader<Range>>> loaders;
+  for (int64_t me = 0; me < 3; ++me) {
+    auto p = place(0, 1);
+    p.replicas = std::make_shared<tandem::data::detail::ReplicaShard>();
+    p.replicas->size = 2;
+    p.replicas->index = me;
+    shards.push_back(p.replicas);
+    loaders.push_back(std::make_unique<DataLoader<Range>>(Range(203), options, p, nullptr));
+  }
+  std::set<int64_t> seen;
+  std::vector<int> batches(3, 0);
+  auto take = [&](int who, const torch::Tensor& target) {
+    EXPECT_GT(target.size(0), 0);
+    ++batches[static_cast<size_t>(who)];
+    for (int64_t k = 0; k < target.size(0); ++k) seen.insert(target[k].item<int64_t>());
+  };
+  auto a = loaders[0]->begin(), b = loaders[1]->begin();
+  take(0, a->target), take(1, b->target);
+  shards[0]->at_boundary = [&](int64_t, int64_t consumed) {
+    if (consumed != 16) return;  // the second step's boundary: the joiner comes in
+    for (auto& s : shards) s->size = 3;
+    shards[2]->start = std::make_pair(int64_t{0}, consumed);
+  };
+  ++a, ++b;
+  take(0, a->target), take(1, b->target);
+  ++a, ++b;  // drawn on 3
+  auto c = loaders[2]->begin();
+  for (; a != loaders[0]->end(); ++a, ++b, ++c) {
+    ASSERT_TRUE(b != loaders[1]->end());
+    ASSERT_TRUE(c != loaders[2]->end());
+    take(0, a->target), take(1, b->target), take(2, c->target);
+  }
+  EXPECT_TRUE(b == loaders[1]->end());
+  EXPECT_TRUE(c == loaders[2]->end());
+  EXPECT_EQ(batches[0], batches[1]);
+  EXPECT_EQ(batches[2], batches[0] - 2);
+  EXPECT_EQ(seen.size(), 203u);  // every sample, the padding repeating a few
+}
+
 TEST(Loader, SkipFirstBatchesResumesMidEpochInTheSameOrder) {
   auto state = std::make_shared<LoaderState>();
   DataLoader<Range> full(Range(50), DataLoaderOptions().batch_size(4).shuffle(true).seed(3),

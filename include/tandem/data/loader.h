@@ -515,13 +515,16 @@ class DataLoader : public ResumableLoader {
     const bool drop_last = options_.drop_last();
     const auto device = detail::batch_device(options_, placement_);
     const auto floating = placement_.floating_dtype;
-    // A step of n replicas ends the epoch at the samples DistributedSampler gives a world of n,
-    // padded to a multiple of n from the start of the order (as even_batches); drop_last drops
-    // the last, short batch. So with a fixed quorum every batch is the one a world of n gets.
-    auto end_of = [total](int64_t n) { return (total + n - 1) / n * n; };
+    // The epoch ends where DistributedSampler's world of n would end it: the samples left after
+    // `consumed`, padded to a multiple of n from the start of the order (as even_batches), so that
+    // every member takes as many; drop_last drops the last, short step. With a fixed quorum every
+    // batch is the one a world of n gets; after a change the rest is cut for the new n.
+    auto end_of = [total](int64_t consumed, int64_t n) {
+      return consumed >= total ? consumed : consumed + (total - consumed + n - 1) / n * n;
+    };
     auto source = [=]() -> std::optional<detail::Produced<Batch>> {
       if (shard->at_boundary) shard->at_boundary(epoch, *consumed);
-      const int64_t n = shard->size, me = shard->index, end = end_of(n);
+      const int64_t n = shard->size, me = shard->index, end = end_of(*consumed, n);
       if (*consumed >= end || (drop_last && *consumed + n * bs > end)) return std::nullopt;
       std::vector<size_t> idx;
       int64_t valid = 0;
@@ -535,10 +538,10 @@ class DataLoader : public ResumableLoader {
     };
     auto pos = position_;
     auto on_end = [this] { sampler_->set_epoch(sampler_->epoch() + 1); };
-    auto is_last = [pos, consumed, shard, bs, drop_last, end_of](int64_t yielded) {
+    auto is_last = [pos, consumed, total, shard, bs, drop_last, end_of](int64_t yielded) {
       *pos = yielded;
-      const int64_t n = shard->size, end = end_of(n);
-      return *consumed >= end || (drop_last && *consumed + n * bs > end);
+      const int64_t n = shard->size;
+      return *consumed >= total || (drop_last && *consumed + n * bs > end_of(*consumed, n));
     };
     return iterator(source, 0, state_, on_end, is_last);
   }
