@@ -229,11 +229,13 @@ int Replicas::sum(at::Tensor& flat) {
       if (buf[buf.numel() - 1].item<double>() > 0) admit_pending_ = true;
       return size();
     }
-    std::string why = failure.empty() ? "another replica's sum failed or it did not vote within "
-                                        "--replica_timeout_s"
-                                      : failure;
-    if (st.check({call + "fail"}) && failure.empty())
-      why = "another replica's sum failed: " + text(st.get(call + "fail"));
+    std::string why = "a replica is lost (";
+    if (!failure.empty())
+      why += "this one's " + failure + ")";
+    else if (st.check({call + "fail"}))
+      why += "another's " + text(st.get(call + "fail")) + ")";
+    else
+      why += "one did not vote within --replica_timeout_s)";
     group_.reset();  // closes its sockets: members still waiting in it fail now
     reform(false, why);
   }

@@ -116,6 +116,7 @@ TEST(Replicas, ALostMachineIsDroppedAndAReplacementJoinsEqualToItsPeers) {
     EXPECT_EQ(n.back(), 3) << all;
     EXPECT_NE(std::find(n.begin(), n.end(), 2), n.end()) << all;
     EXPECT_EQ(n[8], 2) << all;  // step 9, the first after the loss, on the two that remain
+    EXPECT_NE(r->output.find("a replica is lost ("), std::string::npos) << all;
     EXPECT_NE(r->output.find("2 replica(s) go on (were 3)"), std::string::npos) << all;
   }
   // The replacement: joined at a step boundary after the loss, with the live replicas' state,
