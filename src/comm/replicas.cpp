@@ -66,6 +66,10 @@ struct Replicas::Impl {
 
   int64_t counter(const std::string& key) { return store->add(kRoot + key, 0); }
   bool has(const std::string& key) { return store->check({kRoot + key}); }
+  // The uid of the k-th process that queued.
+  int64_t queued_uid(int64_t k) {
+    return std::stoll(text(store->get(kRoot + std::string("join/") + std::to_string(k))));
+  }
 };
 
 Replicas::Replicas(const ProcessState& state) : impl_(std::make_unique<Impl>()), state_(state) {
@@ -116,9 +120,10 @@ void Replicas::join() {
   for (;;) {
     // Look for the newest generation, from the last one seen.
     while (impl_->has("gen/" + std::to_string(g))) {
-      const auto record = parse(text(st.get(generation_key(g))));
+      const std::string value = text(st.get(generation_key(g)));
+      const auto record = parse(value);
       if (std::find(record.members.begin(), record.members.end(), uid_) != record.members.end()) {
-        enter(g, text(st.get(generation_key(g))));
+        enter(g, value);
         return;
       }
       ++g;
@@ -128,9 +133,7 @@ void Replicas::join() {
       const int64_t queued = impl_->counter("joins");
       if (queued >= state_.replicas) {
         Record r;
-        for (int64_t k = 0; k < state_.replicas; ++k)
-          r.members.push_back(
-              std::stoll(text(st.get(std::string(kRoot) + "join/" + std::to_string(k)))));
+        for (int64_t k = 0; k < state_.replicas; ++k) r.members.push_back(impl_->queued_uid(k));
         r.consumed = state_.replicas;
         st.compareSet(generation_key(0), {}, bytes(format(r)));
         continue;
@@ -270,8 +273,7 @@ void Replicas::reform(bool admit, const std::string& why) {
       if (admit) {
         const int64_t queued = impl_->counter("joins");
         for (int64_t k = consumed_joins_; k < queued; ++k)
-          r.members.push_back(
-              std::stoll(text(st.get(std::string(kRoot) + "join/" + std::to_string(k)))));
+          r.members.push_back(impl_->queued_uid(k));
         r.consumed = queued;
       }
       st.compareSet(generation_key(next), {}, bytes(format(r)));

@@ -62,6 +62,15 @@ tandem::data::detail::Placement place(int64_t rank, int64_t world, bool even = t
   return p;
 }
 
+// Member `index` of a quorum of `size` replicas (Note [Replica recovery]).
+tandem::data::detail::Placement place_replica(int64_t size, int64_t index) {
+  auto p = place(0, 1);
+  p.replicas = std::make_shared<tandem::data::detail::ReplicaShard>();
+  p.replicas->size = size;
+  p.replicas->index = index;
+  return p;
+}
+
 std::vector<std::vector<int64_t>> batches_of(DataLoader<Range>& loader) {
   std::vector<std::vector<int64_t>> out;
   for (auto& b : loader) {
@@ -210,11 +219,7 @@ TEST(Loader, ReplicaShardsOfAFixedQuorumAreTheWorldsOfThatSize) {
           const auto options =
               DataLoaderOptions().batch_size(4).shuffle(true).seed(3).drop_last(drop_last);
           DataLoader<Range> world(Range(size), options, place(me, n), nullptr);
-          auto replica_place = place(0, 1);
-          replica_place.replicas = std::make_shared<tandem::data::detail::ReplicaShard>();
-          replica_place.replicas->size = n;
-          replica_place.replicas->index = me;
-          DataLoader<Range> replica(Range(size), options, replica_place, nullptr);
+          DataLoader<Range> replica(Range(size), options, place_replica(n, me), nullptr);
           EXPECT_EQ(replica.size(), world.size());
           EXPECT_EQ(batches_of(replica), batches_of(world));
           EXPECT_EQ(batches_of(replica), batches_of(world));  // the next epoch too
@@ -228,10 +233,7 @@ TEST(Loader, ReplicaShardsFollowTheQuorumMidEpoch) {
   std::vector<std::shared_ptr<tandem::data::detail::ReplicaShard>> shards;
   std::vector<std::unique_ptr<DataLoader<Range>>> loaders;
   for (int64_t me = 0; me < 3; ++me) {
-    auto p = place(0, 1);
-    p.replicas = std::make_shared<tandem::data::detail::ReplicaShard>();
-    p.replicas->size = 3;
-    p.replicas->index = me;
+    auto p = place_replica(3, me);
     shards.push_back(p.replicas);
     loaders.push_back(std::make_unique<DataLoader<Range>>(Range(200), options, p, nullptr));
   }
@@ -268,10 +270,7 @@ TEST(Loader, ReplicaShardsOfAJoinerMeetTheOthersToTheEnd) {
   std::vector<std::shared_ptr<tandem::data::detail::ReplicaShard>> shards;
   std::vector<std::unique_ptr<DataLoader<Range>>> loaders;
   for (int64_t me = 0; me < 3; ++me) {
-    auto p = place(0, 1);
-    p.replicas = std::make_shared<tandem::data::detail::ReplicaShard>();
-    p.replicas->size = 2;
-    p.replicas->index = me;
+    auto p = place_replica(2, me);
     shards.push_back(p.replicas);
     loaders.push_back(std::make_unique<DataLoader<Range>>(Range(203), options, p, nullptr));
   }
