@@ -144,6 +144,8 @@ const std::vector<EnvVar>& run_environment_table() {
        "the replicas (machines) a fault-tolerant job starts with"},
       {var::kReplicaTimeoutS, "", "--replica_timeout_s", K::kNumber, R::kProcessState, true, "30",
        "seconds a replica's gradient sum or vote may take before the others go on without it"},
+      {"TANDEM_FORK_SERVER", "", "--start_method fork", K::kText, R::kLauncher, true, "3,4",
+       "the fork server's spec and result pipes, in the one process a fork start execs (Note [Fork start])"},
       {var::kConfigHome, "", "", K::kText, R::kLauncher, false, "/tmp/tandem",
        "where `tandem config` writes and `tandem launch` looks for default_config.yaml"},
       {var::kCheckpointCrash, "", "", K::kText, R::kConfigSwitch, false, "after_files",

@@ -1,6 +1,7 @@
 // tandem::launch::launch: fork workers from the running program, run a function in each, and
 // bring the first failure back to the parent through a pipe per worker.
 #include "tandem/launch/fork_launcher.h"
+#include "fork_start.h"
 #include "tandem/error.h"
 #include "tandem/launch/launcher.h"
 
@@ -41,27 +42,6 @@ void write_all(int fd, const std::string& s) {
     if (n <= 0) return;
     off += static_cast<size_t>(n);
   }
-}
-
-int count_threads() {
-  int n = 0;
-  if (DIR* d = ::opendir("/proc/self/task")) {
-    while (dirent* e = ::readdir(d))
-      if (e->d_name[0] != '.') ++n;
-    ::closedir(d);
-  }
-  return std::max(n, 1);
-}
-
-// The CUDA driver library is loaded on first use of the CUDA runtime, never by merely linking
-// LibTorch: its presence in our mappings means CUDA was initialized. Asking the runtime instead
-// (torch::cuda::is_available) would itself initialize it and break the workers.
-bool cuda_driver_loaded() {
-  std::ifstream maps("/proc/self/maps");
-  std::string line;
-  while (std::getline(maps, line))
-    if (line.find("/libcuda.so") != std::string::npos) return true;
-  return false;
 }
 
 // Note [Secondary failures]: when a worker fails, its peers' collectives fail too, and while the
@@ -157,8 +137,8 @@ std::string describe_end(const Worker& w) {
 ForkSafety probe_fork_safety() {
   ForkSafety s;
   s.live_process_groups = live_process_groups();
-  s.cuda_initialized = cuda_driver_loaded();
-  s.threads = count_threads();
+  s.cuda_initialized = fork_start::cuda_loaded();
+  s.threads = fork_start::process_threads();
   return s;
 }
 

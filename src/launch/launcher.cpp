@@ -1,6 +1,7 @@
 // tandem's local supervisor: fork/exec each rank, prefix its output, fail fast, forward signals.
 #include "tandem/launch/launcher.h"
 #include "../detail/read_file.h"
+#include "fork_start.h"
 #include "tandem/error.h"
 #include "tandem/launch/machine_rendezvous.h"
 #include "tandem/preemption.h"
@@ -9,6 +10,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -144,7 +146,15 @@ std::vector<std::string> make_envp(const EnvMap& overrides) {
   return out;
 }
 
-void spawn(Child& c, const LaunchOptions& opts) {
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+// Opens the rank's log file and its two output pipes, whose read ends become c.out and c.err;
+// returns the write ends (the rank's stdout and stderr).
+std::pair<int, int> open_outputs(Child& c, const LaunchOptions& opts) {
   // The log file first: a folder that cannot be written is refused before the rank starts.
   std::unique_ptr<std::ofstream> log;
   if (!opts.log_dir().empty()) {
@@ -155,13 +165,35 @@ void spawn(Child& c, const LaunchOptions& opts) {
                                ": check that --log_dir exists and is writable");
   }
   int out_pipe[2], err_pipe[2];
-  if (::pipe2(out_pipe, O_CLOEXEC) != 0 || ::pipe2(err_pipe, O_CLOEXEC) != 0)
+  if (::pipe2(out_pipe, O_CLOEXEC) != 0)
     throw std::runtime_error(std::string("pipe() failed: ") + std::strerror(errno));
-  auto envs = make_envp(c.plan.env);
+  if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
+    const int err = errno;
+    ::close(out_pipe[0]);
+    ::close(out_pipe[1]);
+    throw std::runtime_error(std::string("pipe() failed: ") + std::strerror(err));
+  }
+  const std::string prefix = "[rank " + std::to_string(c.plan.rank) + "] ";
+  c.out = Stream{out_pipe[0], 1, "", prefix, nullptr, true};
+  c.err = Stream{err_pipe[0], 2, "", prefix, nullptr, true};
+  if (log) {
+    c.log = std::move(log);
+    c.out.log = c.err.log = c.log.get();
+    c.out.to_terminal = c.err.to_terminal = opts.tee();
+  }
+  return {out_pipe[1], err_pipe[1]};
+}
+
+// Starts `argv` with exactly `envs` as its environment, stdout and stderr on `out` and `err`,
+// bound to `cpus` (none: not bound), in a process group of its own that dies with the launcher.
+// `keep`: descriptors the program inherits (every other one the launcher opened is close-on-exec).
+pid_t start_process(const std::vector<std::string>& program, std::vector<std::string> envs, int out,
+                    int err, const std::vector<int>& cpus, int rank, const std::vector<int>& keep,
+                    const LaunchOptions& opts) {
   std::vector<char*> envp, argv;
   for (auto& e : envs) envp.push_back(e.data());
   envp.push_back(nullptr);
-  for (auto& a : c.plan.argv) argv.push_back(const_cast<char*>(a.c_str()));
+  for (auto& a : program) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   pid_t parent = ::getpid();
   // Note [Signals between fork and exec]: until the child resets them, it runs the launcher's
@@ -177,9 +209,9 @@ void spawn(Child& c, const LaunchOptions& opts) {
   ::sigprocmask(SIG_BLOCK, &stop_signals, &before);
   pid_t pid = ::fork();
   if (pid < 0) {
-    const int err = errno;
+    const int e = errno;
     ::sigprocmask(SIG_SETMASK, &before, nullptr);
-    throw std::runtime_error(std::string("fork() failed: ") + std::strerror(err));
+    throw std::runtime_error(std::string("fork() failed: ") + std::strerror(e));
   }
   if (pid == 0) {
     // Child: own process group (so the whole tree can be signalled), die with the launcher.
@@ -194,41 +226,195 @@ void spawn(Child& c, const LaunchOptions& opts) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
-    if (!c.plan.cpus.empty()) {
+    if (!cpus.empty()) {
       cpu_set_t set;
       CPU_ZERO(&set);
-      for (int cpu : c.plan.cpus) CPU_SET(cpu, &set);
+      for (int cpu : cpus) CPU_SET(cpu, &set);
       if (::sched_setaffinity(0, sizeof(set), &set) != 0) {
-        std::string msg = "tandem launch: cannot bind rank " + std::to_string(c.plan.rank) +
+        std::string msg = "tandem launch: cannot bind rank " + std::to_string(rank) +
                           " to its cores: " + std::strerror(errno) + "\n";
-        write_all(2, msg);
+        write_all(err, msg);
         ::_exit(126);
       }
     }
-    ::dup2(out_pipe[1], 1);
-    ::dup2(err_pipe[1], 2);
+    for (int fd : keep) ::fcntl(fd, F_SETFD, 0);
+    ::dup2(out, 1);
+    ::dup2(err, 2);
     ::execvpe(argv[0], argv.data(), envp.data());
-    std::string msg = "tandem launch: cannot run '" + c.plan.argv[0] + "': " +
-                      std::strerror(errno) + "\n";
+    std::string msg =
+        "tandem launch: cannot run '" + program[0] + "': " + std::strerror(errno) + "\n";
     write_all(2, msg);
     ::_exit(127);
   }
   ::sigprocmask(SIG_SETMASK, &before, nullptr);
   ::setpgid(pid, pid);
-  ::close(out_pipe[1]);
-  ::close(err_pipe[1]);
+  return pid;
+}
+
+void spawn(Child& c, const LaunchOptions& opts) {
+  const auto [out, err] = open_outputs(c, opts);
+  pid_t pid = -1;
+  try {
+    pid = start_process(c.plan.argv, make_envp(c.plan.env), out, err, c.plan.cpus, c.plan.rank, {},
+                        opts);
+  } catch (...) {
+    ::close(out);
+    ::close(err);
+    throw;
+  }
+  ::close(out);
+  ::close(err);
   c.pid = pid;
   c.alive = true;
   c.closed_at = Clock::time_point::max();
   c.status = 0;
-  const std::string prefix = "[rank " + std::to_string(c.plan.rank) + "] ";
-  c.out = Stream{out_pipe[0], 1, "", prefix, nullptr, true};
-  c.err = Stream{err_pipe[0], 2, "", prefix, nullptr, true};
-  if (log) {
-    c.log = std::move(log);
-    c.out.log = c.err.log = c.log.get();
-    c.out.to_terminal = c.err.to_terminal = opts.tee();
+}
+
+// Note [Fork start]: why `children` cannot start from one fork server, or "".
+std::string fork_start_refusal(const std::vector<Child>& children) {
+  auto path = current_environment();
+  const auto& first = children.front().plan;
+  std::string why = fork_start::unsupported_program(first.argv.front(), path["PATH"]);
+  if (!why.empty()) return why;
+  const auto env0 = make_envp(first.env);
+  for (const auto& c : children) {
+    if (c.plan.argv != first.argv)
+      return "rank " + std::to_string(c.plan.rank) + " has another command line than rank " +
+             std::to_string(first.rank) + ", and one process forks them all";
+    for (const auto* m : {&c.plan.env, &first.env})
+      for (const auto& [k, v] : *m) {
+        const auto a = c.plan.env.find(k), b = first.env.find(k);
+        const bool same = a != c.plan.env.end() && b != first.env.end() && a->second == b->second;
+        if (!same && !fork_start::may_differ(k))
+          return "rank " + std::to_string(c.plan.rank) + "'s environment differs from rank " +
+                 std::to_string(first.rank) + "'s in " + k +
+                 ", which the program's libraries may read before main(), once for every rank";
+      }
   }
+  return "";
+}
+
+// Note [Fork start]: starts the program once, as the fork server, which forks every child.
+void spawn_forked(std::vector<Child>& children, const LaunchOptions& opts) {
+  if (auto why = fork_start_refusal(children); !why.empty())
+    throw ::tandem::Refused("--start_method fork: " + why +
+                            ". Start the ranks with --start_method exec (the default)");
+  // The ranks become the launcher's children when the server that forked them exits.
+  static const bool subreaper = ::prctl(PR_SET_CHILD_SUBREAPER, 1) == 0;
+  if (!subreaper)
+    throw std::runtime_error(std::string("--start_method fork: prctl(PR_SET_CHILD_SUBREAPER) "
+                                         "failed: ") +
+                             std::strerror(errno));
+  std::vector<int> keep;  // every descriptor the server inherits
+  struct Fds {
+    std::vector<int> fds;
+    ~Fds() {
+      for (int fd : fds) ::close(fd);
+    }
+  } opened;
+  fork_start::Spec spec;
+  spec.launcher_pid = static_cast<int>(::getpid());
+  for (auto& c : children) {
+    const auto [out, err] = open_outputs(c, opts);
+    opened.fds.insert(opened.fds.end(), {out, err});
+    spec.ranks.push_back({c.plan.rank, out, err, c.plan.cpus, make_envp(c.plan.env)});
+  }
+  keep = opened.fds;
+  const int spec_fd = ::memfd_create("tandem-fork-start", MFD_CLOEXEC);
+  int result[2] = {-1, -1};
+  if (spec_fd < 0 || ::pipe2(result, O_CLOEXEC) != 0) {
+    if (spec_fd >= 0) ::close(spec_fd);
+    throw std::runtime_error(std::string("--start_method fork: ") + std::strerror(errno));
+  }
+  opened.fds.insert(opened.fds.end(), {spec_fd, result[1]});
+  const std::string bytes = fork_start::encode(spec);
+  if (::pwrite(spec_fd, bytes.data(), bytes.size(), 0) != static_cast<ssize_t>(bytes.size())) {
+    ::close(result[0]);
+    throw std::runtime_error(std::string("--start_method fork: cannot write the ranks' spec: ") +
+                             std::strerror(errno));
+  }
+  keep.insert(keep.end(), {spec_fd, result[1]});
+  auto envs = spec.ranks.front().env;
+  envs.push_back(std::string(fork_start::kServerVar) + "=" + std::to_string(spec_fd) + "," +
+                 std::to_string(result[1]));
+  pid_t server = -1;
+  try {
+    server = start_process(children.front().plan.argv, envs, spec.ranks.front().out_fd,
+                           spec.ranks.front().err_fd, {}, children.front().plan.rank, keep, opts);
+  } catch (...) {
+    ::close(result[0]);
+    throw;
+  }
+  for (int fd : opened.fds) ::close(fd);
+  opened.fds.clear();
+  // The server writes "pid <index> <pid>" for each rank it forked, or "error <why>", and exits.
+  std::string text;
+  char buf[4096];
+  const auto deadline = Clock::now() + std::chrono::seconds(300);
+  bool timed_out = false;
+  for (;;) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) {
+      timed_out = true;
+      break;
+    }
+    pollfd p{result[0], POLLIN, 0};
+    const int n = ::poll(&p, 1, static_cast<int>(left.count()));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) continue;
+    const ssize_t got = ::read(result[0], buf, sizeof buf);
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) break;
+    text.append(buf, static_cast<size_t>(got));
+  }
+  ::close(result[0]);
+  if (timed_out) ::kill(-server, SIGKILL);
+  int status = 0;
+  while (::waitpid(server, &status, 0) < 0 && errno == EINTR) {
+  }
+  std::istringstream lines(text);
+  std::string line, error;
+  size_t started = 0;
+  while (std::getline(lines, line)) {
+    size_t index = 0;
+    long pid = 0;
+    if (line.rfind("error ", 0) == 0) {
+      error = line.substr(6);
+    } else if (std::sscanf(line.c_str(), "pid %zu %ld", &index, &pid) == 2 &&
+               index < children.size()) {
+      children[index].pid = static_cast<pid_t>(pid);
+      children[index].alive = true;
+      children[index].closed_at = Clock::time_point::max();
+      children[index].status = 0;
+      ++started;
+    }
+  }
+  if (started == children.size() && error.empty() && WIFEXITED(status) &&
+      WEXITSTATUS(status) == 0) {
+    for (auto& c : children) ::setpgid(c.pid, c.pid);  // each rank also takes its own
+    return;
+  }
+  // The ranks that did start are this launcher's children now; some may not have their own
+  // process group yet.
+  for (auto& c : children)
+    if (c.alive) {
+      ::kill(c.pid, SIGKILL);
+      ::waitpid(c.pid, nullptr, 0);
+      c.alive = false;
+    }
+  if (error.empty())
+    error =
+        timed_out
+            ? "the program did not fork its ranks within 300 s"
+            : "the program " +
+                  std::string(WIFSIGNALED(status)
+                                  ? "was killed by signal " + signal_name(WTERMSIG(status))
+                                  : "exited with code " + std::to_string(exit_code_of(status))) +
+                  " before it forked its ranks (is its libtandem older than this "
+                  "launcher?)";
+  throw ::tandem::Refused("--start_method fork: " + error +
+                          ". Start the ranks with --start_method exec (the default)");
 }
 
 // The first word of what rank `c` wrote into TANDEM_ERROR_FILE ("" when nothing).
@@ -256,12 +442,6 @@ bool port_was_taken(const std::vector<Child>& children) {
   for (const auto& c : children)
     if (c.plan.rank == 0) return error_word(c) == "port-taken";
   return false;
-}
-
-int exit_code_of(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
 }
 
 std::string describe_exit(const Child& c) {
@@ -399,7 +579,10 @@ std::optional<Hang> find_hang(const std::vector<Child>& children, double timeout
 int run_once(std::vector<Child>& children, const LaunchOptions& opts, bool& interrupted,
              std::vector<const Child*>& lost) {
   try {
-    for (auto& c : children) spawn(c, opts);
+    if (opts.start_method() == "fork")
+      spawn_forked(children, opts);
+    else
+      for (auto& c : children) spawn(c, opts);
   } catch (...) {
     // The ranks already started would wait for the missing one until their timeout.
     for (auto& c : children)
@@ -648,6 +831,10 @@ std::vector<RankPlan> make_plan(const LaunchOptions& o, const std::vector<std::s
                               " must be above 0: seconds a replica's gradient sum or vote may "
                               "take before the others go on without it");
   }
+  if (o.start_method() != "exec" && o.start_method() != "fork")
+    throw ::tandem::Refused("--start_method=" + o.start_method() +
+                            ": expected exec (every rank starts the program) or fork (the "
+                            "program starts once and forks its ranks)");
   preemption_signal_of(o);  // refuses a name that is not a signal
   if (!(o.preemption_grace_s() >= 0))
     throw ::tandem::Refused("--preemption_grace_s=" + number_text(o.preemption_grace_s()) +

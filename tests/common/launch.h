@@ -45,6 +45,15 @@ class LaunchOptions {
   }
   int threads_per_process() const { return threads_per_process_; }
 
+  /// `--start_method`: "fork" by default (Note [Fork start]: the worker starts once and forks
+  /// its ranks, which saves loading LibTorch in every rank, most of a short test's CPU);
+  /// "exec" for a test of how ranks start by themselves.
+  LaunchOptions& start_method(std::string v) {
+    start_method_ = std::move(v);
+    return *this;
+  }
+  const std::string& start_method() const { return start_method_; }
+
   /// Variables added to the test's own environment for the launcher and its ranks.
   LaunchOptions& env(std::map<std::string, std::string> v) {
     env_ = std::move(v);
@@ -62,12 +71,14 @@ class LaunchOptions {
  private:
   std::vector<std::string> flags_;
   int threads_per_process_ = 1;
+  std::string start_method_ = "fork";
   std::map<std::string, std::string> env_;
   double timeout_s_ = 120;
 };
 
 /// The command line `launch` runs: `tandem launch --num_processes n --cpu
-/// [--num_cpu_threads_per_process t] FLAGS... program ARGS...` (for a test that starts it itself).
+/// [--num_cpu_threads_per_process t] --start_method m FLAGS... program ARGS...` (for a test that
+/// starts it itself).
 inline std::vector<std::string> launch_command(int n, const std::string& program,
                                                const std::vector<std::string>& args = {},
                                                const LaunchOptions& options = {}) {
@@ -75,6 +86,7 @@ inline std::vector<std::string> launch_command(int n, const std::string& program
   if (options.threads_per_process() > 0)
     argv.insert(argv.end(),
                 {"--num_cpu_threads_per_process", std::to_string(options.threads_per_process())});
+  argv.insert(argv.end(), {"--start_method", options.start_method()});
   argv.insert(argv.end(), options.flags().begin(), options.flags().end());
   argv.push_back(program);
   argv.insert(argv.end(), args.begin(), args.end());

@@ -1,6 +1,7 @@
 // A rank of the collectives test: runs every collective and checks its result on this rank.
 // Modes: "all" (default) checks everything; "die" makes rank 1 SIGKILL itself in the middle of a
-// collective loop; "hold" keeps a port busy (for the port-in-use test is done by the harness).
+// collective loop; "hold" keeps a port busy (for the port-in-use test is done by the harness);
+// "whoami" prints how the rank was started (Note [Fork start]).
 #include <signal.h>
 #include <unistd.h>
 
@@ -14,6 +15,8 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "tandem/comm/collectives.h"
 #include "tandem/comm/process_group.h"
@@ -34,10 +37,31 @@ bool same(const torch::Tensor& a, const torch::Tensor& b) {
   return a.sizes() == b.sizes() && a.to(torch::kDouble).equal(b.to(torch::kDouble));
 }
 
+// Note [Fork start]: what a rank sees of how it was started, printed before it meets the others:
+// its environment (one line per variable, "whoami-env <rank> KEY=VALUE"), whether it leads its
+// own process group, whether its parent is the launcher, and one line on each output stream.
+int whoami() {
+  const char* rank = std::getenv("RANK");
+  const std::string r = rank ? rank : "?";
+  std::vector<std::string> vars;
+  for (char** e = environ; *e; ++e) vars.emplace_back(*e);
+  std::sort(vars.begin(), vars.end());
+  for (const auto& v : vars) std::cout << "whoami-env " << r << " " << v << "\n";
+  std::ifstream cmdline("/proc/" + std::to_string(::getppid()) + "/cmdline");
+  std::string arg0, arg1;
+  std::getline(cmdline, arg0, '\0');
+  std::getline(cmdline, arg1, '\0');
+  std::cout << "whoami " << r << " own_group=" << (::getpgid(0) == ::getpid())
+            << " parent_is_launcher=" << (arg1 == "launch") << std::endl;
+  std::cerr << "whoami-stderr " << r << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "all";
+  if (mode == "whoami") return whoami();
   auto state = tandem::ProcessState::from_environment();
   who = state.prefix();
   const char* t_env = std::getenv("TANDEM_TEST_TIMEOUT_S");

@@ -4,9 +4,11 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fstream>
+#include <map>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -252,6 +254,98 @@ TEST(Launch, SigtermReachesEveryRank) {
     f >> pid;
     ASSERT_GT(pid, 0);
     EXPECT_NE(kill(pid, 0), 0) << "rank " << k << " still alive";
+  }
+}
+
+// Note [Fork start]: ranks forked from one start of the program get what exec'd ranks get: the
+// same environment (but for the launch's own port and files), a process group of their own, the
+// launcher as their parent, their own two output streams, and no TANDEM_FORK_SERVER.
+TEST(Launch, ForkStartGivesEachRankWhatExecGives) {
+  std::map<std::string, std::map<int, std::set<std::string>>> env;  // by start method and rank
+  for (const std::string method : {"exec", "fork"}) {
+    auto r = launch(3, kWorker, {"whoami"}, LaunchOptions(kLaunch).start_method(method));
+    ASSERT_EQ(r.exit_code, 0) << method << "\n" << r.output;
+    for (int k = 0; k < 3; ++k) {
+      const std::string s = std::to_string(k);
+      EXPECT_NE(r.output.find("[rank " + s + "] whoami " + s + " own_group=1 parent_is_launcher=1"),
+                std::string::npos)
+          << method << "\n"
+          << r.output;
+      EXPECT_NE(r.output.find("[rank " + s + "] whoami-stderr " + s), std::string::npos)
+          << method << "\n"
+          << r.output;
+    }
+    std::regex var(R"(\[rank (\d)\] whoami-env (\d) ([^=\n]+)=([^\n]*))");
+    for (std::sregex_iterator it(r.output.begin(), r.output.end(), var), end; it != end; ++it) {
+      ASSERT_EQ((*it)[1], (*it)[2]) << it->str();
+      const std::string key = (*it)[3];
+      // The launch's own port and files differ from one launch to the next.
+      const bool own =
+          key == "MASTER_PORT" || key == "TANDEM_ERROR_FILE" || key == "TANDEM_HEARTBEAT_FILE";
+      env[method][std::stoi((*it)[1])].insert(own ? key : key + "=" + (*it)[4].str());
+    }
+  }
+  ASSERT_EQ(env["exec"].size(), 3u);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(env["exec"][k], env["fork"][k]) << "rank " << k;
+    EXPECT_TRUE(env["fork"][k].count("RANK=" + std::to_string(k))) << k;
+    for (const auto& v : env["fork"][k])
+      EXPECT_EQ(v.rfind("TANDEM_FORK_SERVER", 0), std::string::npos);
+  }
+}
+
+// Note [Fork start]: a program that has no fork server (no libtandem, a script) is refused
+// before anything runs, naming --start_method exec; so is a start method that does not exist.
+TEST(Launch, ForkStartRefusesAProgramWithoutItsServer) {
+  auto fork = [&](const std::string& program) {
+    return run_command(
+        {kCli, "launch", "--num_processes", "2", "--cpu", "--start_method", "fork", program}, {},
+        60);
+  };
+  auto r = fork("/bin/true");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("/bin/true does not link libtandem"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--start_method exec"), std::string::npos) << r.output;
+  tandem::testing::TempDir dir;
+  const std::string script = dir.str() + "/train.sh";
+  std::ofstream(script) << "#!/bin/sh\necho started > " << dir.str() << "/ran\n";
+  ASSERT_EQ(chmod(script.c_str(), 0755), 0);
+  r = fork(script);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(script + " is a script"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::ifstream(dir.str() + "/ran")) << "the refused script ran";
+  r = run_command({kCli, "launch", "--cpu", "--start_method", "spawn", "/bin/true"}, {}, 60);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("--start_method=spawn: expected exec"), std::string::npos) << r.output;
+}
+
+// Note [Fork start]: forked ranks become the launcher's children, and die with it as exec'd ones
+// do (the death signal is armed once the launcher is their parent).
+TEST(Launch, ForkedRanksDieWithTheLauncher) {
+  tandem::testing::TempDir dir;
+  std::thread killer([&] {
+    for (int i = 0; i < 600; ++i) {
+      std::ifstream a(dir.str() + "/pid0"), b(dir.str() + "/pid1");
+      if (a && b) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    system(("pkill -KILL -f 'tandem launch .*sleep " + dir.str() + "'").c_str());
+  });
+  auto r = launch(2, kWorker, {"sleep", dir.str()}, LaunchOptions(kLaunch).timeout_s(90));
+  killer.join();
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
+  for (int k = 0; k < 2; ++k) {
+    std::ifstream f(dir.str() + "/pid" + std::to_string(k));
+    int pid = 0;
+    f >> pid;
+    ASSERT_GT(pid, 0) << r.output;
+    bool gone = false;
+    for (int i = 0; i < 100 && !gone; ++i) {
+      gone = kill(pid, 0) != 0;
+      if (!gone) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_TRUE(gone) << "rank " << k << " (pid " << pid << ") outlived its launcher";
   }
 }
 

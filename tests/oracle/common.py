@@ -78,7 +78,9 @@ def launch_jobs(cli, program, jobs, work):
         path = os.path.join(work, f"jobs-{n}.txt")
         with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
-        out = run([cli, "launch", "--num_processes", str(n), "--cpu", program, "--jobs", path])
+        # The program starts once and forks its ranks (Note [Fork start]), as in tests/common/launch.h.
+        out = run([cli, "launch", "--num_processes", str(n), "--cpu", "--start_method", "fork",
+                   program, "--jobs", path])
         job_of = [0] * n  # the job each rank last announced
         ended = [set() for _ in indices]
         for line in out.splitlines():

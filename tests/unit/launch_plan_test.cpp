@@ -1,8 +1,11 @@
 // make_plan: ranks, environment, and bad options, without starting any process.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
 
+#include "../../src/launch/fork_start.h"
 #include "tandem/comm/process_group.h"
 #include "tandem/launch/launcher.h"
 
@@ -160,4 +163,52 @@ TEST(LaunchPlan, PreemptionSignalAndGrace) {
   EXPECT_NE(e.find("--preemption_grace_s=-1 must be at least 0"), std::string::npos) << e;
   e = error(LaunchOptions().heartbeat_timeout_s(-1));
   EXPECT_NE(e.find("--heartbeat_timeout_s=-1 must be at least 0"), std::string::npos) << e;
+}
+
+// Note [Fork start]: the spec the launcher hands the fork server reads back as written, and a
+// truncated or foreign one is not read at all.
+TEST(ForkStart, SpecReadsBackAsWritten) {
+  namespace fs = tandem::launch::fork_start;
+  fs::Spec spec;
+  spec.launcher_pid = 4242;
+  spec.ranks.push_back({0, 7, 8, {}, {"RANK=0", "A=with=equals", "EMPTY="}});
+  spec.ranks.push_back({1, 9, 10, {2, 3}, {"RANK=1", std::string("NL=a\nb")}});
+  const std::string bytes = fs::encode(spec);
+  const auto back = fs::decode(bytes);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->launcher_pid, 4242);
+  ASSERT_EQ(back->ranks.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(back->ranks[i].rank, spec.ranks[i].rank);
+    EXPECT_EQ(back->ranks[i].out_fd, spec.ranks[i].out_fd);
+    EXPECT_EQ(back->ranks[i].err_fd, spec.ranks[i].err_fd);
+    EXPECT_EQ(back->ranks[i].cpus, spec.ranks[i].cpus);
+    EXPECT_EQ(back->ranks[i].env, spec.ranks[i].env);
+  }
+  for (size_t cut : {size_t{0}, size_t{3}, bytes.size() / 2, bytes.size() - 1})
+    EXPECT_FALSE(fs::decode(bytes.substr(0, cut)).has_value()) << cut;
+  EXPECT_FALSE(fs::decode(bytes + "x").has_value());
+  EXPECT_FALSE(fs::decode("not a spec at all").has_value());
+}
+
+// Only the variables that say which rank a process is may differ between forked ranks; the
+// program must be an executable linking libtandem (this test program does).
+TEST(ForkStart, WhatMayDifferAndWhichProgramsFork) {
+  namespace fs = tandem::launch::fork_start;
+  for (const char* k : {"RANK", "LOCAL_RANK", "TANDEM_ERROR_FILE", "TANDEM_HEARTBEAT_FILE",
+                        "TANDEM_CPU_AFFINITY", "CUDA_VISIBLE_DEVICES"})
+    EXPECT_TRUE(fs::may_differ(k)) << k;
+  for (const char* k : {"OMP_NUM_THREADS", "OPENBLAS_CORETYPE", "WORLD_SIZE", "ASAN_OPTIONS"})
+    EXPECT_FALSE(fs::may_differ(k)) << k;
+  char self[4096] = {0};
+  ASSERT_GT(::readlink("/proc/self/exe", self, sizeof self - 1), 0);
+  EXPECT_EQ(fs::unsupported_program(self, ""), "");
+  EXPECT_NE(fs::unsupported_program("true", "/nonexistent:/bin:/usr/bin")
+                .find("does not link "
+                      "libtandem"),
+            std::string::npos);
+  EXPECT_NE(fs::unsupported_program("no-such-program-x", "/bin").find("is not on PATH"),
+            std::string::npos);
+  EXPECT_NE(fs::unsupported_program("/etc/hostname", "").find("is not an executable"),
+            std::string::npos);
 }

@@ -112,6 +112,11 @@ LaunchCommand::LaunchCommand(CLI::App& app) {
                    "Seconds a replica's gradient sum or vote may take before the others go on "
                    "without it (30)")
       ->group(dist);
+  sub_->add_option(both("start_method"), start_method_,
+                   "exec: every rank starts the program (default); fork: the program starts once "
+                   "and forks its ranks after LibTorch has loaded, for an executable that links "
+                   "libtandem (a rank then starts in a fraction of the time)")
+      ->group(res);
   sub_->add_option(both("rdzv_timeout"), rdzv_timeout_,
                    "Seconds machine 0 waits for the other machines at each meeting (30)")
       ->group(dist);
@@ -284,6 +289,7 @@ int LaunchCommand::run() {
         .fault_tolerant_replicas(fault_tolerant_replicas_)
         .replica_timeout_s(replica_timeout_)
         .rdzv_timeout_s(rdzv_timeout_)
+        .start_method(start_method_)
         .monitor_interval_s(monitor_)
         .grace_period_s(grace_)
         .preemption_signal(preemption_signal_)

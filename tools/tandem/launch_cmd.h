@@ -45,6 +45,7 @@ class LaunchCommand {
   double rdzv_timeout_ = 30.0;
   bool fault_tolerant_replicas_ = false;
   double replica_timeout_ = 30.0;
+  std::string start_method_ = "exec";
   double monitor_ = 0.1, grace_ = 5.0, preemption_grace_ = 30.0, heartbeat_timeout_ = 0.0;
   std::string preemption_signal_;
   std::string log_dir_;

@@ -75,6 +75,11 @@ struct LaunchOptions {
   TORCH_ARG(double, replica_timeout_s) = 30.0;
   /// How long machine 0 waits for the other machines at each meeting (--rdzv_timeout).
   TORCH_ARG(double, rdzv_timeout_s) = 30.0;
+  /// Note [Fork start] (--start_method): "exec", every rank starts the program by itself; or
+  /// "fork", the program starts once and forks its ranks after LibTorch has loaded (each rank
+  /// then costs a fork instead of loading LibTorch again), for an executable that links
+  /// libtandem.
+  TORCH_ARG(std::string, start_method) = "exec";
   TORCH_ARG(double, monitor_interval_s) = 0.1;
   TORCH_ARG(std::string, log_dir) = "";  ///< one log file per rank when set
   TORCH_ARG(bool, tee) = false;          ///< with log_dir: also print to the terminal
