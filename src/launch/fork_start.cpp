@@ -151,8 +151,13 @@ void become_rank(const Spec& spec, size_t index, int alive[2], int result_fd) {
   for (const Rank& r : spec.ranks)
     for (int fd : {r.out_fd, r.err_fd})
       if (fd > 2) ::close(fd);
+  // setenv copies into storage the C library keeps track of (a putenv'd string would leak once
+  // the program sets that variable again).
   ::clearenv();
-  for (const auto& e : me.env) ::putenv(::strdup(e.c_str()));  // environ keeps them
+  for (const auto& e : me.env) {
+    const auto eq = e.find('=');
+    if (eq != std::string::npos && eq > 0) ::setenv(e.substr(0, eq).c_str(), e.c_str() + eq + 1, 1);
+  }
 }
 
 // The fork server, in the process the launcher started with TANDEM_FORK_SERVER. Returns in each

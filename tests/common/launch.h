@@ -6,12 +6,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <sstream>
 #include <stdexcept>
-#include <tuple>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -46,8 +47,9 @@ class LaunchOptions {
   int threads_per_process() const { return threads_per_process_; }
 
   /// `--start_method`: "fork" by default (Note [Fork start]: the worker starts once and forks
-  /// its ranks, which saves loading LibTorch in every rank, most of a short test's CPU);
-  /// "exec" for a test of how ranks start by themselves.
+  /// its ranks, which saves loading LibTorch in every rank), or TANDEM_TEST_START_METHOD when the
+  /// suite runs with it set (to compare the two); "exec" for a test of how ranks start by
+  /// themselves.
   LaunchOptions& start_method(std::string v) {
     start_method_ = std::move(v);
     return *this;
@@ -71,7 +73,11 @@ class LaunchOptions {
  private:
   std::vector<std::string> flags_;
   int threads_per_process_ = 1;
-  std::string start_method_ = "fork";
+  std::string start_method_ = default_start_method();
+  static std::string default_start_method() {
+    const char* v = std::getenv("TANDEM_TEST_START_METHOD");
+    return v && *v ? v : "fork";
+  }
   std::map<std::string, std::string> env_;
   double timeout_s_ = 120;
 };
