@@ -46,15 +46,21 @@ class LaunchOptions {
   }
   int threads_per_process() const { return threads_per_process_; }
 
-  /// `--start_method`: "fork" by default (Note [Fork start]: the worker starts once and forks
-  /// its ranks, which saves loading LibTorch in every rank), or TANDEM_TEST_START_METHOD when the
-  /// suite runs with it set (to compare the two); "exec" for a test of how ranks start by
-  /// themselves.
+  /// `--start_method`: by default "fork" for 2 ranks or more (Note [Fork start]: the worker
+  /// starts once and forks its ranks, which saves loading LibTorch in every rank) and "exec" for
+  /// one (a fork would only add the server's exit), or TANDEM_TEST_START_METHOD when the suite
+  /// runs with it set (to compare the two); "exec" for a test of how ranks start by themselves.
   LaunchOptions& start_method(std::string v) {
     start_method_ = std::move(v);
     return *this;
   }
-  const std::string& start_method() const { return start_method_; }
+  /// The method for `n` ranks.
+  std::string start_method(int n) const {
+    if (!start_method_.empty()) return start_method_;
+    const char* v = std::getenv("TANDEM_TEST_START_METHOD");
+    if (v && *v) return v;
+    return n > 1 ? "fork" : "exec";
+  }
 
   /// Variables added to the test's own environment for the launcher and its ranks.
   LaunchOptions& env(std::map<std::string, std::string> v) {
@@ -73,11 +79,7 @@ class LaunchOptions {
  private:
   std::vector<std::string> flags_;
   int threads_per_process_ = 1;
-  std::string start_method_ = default_start_method();
-  static std::string default_start_method() {
-    const char* v = std::getenv("TANDEM_TEST_START_METHOD");
-    return v && *v ? v : "fork";
-  }
+  std::string start_method_;  // empty: by the number of ranks
   std::map<std::string, std::string> env_;
   double timeout_s_ = 120;
 };
@@ -92,7 +94,7 @@ inline std::vector<std::string> launch_command(int n, const std::string& program
   if (options.threads_per_process() > 0)
     argv.insert(argv.end(),
                 {"--num_cpu_threads_per_process", std::to_string(options.threads_per_process())});
-  argv.insert(argv.end(), {"--start_method", options.start_method()});
+  argv.insert(argv.end(), {"--start_method", options.start_method(n)});
   argv.insert(argv.end(), options.flags().begin(), options.flags().end());
   argv.push_back(program);
   argv.insert(argv.end(), args.begin(), args.end());

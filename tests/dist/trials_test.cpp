@@ -84,7 +84,7 @@ TEST(Sweep, FindsTheGoodRegionOfTrainGptUnderDataParallel) {
 program: )") + TRAIN_GPT + R"(
 args: [--steps, 30, --layers, 1, --heads, 2, --context, 32, --batch-size, 8, --eval-every, 10,
        --eval-batches, 4, --project_dir, "{trial_dir}", --log_with, jsonl]
-launch: {num_processes: 2, cpu: true, num_cpu_threads_per_process: 1}
+launch: {num_processes: 2, cpu: true, num_cpu_threads_per_process: 1, start_method: fork}
 space:
   lr: {type: loguniform, low: 1e-5, high: 1}
   width: {type: categorical, choices: [16, 32]}
