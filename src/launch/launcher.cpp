@@ -276,7 +276,6 @@ std::string fork_start_refusal(const std::vector<Child>& children) {
   const auto& first = children.front().plan;
   std::string why = fork_start::unsupported_program(first.argv.front(), path["PATH"]);
   if (!why.empty()) return why;
-  const auto env0 = make_envp(first.env);
   for (const auto& c : children) {
     if (c.plan.argv != first.argv)
       return "rank " + std::to_string(c.plan.rank) + " has another command line than rank " +
