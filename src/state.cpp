@@ -10,7 +10,7 @@
 #include <sstream>
 #include <stdexcept>
 
-extern char** environ;
+#include <unistd.h>  // environ
 
 namespace tandem {
 namespace {

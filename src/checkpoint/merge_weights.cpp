@@ -27,16 +27,18 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string errno_text() { return std::strerror(errno); }
+std::string system_error_text() {
+  return std::strerror(errno);
+}
 
-struct Fd {
+struct ScopedFd {
   int fd = -1;
-  explicit Fd(int f) : fd(f) {}
-  ~Fd() {
+  explicit ScopedFd(int f) : fd(f) {}
+  ~ScopedFd() {
     if (fd >= 0) ::close(fd);
   }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
+  ScopedFd(const ScopedFd&) = delete;
+  ScopedFd& operator=(const ScopedFd&) = delete;
 };
 
 // The source files of the model in `checkpoint`; `verify` is called on an index before it is read.
@@ -334,11 +336,11 @@ MergeReport merge_weights(const std::string& checkpoint, const std::string& out_
   auto fail = [&](const std::string& what) {
     std::error_code ec;
     fs::remove(tmp, ec);
-    throw std::runtime_error("merge_weights: " + what + ": " + errno_text());
+    throw std::runtime_error("merge_weights: " + what + ": " + system_error_text());
   };
   MergeReport report;
   {
-    Fd out(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    ScopedFd out(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (out.fd < 0) fail("cannot create " + tmp.string());
     auto write_all = [&](const char* p, std::size_t n) {
       while (n > 0) {
@@ -352,13 +354,13 @@ MergeReport merge_weights(const std::string& checkpoint, const std::string& out_
       }
     };
     write_all(header.data(), header.size());
-    std::vector<std::unique_ptr<Fd>> in(sources.size());
+    std::vector<std::unique_ptr<ScopedFd>> in(sources.size());
     std::vector<char> buffer(std::size_t(64) << 20);
     for (const auto& e : layout) {
       for (const auto& src : from.at(e.name)) {
         if (!in[src.file]) {
           in[src.file] =
-              std::make_unique<Fd>(::open(sources[src.file].c_str(), O_RDONLY | O_CLOEXEC));
+              std::make_unique<ScopedFd>(::open(sources[src.file].c_str(), O_RDONLY | O_CLOEXEC));
           if (in[src.file]->fd < 0) fail("cannot open " + sources[src.file].string());
         }
         uint64_t done = 0;

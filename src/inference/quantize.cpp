@@ -34,7 +34,7 @@ constexpr const char* kMetadataKey = "tandem_quantization";
 
 bool is_int4(const QuantizeOptions& o) { return o.method() == "int4"; }
 
-uint64_t bytes_of(const at::Tensor& t) {
+uint64_t stored_bytes(const at::Tensor& t) {
   return t.defined() ? static_cast<uint64_t>(t.numel()) * t.element_size() : 0;
 }
 
@@ -305,7 +305,7 @@ QuantizeReport quantize_model(torch::nn::Module& model, const QuantizeOptions& o
       if (q.zero.defined()) layer->weight_zero.set_data(q.zero.to(device));
       if (view.bias.defined()) layer->bias.set_data(view.bias.detach().to(at::kFloat).clone());
     }
-    for (const auto& b : layer->buffers()) report.quantized_bytes += bytes_of(b);
+    for (const auto& b : layer->buffers()) report.quantized_bytes += stored_bytes(b);
     ++report.layers;
     tandem::nn::detail::replace_child(*t.parent, t.child, layer, torch::nn::AnyModule(holder));
     // A typed member (`c_attn(x)`) still holds the float layer: its calls go to the quantized one.
@@ -409,11 +409,11 @@ QuantizeReport quantize_checkpoint(const std::string& in, const std::string& out
       continue;
     }
     auto q = is_int4(options) ? quantize_int4(w, options.group_size()) : quantize_int8(w);
-    report.float_bytes += bytes_of(t);
+    report.float_bytes += stored_bytes(t);
     tensors.emplace_back(name, q.values);
     tensors.emplace_back(layer + ".weight_scale", q.scale);
     if (q.zero.defined()) tensors.emplace_back(layer + ".weight_zero", q.zero);
-    report.quantized_bytes += bytes_of(q.values) + bytes_of(q.scale) + bytes_of(q.zero);
+    report.quantized_bytes += stored_bytes(q.values) + stored_bytes(q.scale) + stored_bytes(q.zero);
     ++report.layers;
     layers.push_back(layer);
   }

@@ -34,15 +34,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-void write_all(int fd, const std::string& s) {
-  size_t off = 0;
-  while (off < s.size()) {
-    ssize_t n = ::write(fd, s.data() + off, s.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    off += static_cast<size_t>(n);
-  }
-}
+using fork_start::write_all;
 
 // Note [Secondary failures]: when a worker fails, its peers' collectives fail too, and while the
 // first worker unwinds (its process group closing its sockets), a peer may report before it. A

@@ -99,16 +99,6 @@ std::string needed_libraries(const std::string& file, std::vector<std::string>& 
   return "is statically linked";
 }
 
-void write_all(int fd, const std::string& s) {
-  size_t off = 0;
-  while (off < s.size()) {
-    const ssize_t n = ::write(fd, s.data() + off, s.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    off += static_cast<size_t>(n);
-  }
-}
-
 [[noreturn]] void fail(int result_fd, const std::string& why) {
   write_all(result_fd, "error " + why + "\n");
   ::_exit(3);
@@ -219,6 +209,16 @@ __attribute__((constructor)) void tandem_fork_server() {
 }
 
 }  // namespace
+
+void write_all(int fd, const std::string& s) {
+  size_t off = 0;
+  while (off < s.size()) {
+    const ssize_t n = ::write(fd, s.data() + off, s.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;
+    off += static_cast<size_t>(n);
+  }
+}
 
 std::string encode(const Spec& spec) {
   std::string out;

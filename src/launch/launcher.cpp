@@ -57,17 +57,7 @@ extern "C" void on_signal(int sig) {
   }
 }
 
-void write_all(int fd, const std::string& s) {
-  size_t off = 0;
-  while (off < s.size()) {
-    ssize_t n = ::write(fd, s.data() + off, s.size() - off);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    off += static_cast<size_t>(n);
-  }
-}
+using fork_start::write_all;
 
 std::string number_text(double v) {
   std::ostringstream os;

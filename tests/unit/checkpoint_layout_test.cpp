@@ -20,8 +20,6 @@ using tandem::checkpoint::StateWriter;
 using tandem_test::message_of;
 using tandem_test::TempDir;
 
-#define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
-
 namespace {
 
 constexpr const char* kTp2 = "pp 1 x dp_replicate 1 x dp_shard 1 x tp 2";

@@ -11,6 +11,9 @@
 #include <sstream>
 #include <string>
 
+/// Expects the string `text` to contain `part`, and prints `text` when it does not.
+#define EXPECT_HAS(text, part) EXPECT_NE((text).find(part), std::string::npos) << (text)
+
 namespace tandem_test {
 
 /// A fresh directory under $TMPDIR, removed with everything in it on destruction.

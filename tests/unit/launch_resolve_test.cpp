@@ -17,13 +17,14 @@ using tandem::launch::resolve_launch;
 
 namespace {
 
+// The message of any exception `f` throws (the resolver throws several kinds).
 template <typename F>
-std::string error_of(F&& f) {
+std::string message_of(F&& f) {
   return tandem::testing::error_of<std::exception>(std::forward<F>(f));
 }
 using tandem::testing::contains;
 
-const std::string kData = TANDEM_CONFIG_DATA;
+const std::string kConfigData = TANDEM_CONFIG_DATA;
 
 MachineInfo cpu_machine() {
   return MachineInfo{};
@@ -35,7 +36,7 @@ MachineInfo gpu_machine(int n) {
 }
 
 LaunchConfig file(const std::string& name) {
-  return tandem::config::load_config_file(kData + "/" + name + ".yaml");
+  return tandem::config::load_config_file(kConfigData + "/" + name + ".yaml");
 }
 
 }  // namespace
@@ -67,26 +68,26 @@ TEST(LaunchResolve, CommandLineBeatsConfigFileBeatsDefaults) {
 }
 
 TEST(LaunchResolve, FlagErrorsNameTheFlag) {
-  auto e = error_of([] {
+  auto e = message_of([] {
     resolve_launch(LaunchConfig(), {{"num_processes", "0"}}, cpu_machine());
   });
   EXPECT_TRUE(contains(e, "--num_processes: got '0'")) << e;
-  e = error_of([] {
+  e = message_of([] {
     resolve_launch(LaunchConfig(), {{"mixed_precision", "fp64"}}, cpu_machine());
   });
   EXPECT_TRUE(contains(e, "--mixed_precision: got 'fp64'")) << e;
   EXPECT_TRUE(contains(e, "bf16-true")) << e;
-  e = error_of([] {
+  e = message_of([] {
     resolve_launch(LaunchConfig(), {{"fsdp_config.fsdp_sharding_strategy", "9"}}, cpu_machine());
   });
   EXPECT_TRUE(contains(e, "--fsdp_sharding_strategy: got '9'")) << e;
-  e = error_of([] {
+  e = message_of([] {
     resolve_launch(LaunchConfig(), {{"deepspeed_config.zero_stage", "4"}}, cpu_machine());
   });
   EXPECT_TRUE(contains(e, "--zero_stage: got '4'")) << e;
-  e = error_of([] { resolve_launch(LaunchConfig(), {{"gpu_ids", "a,b"}}, cpu_machine()); });
+  e = message_of([] { resolve_launch(LaunchConfig(), {{"gpu_ids", "a,b"}}, cpu_machine()); });
   EXPECT_TRUE(contains(e, "--gpu_ids")) << e;
-  e = error_of([] {
+  e = message_of([] {
     resolve_launch(LaunchConfig(),
                    {{"num_machines", "2"},
                     {"machine_rank", "2"},
@@ -99,20 +100,20 @@ TEST(LaunchResolve, FlagErrorsNameTheFlag) {
 
 TEST(LaunchResolve, DistributedType) {
   // Only one sharding / multi-GPU switch.
-  auto e = error_of([] {
+  auto e = message_of([] {
     resolve_launch(LaunchConfig(),
                    {{"distributed_type", "FSDP"}, {"distributed_type", "DEEPSPEED"}},
                    cpu_machine());
   });
   EXPECT_TRUE(contains(e, "only one of --multi_gpu, --use_fsdp, --use_deepspeed")) << e;
   EXPECT_TRUE(contains(e, "--use_fsdp and --use_deepspeed")) << e;
-  e = error_of([] {
+  e = message_of([] {
     resolve_launch(LaunchConfig(),
                    {{"use_cpu", "true"}, {"distributed_type", "MULTI_GPU"}, {"num_processes", "2"}},
                    gpu_machine(2));
   });
   EXPECT_TRUE(contains(e, "--cpu and --multi_gpu")) << e;
-  e = error_of([] {
+  e = message_of([] {
     resolve_launch(LaunchConfig(), {{"distributed_type", "MULTI_GPU"}, {"num_processes", "1"}},
                    gpu_machine(2));
   });
@@ -155,16 +156,17 @@ TEST(LaunchResolve, DeviceTypesTandemCannotDriveAreRefused) {
       tandem::launch::ResolvedLaunch as_validate;  // what `tandem config validate` checks
       as_validate.config = cfg;
       as_validate.distributed_type = cfg.distributed_type;
-      auto validate_says = error_of([&] { tandem::launch::check_strategy_available(as_validate); });
-      auto launch_says = error_of([&] { resolve_launch(cfg, {}, cpu_machine()); });
+      auto validate_says =
+          message_of([&] { tandem::launch::check_strategy_available(as_validate); });
+      auto launch_says = message_of([&] { resolve_launch(cfg, {}, cpu_machine()); });
       EXPECT_EQ(launch_says, validate_says) << type;
       EXPECT_TRUE(contains(launch_says, "(from dev.yaml) asks for")) << launch_says;
       EXPECT_TRUE(contains(launch_says, "MULTI_CPU")) << launch_says;     // what runs instead
       EXPECT_TRUE(tandem::config::ignored_warning(cfg).empty()) << type;  // not "ignored"
     }
   }
-  auto e =
-      error_of([] { resolve_launch(parse_config("distributed_type: TPU\n"), {}, cpu_machine()); });
+  auto e = message_of(
+      [] { resolve_launch(parse_config("distributed_type: TPU\n"), {}, cpu_machine()); });
   EXPECT_TRUE(contains(e, "distributed_type XLA (from <config>) asks for TPUs")) << e;
   EXPECT_TRUE(contains(e, "does not drive")) << e;
 }
@@ -172,7 +174,7 @@ TEST(LaunchResolve, DeviceTypesTandemCannotDriveAreRefused) {
 // Note [Pipelines and ZeRO], and a strategy flag without the flag that enables it: refused at
 // launch, naming both flags.
 TEST(LaunchResolve, StrategyFlagsNeedTheirEnablingFlag) {
-  auto e = error_of([] {
+  auto e = message_of([] {
     resolve_launch(LaunchConfig(), {{"num_processes", "2"}, {"deepspeed_config.zero_stage", "3"}},
                    cpu_machine());
   });
@@ -183,12 +185,12 @@ TEST(LaunchResolve, StrategyFlagsNeedTheirEnablingFlag) {
   EXPECT_TRUE(contains(e, "plain data parallel")) << e;
   for (const char* key :
        {"deepspeed_config.offload_optimizer_device", "deepspeed_config.offload_param_device"}) {
-    e = error_of([&] {
+    e = message_of([&] {
       resolve_launch(LaunchConfig(), {{"num_processes", "2"}, {key, "cpu"}}, cpu_machine());
     });
     EXPECT_TRUE(contains(e, tandem::launch::flag_for_key(key) + " cpu needs --use_deepspeed")) << e;
   }
-  e = error_of([] {
+  e = message_of([] {
     resolve_launch(LaunchConfig(),
                    {{"distributed_type", "DEEPSPEED"},
                     {"num_processes", "2"},
@@ -197,7 +199,7 @@ TEST(LaunchResolve, StrategyFlagsNeedTheirEnablingFlag) {
   });
   EXPECT_TRUE(contains(e, "--fsdp_offload_params true needs --use_fsdp")) << e;
   EXPECT_TRUE(contains(e, "distributed_type DEEPSPEED from the command line")) << e;
-  e = error_of([] {
+  e = message_of([] {
     resolve_launch(file("fsdp"), {{"deepspeed_config.zero_stage", "3"}}, cpu_machine());
   });
   EXPECT_TRUE(contains(e, "--zero_stage 3 needs --use_deepspeed")) << e;
@@ -220,7 +222,7 @@ TEST(LaunchResolve, StrategyFlagsNeedTheirEnablingFlag) {
   auto pp = [](FlagValues more) {
     FlagValues f = {{"num_processes", "2"}, {"parallelism_config.pp_size", "2"}};
     f.insert(f.end(), more.begin(), more.end());
-    return error_of([&] { resolve_launch(LaunchConfig(), f, cpu_machine()); });
+    return message_of([&] { resolve_launch(LaunchConfig(), f, cpu_machine()); });
   };
   e = pp({{"distributed_type", "DEEPSPEED"}, {"deepspeed_config.zero_stage", "2"}});
   EXPECT_TRUE(contains(e, "--pp_size 2 does not combine with --use_deepspeed --zero_stage 2")) << e;
@@ -236,7 +238,7 @@ TEST(LaunchResolve, StrategyFlagsNeedTheirEnablingFlag) {
 // --env cannot set what the launcher writes for every rank: it would be replaced silently.
 TEST(LaunchResolve, EnvCannotSetWhatTheLauncherSetsPerRank) {
   auto resolved = resolve_launch(file("multi_cpu"), {}, cpu_machine());
-  auto e = error_of([&] { tandem::launch::to_launch_options(resolved, {{"RANK", "5"}}); });
+  auto e = message_of([&] { tandem::launch::to_launch_options(resolved, {{"RANK", "5"}}); });
   EXPECT_TRUE(contains(e, "--env RANK=5: tandem launch sets RANK for every rank itself")) << e;
   EXPECT_TRUE(contains(e, "--machine_rank")) << e;
   for (const auto& [name, flag] :
@@ -247,7 +249,7 @@ TEST(LaunchResolve, EnvCannotSetWhatTheLauncherSetsPerRank) {
                                                         {"MASTER_PORT", "--main_process_port"},
                                                         {"TANDEM_RESTART_COUNT", "--max_restarts"},
                                                         {"TANDEM_USE_CPU", "--cpu"}}) {
-    e = error_of([&] { tandem::launch::to_launch_options(resolved, {{name, "1"}}); });
+    e = message_of([&] { tandem::launch::to_launch_options(resolved, {{name, "1"}}); });
     EXPECT_TRUE(contains(e, "--env " + name + "=1")) << e;
     EXPECT_TRUE(contains(e, flag)) << e;
   }
@@ -261,10 +263,10 @@ TEST(LaunchResolve, NumberOfProcesses) {
   cfg = parse_config("distributed_type: MULTI_GPU\ngpu_ids: 0,2\n");
   EXPECT_EQ(resolve_launch(cfg, {}, gpu_machine(4)).config.num_processes, 2);
   // ... and is an error where there is nothing to count.
-  auto e = error_of(
+  auto e = message_of(
       [] { resolve_launch(parse_config("distributed_type: MULTI_CPU\n"), {}, cpu_machine()); });
   EXPECT_TRUE(contains(e, "pass --num_processes")) << e;
-  e = error_of([] {
+  e = message_of([] {
     resolve_launch(parse_config("distributed_type: NO\nnum_processes: -1\n"), {}, cpu_machine());
   });
   EXPECT_TRUE(contains(e, "num_processes is -1")) << e;
@@ -284,7 +286,7 @@ TEST(LaunchResolve, NumberOfProcesses) {
   EXPECT_EQ(plan[0].env.at("MASTER_ADDR"), "10.0.0.1");
   EXPECT_EQ(plan[0].env.at("MASTER_PORT"), "29500");
   EXPECT_EQ(plan[0].env.at("LOCAL_WORLD_SIZE"), "4");
-  e = error_of([] {
+  e = message_of([] {
     resolve_launch(file("multi_machine"), {{"num_processes", "6"}, {"num_machines", "4"}},
                    cpu_machine());
   });
@@ -296,20 +298,20 @@ TEST(LaunchResolve, DeviceCountCheck) {
   EXPECT_NO_THROW(check_device_count(2, 2, ""));
   EXPECT_NO_THROW(check_device_count(2, 4, "1,3"));
   EXPECT_NO_THROW(check_device_count(4, 4, "all"));
-  auto e = error_of([] { check_device_count(4, 2, "", "0,1"); });
+  auto e = message_of([] { check_device_count(4, 2, "", "0,1"); });
   EXPECT_TRUE(contains(e, "4 processes per machine need 4 GPUs")) << e;
   EXPECT_TRUE(contains(e, "there are 2 GPUs visible (CUDA_VISIBLE_DEVICES=0,1)")) << e;
   EXPECT_TRUE(contains(e, "--cpu")) << e;
-  e = error_of([] { check_device_count(2, 1, ""); });
+  e = message_of([] { check_device_count(2, 1, ""); });
   EXPECT_TRUE(contains(e, "there is 1 GPU visible")) << e;
-  e = error_of([] { check_device_count(1, 2, "0,5"); });
+  e = message_of([] { check_device_count(1, 2, "0,5"); });
   EXPECT_TRUE(contains(e, "device 5 does not exist")) << e;
   EXPECT_TRUE(contains(e, "numbered 0 to 1")) << e;
-  e = error_of([] { check_device_count(2, 4, "3"); });
+  e = message_of([] { check_device_count(2, 4, "3"); });
   EXPECT_TRUE(contains(e, "1 GPU chosen by --gpu_ids 3 (of 4 GPUs visible)")) << e;
 
   // resolve_launch applies it on GPU runs only.
-  e = error_of([] { resolve_launch(LaunchConfig(), {{"num_processes", "3"}}, gpu_machine(2)); });
+  e = message_of([] { resolve_launch(LaunchConfig(), {{"num_processes", "3"}}, gpu_machine(2)); });
   EXPECT_TRUE(contains(e, "3 processes per machine need 3 GPUs")) << e;
   EXPECT_NO_THROW(resolve_launch(LaunchConfig(), {{"num_processes", "3"}, {"use_cpu", "true"}},
                                  gpu_machine(2)));
@@ -395,12 +397,12 @@ TEST(ForkSafety, EachHazardIsRefusedWithItsFix) {
   using tandem::launch::check_fork_safety;
   using tandem::launch::ForkSafety;
   EXPECT_NO_THROW(check_fork_safety(ForkSafety{}));
-  auto e = error_of([] { check_fork_safety(ForkSafety{1, false, 1}); });
+  auto e = message_of([] { check_fork_safety(ForkSafety{1, false, 1}); });
   EXPECT_TRUE(contains(e, "1 live tandem ProcessGroup")) << e;
   EXPECT_TRUE(contains(e, "inside the launched function")) << e;
-  e = error_of([] { check_fork_safety(ForkSafety{0, true, 1}); });
+  e = message_of([] { check_fork_safety(ForkSafety{0, true, 1}); });
   EXPECT_TRUE(contains(e, "CUDA is already initialized")) << e;
-  e = error_of([] { check_fork_safety(ForkSafety{0, false, 5}); });
+  e = message_of([] { check_fork_safety(ForkSafety{0, false, 5}); });
   EXPECT_TRUE(contains(e, "runs 5 threads")) << e;
   EXPECT_TRUE(contains(e, "before starting threads")) << e;
   // This test process: no group, no CUDA.
@@ -438,7 +440,7 @@ TEST(LaunchResolve, ActivationCheckpointingKey) {
   EXPECT_EQ(env.at("TANDEM_ACTIVATION_CHECKPOINTING"), "true");
 
   // A value that is not a boolean is refused with the key's name.
-  auto err = error_of([] {
+  auto err = message_of([] {
     parse_config("fsdp_config:\n  fsdp_activation_checkpointing: sometimes\n", "bad.yaml");
   });
   EXPECT_TRUE(contains(err, "activation_checkpointing")) << err;
@@ -467,11 +469,11 @@ TEST(LaunchResolve, PipelineScheduleKeys) {
   env = program_environment(resolve_launch(
       LaunchConfig(), {{"num_processes", "2"}, {"parallelism_config.pp_size", "2"}}, cpu_machine()));
   EXPECT_EQ(env.count("TANDEM_PP_SCHEDULE"), 0u);
-  auto err = error_of([] {
-    parse_config("parallelism_config:\n  pp_schedule: ZBVZeroBubble\n", "bad.yaml");
-  });
+  auto err = message_of(
+      [] { parse_config("parallelism_config:\n  pp_schedule: ZBVZeroBubble\n", "bad.yaml"); });
   EXPECT_TRUE(contains(err, "unknown pipeline schedule 'ZBVZeroBubble'")) << err;
   EXPECT_TRUE(contains(err, "bad.yaml")) << err;
-  err = error_of([] { parse_config("parallelism_config:\n  pp_virtual_stages: 0\n", "bad.yaml"); });
+  err =
+      message_of([] { parse_config("parallelism_config:\n  pp_virtual_stages: 0\n", "bad.yaml"); });
   EXPECT_TRUE(contains(err, "pp_virtual_stages")) << err;
 }

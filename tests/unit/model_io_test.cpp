@@ -47,8 +47,6 @@ nlohmann::json read_json(const fs::path& p) {
   return nlohmann::json::parse(tandem_test::read_file(p.string()));
 }
 
-#define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << (msg)
-
 }  // namespace
 
 TEST(ParseSize, DecimalAndBinaryUnits) {

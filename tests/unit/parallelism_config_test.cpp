@@ -18,7 +18,9 @@ using tandem::testing::contains;
 
 const std::string kBase = "distributed_type: MULTI_CPU\nnum_processes: 4\nuse_cpu: true\n";
 
-tandem::launch::MachineInfo cpu_machine() { return {}; }
+tandem::launch::MachineInfo cpu_only() {
+  return {};
+}
 
 }  // namespace
 
@@ -58,8 +60,7 @@ TEST(ParallelismConfig, ContextParallelKeys) {
   EXPECT_EQ(c.parallelism_config.at("parallelism_config_cp_size"), "2");
   EXPECT_EQ(tandem::config::mesh_shape(c).cp, 2);
   tandem::config::validate(c);
-  auto env = tandem::launch::program_environment(
-      tandem::launch::resolve_launch(c, {}, cpu_machine()));
+  auto env = tandem::launch::program_environment(tandem::launch::resolve_launch(c, {}, cpu_only()));
   EXPECT_EQ(env.at("TANDEM_CP_SIZE"), "2");
   EXPECT_EQ(env.at("TANDEM_CP_COMM_STRATEGY"), "allgather");
   auto again = parse_config(tandem::config::to_yaml(c));
@@ -87,8 +88,7 @@ TEST(ParallelismConfig, ExpertParallelKey) {
   auto c = parse_config(kBase + "parallelism_config:\n  parallelism_config_ep_size: 2\n");
   EXPECT_EQ(c.parallelism_config.at("parallelism_config_ep_size"), "2");
   tandem::config::validate(c);
-  auto env = tandem::launch::program_environment(
-      tandem::launch::resolve_launch(c, {}, cpu_machine()));
+  auto env = tandem::launch::program_environment(tandem::launch::resolve_launch(c, {}, cpu_only()));
   EXPECT_EQ(env.at("TANDEM_EP_SIZE"), "2");
   EXPECT_EQ(tandem::config::mesh_shape(c).resolve(4).dp_replicate, 4);
   auto again = parse_config(tandem::config::to_yaml(c));
@@ -130,11 +130,13 @@ TEST(ParallelismConfig, ValidateRefusesAShapeThatDoesNotFitTheJob) {
 }
 
 TEST(ParallelismConfig, LaunchFlagsExportTheSizes) {
-  auto r = tandem::launch::resolve_launch(
-      LaunchConfig(), {{"num_processes", "4"}, {"use_cpu", "true"},
-                       {"parallelism_config.parallelism_config_tp_size", "2"},
-                       {"parallelism_config.parallelism_config_dp_shard_size", "2"}},
-      cpu_machine());
+  auto r =
+      tandem::launch::resolve_launch(LaunchConfig(),
+                                     {{"num_processes", "4"},
+                                      {"use_cpu", "true"},
+                                      {"parallelism_config.parallelism_config_tp_size", "2"},
+                                      {"parallelism_config.parallelism_config_dp_shard_size", "2"}},
+                                     cpu_only());
   auto env = tandem::launch::program_environment(r);
   EXPECT_EQ(env.at("TANDEM_TP_SIZE"), "2");
   EXPECT_EQ(env.at("TANDEM_DP_SHARD_SIZE"), "2");
@@ -145,14 +147,14 @@ TEST(ParallelismConfig, LaunchFlagsExportTheSizes) {
   EXPECT_EQ(tandem::launch::flag_for_key("parallelism_config.parallelism_config_tp_size"), "--tp_size");
   EXPECT_EQ(tandem::launch::flag_for_key("parallelism_config.pp_size"), "--pp_size");
   // Nothing set: nothing exported.
-  auto plain = tandem::launch::resolve_launch(LaunchConfig(), {{"num_processes", "2"}}, cpu_machine());
+  auto plain = tandem::launch::resolve_launch(LaunchConfig(), {{"num_processes", "2"}}, cpu_only());
   EXPECT_EQ(tandem::launch::program_environment(plain).count("TANDEM_TP_SIZE"), 0u);
   // A shape that does not fit is refused before any rank starts.
   auto e = error_of([] {
-    tandem::launch::resolve_launch(LaunchConfig(),
-                                   {{"num_processes", "4"}, {"use_cpu", "true"},
-                                    {"parallelism_config.pp_size", "3"}},
-                                   cpu_machine());
+    tandem::launch::resolve_launch(
+        LaunchConfig(),
+        {{"num_processes", "4"}, {"use_cpu", "true"}, {"parallelism_config.pp_size", "3"}},
+        cpu_only());
   });
   EXPECT_TRUE(contains(e, "--pp_size")) << e;
   EXPECT_TRUE(contains(e, "4 processes")) << e;

@@ -42,8 +42,6 @@ class SafetensorsValidation : public ::testing::Test {
   tandem_test::TempDir dir_;
 };
 
-#define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << (msg)
-
 const std::string kF32x2 = R"({"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
 
 }  // namespace
