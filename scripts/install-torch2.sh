@@ -2,7 +2,8 @@
 # Installs LibTorch 2.x (PyPI's CUDA torch wheel) and the Python tools tandem's tests use as
 # oracles (safetensors, tensorboard, accelerate, transformers) into a virtual environment in the
 # cache directory, every version pinned by scripts/requirements-torch2.txt. Quick when it is
-# already there. Prints the environment's folder on stdout.
+# already there. Prints the environment's folder on stdout; with --path, prints it and installs
+# nothing (scripts/test.sh configures its first build with it while the environment installs).
 #   TANDEM_CACHE   where the environment lives (default: ${XDG_CACHE_HOME:-~/.cache}/tandem)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -10,6 +11,13 @@ req=$root/scripts/requirements-torch2.txt
 cache=${TANDEM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tandem}
 venv=$cache/venv-torch2
 stamp=$venv/.tandem-requirements
+if [ "${1:-}" = --path ]; then
+  echo "$venv"
+  exit 0
+elif [ $# -gt 0 ]; then
+  echo "install-torch2: unknown argument '$1'; the only one is --path (print the folder)" >&2
+  exit 2
+fi
 if [ -f "$stamp" ] && cmp -s "$stamp" "$req"; then
   echo "$venv"
   exit 0

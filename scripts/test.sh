@@ -21,29 +21,59 @@ esac
 build=${TANDEM_BUILD_DIR:-$default_dir}
 started=$(date +%s)
 "$root/scripts/install-deps.sh"
-venv=$("$root/scripts/install-torch2.sh")
-installed=$(date +%s)
-status=0
 timings=$(mktemp /tmp/tandem-timings-XXXXXX)
-trap 'rm -f "$timings" "$timings".*' EXIT
+trap 'kill $(jobs -p) 2> /dev/null; rm -f "$timings" "$timings".*' EXIT
 
-# Builds with `build_cmd` in `dir`, runs its tests, and appends where the time went to $timings
-# (scripts/timings.py: configure, compile, link and test times, the slowest of each).
-build_and_test() {
-  local label=$1 dir=$2
-  shift 2
-  local skip=0 t0 t1 t2 rc=0
+# Note [Overlapped phases]: the run is CPU-bound on two cores, but not every phase is. The Python
+# environment (several GB of wheels on a fresh machine: download and unpacking) installs while the
+# first build compiles, which needs only its path; and the second build compiles at the lowest
+# priority while the first build's tests run, taking the cycles their processes leave when they
+# wait on each other, so the tests keep their speed. Its output follows the first tests'.
+venv=$("$root/scripts/install-torch2.sh" --path)
+venv_started=$(date +%s)
+"$root/scripts/install-torch2.sh" > /dev/null 2> "$timings.venv.log" &
+venv_pid=$!
+venv_s=""
+wait_venv() {
+  [ -n "$venv_s" ] && return 0
+  local rc=0
+  wait "$venv_pid" || rc=$?
+  venv_s=$(($(date +%s) - venv_started))
+  cat "$timings.venv.log" >&2
+  if [ $rc -ne 0 ]; then
+    echo "test.sh: scripts/install-torch2.sh failed (exit $rc); its output is above" >&2
+    exit 1
+  fi
+}
+status=0
+
+# Builds with `build_cmd` in `dir` and notes what scripts/timings.py needs; returns the build's
+# status.
+build_tree() {
+  local label=$1 dir=$2 skip=0 t0 rc=0
   [ -f "$dir/.ninja_log" ] && skip=$(wc -l < "$dir/.ninja_log")
   t0=$(date +%s)
   "${build_cmd[@]}" || rc=1
-  t1=$(date +%s)
-  if [ $rc -eq 0 ]; then
-    # One test per core: the multi-process tests spend most of their time waiting on each other.
+  echo "$skip $(($(date +%s) - t0))" > "$timings.$label.build"
+  return $rc
+}
+
+# Runs the tests of `dir` when its build passed (`built` 1), then appends where the time went to
+# $timings (scripts/timings.py: configure, compile, link and test times, the slowest of each).
+test_tree() {
+  local label=$1 dir=$2 built=$3
+  shift 3
+  local skip build_s t0 rc=0
+  read -r skip build_s < "$timings.$label.build"
+  t0=$(date +%s)
+  if [ "$built" = 1 ]; then
+    # One test per core: more at once made each test slower by more than the extra core gave.
     (cd "$dir" && ctest --output-on-failure -j "$(nproc)" --output-junit "$timings.$label.xml" "$@") \
       || rc=1
+  else
+    rc=1
   fi
-  t2=$(date +%s)
-  python3 "$root/scripts/timings.py" "$label" "$dir" "$skip" $((t1 - t0)) $((t2 - t1)) \
+  python3 "$root/scripts/timings.py" "$label" "$dir" "$skip" "$build_s" $(($(date +%s) - t0)) \
     "$timings.$label.xml" >> "$timings" 2>&1 || true
   return $rc
 }
@@ -57,25 +87,50 @@ program_flags=(-DTANDEM_PROGRAM_OPTIMIZATION=-O0)
 # here for trees where an edit should recompile its one file, not its batch.
 program_flags+=(-DTANDEM_UNITY_BUILD="${TANDEM_UNITY_BUILD:-ON}")
 
-echo "== tandem tests: LibTorch 1.13 (Debian), sanitizers: ${sanitize:-none}, in $build" >&2
-(
+sanitizer_env() {
   if [ -n "$sanitize" ]; then
     # shellcheck source=../tests/sanitizers/env.sh
     source "$root/tests/sanitizers/env.sh"
   fi
+}
+
+echo "== tandem tests: LibTorch 1.13 (Debian), sanitizers: ${sanitize:-none}, in $build" >&2
+built=1
+(
+  sanitizer_env
   build_cmd=(env TANDEM_BUILD_DIR="$build" "$root/scripts/build.sh" -DTANDEM_SANITIZE="$sanitize"
              -DTANDEM_PYTHON="$venv/bin/python" "${program_flags[@]}")
-  build_and_test "libtorch-1.13" "$build" "$@"
+  build_tree "libtorch-1.13" "$build"
+) || built=0
+wait_venv
+
+torch2_pid=""
+if [ "${TANDEM_TORCH2:-1}" != 0 ]; then
+  echo "== LibTorch 2.12 with CUDA (PyPI's wheel): building in $root/build-torch2 beside the" \
+       "tests below, at the lowest priority; its output follows them" >&2
+  (
+    build_cmd=(nice -n 19 env TANDEM_BUILD_DIR="$root/build-torch2"
+               "$root/scripts/build-torch2.sh" "${program_flags[@]}")
+    build_tree "libtorch-2.12" "$root/build-torch2"
+  ) > "$timings.torch2-build.log" 2>&1 &
+  torch2_pid=$!
+fi
+
+(
+  sanitizer_env
+  test_tree "libtorch-1.13" "$build" "$built" "$@"
 ) || status=1
 
-if [ "${TANDEM_TORCH2:-1}" != 0 ]; then
-  echo "== tandem tests: LibTorch 2.12 with CUDA (PyPI's wheel), in $root/build-torch2" >&2
-  (
-    build_cmd=(env TANDEM_BUILD_DIR="$root/build-torch2" "$root/scripts/build-torch2.sh"
-               "${program_flags[@]}")
-    build_and_test "libtorch-2.12" "$root/build-torch2" "$@"
-  ) || status=1
+if [ -n "$torch2_pid" ]; then
+  built=1
+  wait "$torch2_pid" || built=0
+  echo "== tandem tests: LibTorch 2.12 with CUDA (PyPI's wheel), in $root/build-torch2;" \
+       "its build's output:" >&2
+  cat "$timings.torch2-build.log" >&2
+  test_tree "libtorch-2.12" "$root/build-torch2" "$built" "$@" || status=1
 fi
-echo "== timings: install $((installed - started)) s, in all $(($(date +%s) - started)) s" >&2
+finished=$(date +%s)
+echo "== timings: install $((venv_started - started)) s (packages) + ${venv_s} s (Python" \
+     "environment, beside the first build), in all $((finished - started)) s" >&2
 cat "$timings" >&2
 exit $status

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "detail/json_depth.h"
+#include "detail/posix_file.h"
 #include "tandem/checkpoint/model_io.h"
 #include "tandem/checkpoint/training_state.h"
 
@@ -18,10 +19,7 @@ namespace {
 
 using json = nlohmann::json;
 
-// A value as it appeared, shortened, for "is ..." in messages.
-std::string shown(const std::string& value) {
-  return "\"" + (value.size() > 80 ? value.substr(0, 77) + "..." : value) + "\"";
-}
+using detail::shown;
 
 // A decimal integer in [lo, hi] written without sign, spaces or leading zeros, or nullopt.
 std::optional<long long> parse_count(const std::string& text, long long lo, long long hi) {

@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "detail/posix_file.h"
 #include "tandem/checkpoint/layout.h"
 #include "tandem/checkpoint/safetensors_header.h"
 #include "tandem/checkpoint/training_state.h"
@@ -27,19 +28,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string system_error_text() {
-  return std::strerror(errno);
-}
-
-struct ScopedFd {
-  int fd = -1;
-  explicit ScopedFd(int f) : fd(f) {}
-  ~ScopedFd() {
-    if (fd >= 0) ::close(fd);
-  }
-  ScopedFd(const ScopedFd&) = delete;
-  ScopedFd& operator=(const ScopedFd&) = delete;
-};
+using detail::errno_text;
+using detail::Fd;
+using detail::shown;
 
 // The source files of the model in `checkpoint`; `verify` is called on an index before it is read.
 std::vector<fs::path> model_files(const fs::path& checkpoint, std::size_t index,
@@ -104,11 +95,6 @@ std::vector<fs::path> model_parallel_files(const fs::path& checkpoint, std::size
 constexpr const char* kMetadataFix =
     "; the file was altered or written by another tool: merge the model.mp<r> files exactly as "
     "save_state() wrote them, or save the checkpoint again";
-
-// A value as it appeared, shortened, for "is ..." in messages.
-std::string shown(const std::string& value) {
-  return "\"" + (value.size() > 80 ? value.substr(0, 77) + "..." : value) + "\"";
-}
 
 // The tensor-parallel cut of one model.mp<r> file (Note [Tensor-parallel shards in
 // checkpoints]), every value checked by the checkpoint's layout.
@@ -336,15 +322,15 @@ MergeReport merge_weights(const std::string& checkpoint, const std::string& out_
   auto fail = [&](const std::string& what) {
     std::error_code ec;
     fs::remove(tmp, ec);
-    throw std::runtime_error("merge_weights: " + what + ": " + system_error_text());
+    throw std::runtime_error("merge_weights: " + what + ": " + errno_text());
   };
   MergeReport report;
   {
-    ScopedFd out(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (out.fd < 0) fail("cannot create " + tmp.string());
+    Fd out(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (out.get() < 0) fail("cannot create " + tmp.string());
     auto write_all = [&](const char* p, std::size_t n) {
       while (n > 0) {
-        ssize_t w = ::write(out.fd, p, n);
+        ssize_t w = ::write(out.get(), p, n);
         if (w < 0) {
           if (errno == EINTR) continue;
           fail("writing " + tmp.string() + " (is the disk full?)");
@@ -354,21 +340,21 @@ MergeReport merge_weights(const std::string& checkpoint, const std::string& out_
       }
     };
     write_all(header.data(), header.size());
-    std::vector<std::unique_ptr<ScopedFd>> in(sources.size());
+    std::vector<std::unique_ptr<Fd>> in(sources.size());
     std::vector<char> buffer(std::size_t(64) << 20);
     for (const auto& e : layout) {
       for (const auto& src : from.at(e.name)) {
         if (!in[src.file]) {
           in[src.file] =
-              std::make_unique<ScopedFd>(::open(sources[src.file].c_str(), O_RDONLY | O_CLOEXEC));
-          if (in[src.file]->fd < 0) fail("cannot open " + sources[src.file].string());
+              std::make_unique<Fd>(::open(sources[src.file].c_str(), O_RDONLY | O_CLOEXEC));
+          if (in[src.file]->get() < 0) fail("cannot open " + sources[src.file].string());
         }
         uint64_t done = 0;
         while (done < src.length) {
           const std::size_t n =
               static_cast<std::size_t>(std::min<uint64_t>(buffer.size(), src.length - done));
-          ssize_t r = ::pread(in[src.file]->fd, buffer.data(), n,
-                              static_cast<off_t>(src.offset + done));
+          ssize_t r =
+              ::pread(in[src.file]->get(), buffer.data(), n, static_cast<off_t>(src.offset + done));
           if (r < 0 && errno == EINTR) continue;
           if (r <= 0) fail("reading '" + e.name + "' from " + sources[src.file].string());
           write_all(buffer.data(), static_cast<std::size_t>(r));
@@ -378,7 +364,7 @@ MergeReport merge_weights(const std::string& checkpoint, const std::string& out_
       report.bytes += e.nbytes();
       ++report.tensors;
     }
-    if (::fsync(out.fd) != 0) fail("fsync of " + tmp.string());
+    if (::fsync(out.get()) != 0) fail("fsync of " + tmp.string());
   }
   std::error_code ec;
   fs::rename(tmp, target, ec);

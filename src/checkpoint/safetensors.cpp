@@ -18,6 +18,7 @@
 #include <map>
 
 #include "compat/float8.h"
+#include "detail/posix_file.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "tandem's safetensors code copies tensor bytes as they are: it needs a little-endian host"
@@ -26,29 +27,8 @@
 namespace tandem::checkpoint {
 namespace {
 
-std::string errno_text() {
-  return std::strerror(errno);
-}
-
-// A file descriptor closed on scope exit.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int release() {
-    int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-
- private:
-  int fd_;
-};
+using detail::errno_text;
+using detail::Fd;
 
 // What the writer needs: the layout (data order) and, for each entry, the caller's tensor.
 struct WritePlan {

@@ -1,6 +1,7 @@
 // tandem::launch::launch: fork workers from the running program, run a function in each, and
 // bring the first failure back to the parent through a pipe per worker.
 #include "tandem/launch/fork_launcher.h"
+#include "../detail/write_all.h"
 #include "fork_start.h"
 #include "tandem/error.h"
 #include "tandem/launch/launcher.h"
@@ -34,7 +35,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-using fork_start::write_all;
+using tandem::detail::write_all;
 
 // Note [Secondary failures]: when a worker fails, its peers' collectives fail too, and while the
 // first worker unwinds (its process group closing its sockets), a peer may report before it. A

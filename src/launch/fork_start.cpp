@@ -19,10 +19,13 @@
 #include <cstring>
 #include <fstream>
 
+#include "../detail/write_all.h"
 #include "tandem/config/run_env.h"
 
 namespace tandem::launch::fork_start {
 namespace {
+
+using tandem::detail::write_all;
 
 void put_u32(std::string& out, uint32_t v) {
   out.append(reinterpret_cast<const char*>(&v), 4);
@@ -209,16 +212,6 @@ __attribute__((constructor)) void tandem_fork_server() {
 }
 
 }  // namespace
-
-void write_all(int fd, const std::string& s) {
-  size_t off = 0;
-  while (off < s.size()) {
-    const ssize_t n = ::write(fd, s.data() + off, s.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    off += static_cast<size_t>(n);
-  }
-}
 
 std::string encode(const Spec& spec) {
   std::string out;

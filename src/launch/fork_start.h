@@ -65,8 +65,4 @@ int process_threads();
 /// Whether this process initialized CUDA (it maps the driver library), which a fork cannot use.
 bool cuda_loaded();
 
-/// Writes all of `s` to `fd`, again after an interrupted write; stops at any other failure (the
-/// callers report on a pipe or a terminal that may be gone, and have nothing better to do).
-void write_all(int fd, const std::string& s);
-
 }  // namespace tandem::launch::fork_start

@@ -1,6 +1,7 @@
 // tandem's local supervisor: fork/exec each rank, prefix its output, fail fast, forward signals.
 #include "tandem/launch/launcher.h"
 #include "../detail/read_file.h"
+#include "../detail/write_all.h"
 #include "fork_start.h"
 #include "tandem/error.h"
 #include "tandem/launch/machine_rendezvous.h"
@@ -57,7 +58,7 @@ extern "C" void on_signal(int sig) {
   }
 }
 
-using fork_start::write_all;
+using tandem::detail::write_all;
 
 std::string number_text(double v) {
   std::ostringstream os;

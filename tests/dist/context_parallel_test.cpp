@@ -485,15 +485,18 @@ TEST(ExpertParallel, BesideAPipelineEqualsOneProcessAndResumes) {
   };
   // Four AdamW steps of sums in another order: the pipeline's micro-batches move pp 2 x dp 2,
   // with ep or without, 4.4e-5 of a tensor's largest element from one process, and ep moves it
-  // 7.7e-7 from pp 2 x dp 2 without ep; an expert reduced over the wrong ranks moves whole steps.
-  constexpr double kRounding = 1e-4;
+  // 7.7e-7 from pp 2 x dp 2 without ep on an Intel CPU, 1.8e-5 on an AMD EPYC (OpenBLAS's Zen
+  // kernels sum the experts' products, which hold the tokens of both dp ranks, in another order,
+  // and AdamW divides each gradient by its own size, so a sum that cancels keeps its rounding);
+  // an expert reduced over the wrong ranks moves whole steps (lr 3e-4 each).
+  constexpr double kRounding = 1e-4, kExpertRounding = 5e-5;
   EXPECT_LE(worst("a", "dense"), kRounding) << first["a"].output;
   EXPECT_LE(worst("v", "dense"), kRounding) << first["v"].output;
   EXPECT_LE(worst("p", "dense"), kRounding) << first["p"].output;
-  EXPECT_LE(worst("a", "p"), 1e-5) << first["a"].output;
-  EXPECT_LE(worst("v", "p"), 1e-5) << first["v"].output;
+  EXPECT_LE(worst("a", "p"), kExpertRounding) << first["a"].output;
+  EXPECT_LE(worst("v", "p"), kExpertRounding) << first["v"].output;
   EXPECT_LE(worst("z", "dense"), kRounding) << first["z"].output;
-  EXPECT_LE(worst("z", "p"), 1e-5) << first["z"].output;
+  EXPECT_LE(worst("z", "p"), kExpertRounding) << first["z"].output;
   // The gradient norm catches an expert's sum divided by its replicas instead of dp.
   const auto grad_norm = step4_grad_norm;
   const double norm = grad_norm(first["p"].output);
