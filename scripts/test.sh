@@ -31,14 +31,19 @@ trap 'kill $(jobs -p) 2> /dev/null; rm -f "$timings" "$timings".*' EXIT
 # wait on each other, so the tests keep their speed. Its output follows the first tests'.
 venv=$("$root/scripts/install-torch2.sh" --path)
 venv_started=$(date +%s)
-"$root/scripts/install-torch2.sh" > /dev/null 2> "$timings.venv.log" &
+(
+  rc=0
+  "$root/scripts/install-torch2.sh" > /dev/null 2> "$timings.venv.log" || rc=$?
+  date +%s > "$timings.venv.end"
+  exit $rc
+) &
 venv_pid=$!
 venv_s=""
 wait_venv() {
   [ -n "$venv_s" ] && return 0
   local rc=0
   wait "$venv_pid" || rc=$?
-  venv_s=$(($(date +%s) - venv_started))
+  venv_s=$(($(cat "$timings.venv.end" 2> /dev/null || date +%s) - venv_started))
   cat "$timings.venv.log" >&2
   if [ $rc -ne 0 ]; then
     echo "test.sh: scripts/install-torch2.sh failed (exit $rc); its output is above" >&2
