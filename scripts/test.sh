@@ -28,8 +28,8 @@ trap 'kill $(jobs -p) 2> /dev/null; rm -f "$timings" "$timings".*' EXIT
 # environment (several GB of wheels on a fresh machine: download and unpacking) installs while the
 # first build compiles, which needs only its path; and the second build compiles at the lowest
 # priority while the first build's tests run, taking the cycles their processes leave when they
-# wait on each other (a few percent of the two cores) and most of the time its cached units need
-# little CPU, so the tests keep most of their speed. Its output follows the first tests'.
+# wait on each other (a few percent of the two cores; a build from a warm cache needs little
+# more), so the tests keep most of their speed. Its output follows the first tests'.
 venv=$("$root/scripts/install-torch2.sh" --path)
 venv_started=$(date +%s)
 (
