@@ -22,7 +22,8 @@ build=${TANDEM_BUILD_DIR:-$default_dir}
 started=$(date +%s)
 "$root/scripts/install-deps.sh"
 timings=$(mktemp /tmp/tandem-timings-XXXXXX)
-trap 'kill $(jobs -p) 2> /dev/null; rm -f "$timings" "$timings".*' EXIT
+# A background phase still running when the script stops (an error, ^C) stops with it.
+trap 'kill $(jobs -p) 2> /dev/null || true; rm -f "$timings" "$timings".*' EXIT
 
 # Note [Overlapped phases]: the run is CPU-bound on two cores, but not every phase is. The Python
 # environment (several GB of wheels on a fresh machine: download and unpacking) installs while the
