@@ -8,14 +8,26 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <iterator>
 #include <list>
-#include <vector>
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <vector>
 
 #include "detail/cpu_allocators.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define TANDEM_HOST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TANDEM_HOST_ASAN 1
+#endif
+#endif
+#ifdef TANDEM_HOST_ASAN
+#include <sanitizer/asan_interface.h>
+#endif
 
 namespace tandem {
 namespace {
@@ -24,6 +36,56 @@ size_t page_size() {
   static const size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   return p;
 }
+
+// Note [The host allocator under AddressSanitizer]: ASan checks a tensor's bytes where its own
+// malloc hands them out: redzones around each block, and freed blocks held in a quarantine. A
+// block this allocator maps is not malloc's, so it does ASan's part itself, with ASan's manual
+// poisoning: a poisoned page before and after each block, the tail past the bytes asked for, and
+// every freed block while it waits in the cache are unaddressable, and an instrumented access to
+// them is reported as a use-after-poison. (A stale pointer into a block that the cache has handed
+// out again is not caught, as it is not once ASan's quarantine has recycled a block.) The cost
+// that made this worth it: ASan maps every large malloc block anew and faults in its pages 4 KiB
+// at a time, every step; a ZeRO test spent 30 s of its 47 s of CPU in the kernel (7.3 million
+// page faults), 9 s with this allocator (0.8 million).
+#ifdef TANDEM_HOST_ASAN
+size_t guard_bytes() {
+  return page_size();
+}
+void poison(void* p, size_t bytes) {
+  ASAN_POISON_MEMORY_REGION(p, bytes);
+}
+void unpoison(void* p, size_t bytes) {
+  ASAN_UNPOISON_MEMORY_REGION(p, bytes);
+}
+// Before a mapping goes back: its shadow unpoisoned (what the kernel maps at these addresses next
+// is addressable; this ASan does not intercept munmap) and its pages given back too, so that the
+// shadow of blocks long gone does not stay resident.
+void forget(void* base, size_t mapped) {
+  size_t scale = 0, offset = 0;
+  __asan_get_shadow_mapping(&scale, &offset);
+  char* const at = static_cast<char*>(base);
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(at) >> scale) + offset;
+  const uintptr_t end = begin + (mapped >> scale);
+  const uintptr_t page = page_size();
+  const uintptr_t whole_begin = (begin + page - 1) / page * page, whole_end = end / page * page;
+  if (whole_begin >= whole_end) {
+    unpoison(base, mapped);
+    return;
+  }
+  // The shadow's whole pages given back (they read as zeros again: unpoisoned), the parts of
+  // pages at its ends unpoisoned through ASan.
+  madvise(reinterpret_cast<void*>(whole_begin), whole_end - whole_begin, MADV_DONTNEED);
+  unpoison(at, (whole_begin - begin) << scale);
+  unpoison(at + ((whole_end - begin) << scale), (end - whole_end) << scale);
+}
+#else
+size_t guard_bytes() {
+  return 0;
+}
+void poison(void*, size_t) {}
+void unpoison(void*, size_t) {}
+void forget(void*, size_t) {}
+#endif
 
 struct HostState {
   std::mutex mutex;
@@ -93,20 +155,30 @@ HostState& host() {
 #define MADV_POPULATE_WRITE 23  // Linux 5.14
 #endif
 
+// A block of `bytes` (a multiple of the page size), between poisoned guard pages under
+// AddressSanitizer (Note [The host allocator under AddressSanitizer]).
 void* map_block(size_t bytes) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return nullptr;
+  const size_t mapped = bytes + 2 * guard_bytes();
+  char* base = static_cast<char*>(
+      mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  if (base == MAP_FAILED) return nullptr;
+  void* p = base + guard_bytes();
+  poison(base, guard_bytes());  // the block itself is poisoned past its bytes when handed out
+  poison(static_cast<char*>(p) + bytes, guard_bytes());
   // Two-megabyte pages where the kernel has them to give (THP "madvise"): 512 times fewer
   // faults and TLB entries for the weights, gradients and optimizer state. Marked before the
   // pages exist, then faulted in one call (MAP_POPULATE's work, after the advice; on a kernel
   // without MADV_POPULATE_WRITE the first touch faults them).
-  if (bytes >= (size_t{2} << 20)) madvise(p, bytes, MADV_HUGEPAGE);
-  madvise(p, bytes, MADV_POPULATE_WRITE);
+  if (bytes >= (size_t{2} << 20)) madvise(base, mapped, MADV_HUGEPAGE);
+  madvise(base, mapped, MADV_POPULATE_WRITE);
   return p;
 }
 
 void unmap_block(void* p, size_t bytes) {
-  munmap(p, bytes);
+  char* base = static_cast<char*>(p) - guard_bytes();
+  const size_t mapped = bytes + 2 * guard_bytes();
+  forget(base, mapped);
+  munmap(base, mapped);
   host().unmaps.fetch_add(1);
 }
 
@@ -126,6 +198,11 @@ void release(void* data) {
       h.live.erase(it);
       h.live_bytes -= bytes;
       h.put(data, bytes, h.cache_limit.load(), evicted);
+      // A cached block is unaddressable until it is handed out again (one about to be unmapped
+      // is left as it is). Under the mutex: a request may take it the moment it is cached.
+      if (std::none_of(evicted.begin(), evicted.end(),
+                       [data](const HostState::Entry& e) { return e.second == data; }))
+        poison(data, bytes);
     }
   }
   if (!large) {
@@ -159,7 +236,8 @@ class HostAllocator final : public compat::Allocator {
       }
     }
     for (const auto& [size, block] : evicted) unmap_block(block, size);
-    if (p) h.reuses.fetch_add(1);
+    const bool reused = p != nullptr;
+    if (reused) h.reuses.fetch_add(1);
     if (!p) {
       p = map_block(bytes);
       if (!p) return h.base.load()->allocate(n);  // no mapping to be had: malloc's turn
@@ -171,6 +249,11 @@ class HostAllocator final : public compat::Allocator {
       h.live_bytes += bytes;
       h.note_held();
     }
+    // Under AddressSanitizer the bytes asked for are addressable and the rest of the block is not
+    // (a cached block was poisoned whole when it was freed; a fresh one's shadow is clear, and
+    // left untouched, not resident).
+    poison(static_cast<char*>(p) + n, bytes - n);
+    if (reused) unpoison(p, n);
     // The context is the data pointer, as c10::Allocator::raw_allocate requires.
     return c10::DataPtr(p, p, &release, c10::Device(c10::kCPU));
   }

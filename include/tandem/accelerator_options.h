@@ -139,8 +139,9 @@ struct AcceleratorOptions {
   TORCH_ARG(std::string, timeline_dir) = "";
   /// Large CPU blocks from tandem's host allocator, which the operating system sees freed
   /// (host_allocator.h, Note [Resident memory and large blocks]; env TANDEM_HOST_ALLOCATOR).
-  /// Unset: on (off in a build with AddressSanitizer, so that it checks every tensor). false:
-  /// malloc serves every block (e.g. under an LD_PRELOADed jemalloc).
+  /// Unset: on (in a build with AddressSanitizer too, where it poisons the pages around each
+  /// block and the freed blocks it keeps, so ASan still reports an access past a tensor's end or
+  /// to a freed tensor). false: malloc serves every block (e.g. under an LD_PRELOADed jemalloc).
   TORCH_ARG(std::optional<bool>, host_allocator) = std::nullopt;
   /// MB of freed large blocks the host allocator keeps for reuse (env TANDEM_HOST_CACHE_MB;
   /// default 32): what a step asks for again costs no page faults; resident memory is the live

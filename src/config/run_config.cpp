@@ -26,20 +26,6 @@ using ::tandem::detail::lower;
 
 }  // namespace
 
-// Under AddressSanitizer the host allocator is off unless asked for: ASan checks every tensor's
-// memory only where malloc hands it out.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kAddressSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-constexpr bool kAddressSanitizer = true;
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
-#else
-constexpr bool kAddressSanitizer = false;
-#endif
-
 RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& map) {
   RunConfig c;
   c.process = ProcessState::from_env(map);
@@ -189,8 +175,8 @@ RunConfig resolve_run_config(const AcceleratorOptions& options, const EnvMap& ma
     }
     // Note [Expert parallel].
     if (const int ep = detail::mesh_size(env, var::kEpSize); ep > 0) c.ep_size = ep;
-    c.host_allocator = options.host_allocator().value_or(
-        env.boolean(var::kHostAllocator).value_or(!kAddressSanitizer));
+    c.host_allocator =
+        options.host_allocator().value_or(env.boolean(var::kHostAllocator).value_or(true));
     c.host_cache_mb =
         options.host_cache_mb().value_or(env.non_negative(var::kHostCacheMb).value_or(32.0));
     if (c.host_cache_mb < 0)

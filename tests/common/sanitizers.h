@@ -1,6 +1,6 @@
 // Whether this test was built with AddressSanitizer: where its quarantine keeps freed memory
-// resident (and the host allocator is off), a test holds tensor bytes to their figures but not
-// resident memory.
+// resident (and its shadow memory adds an eighth), a test holds tensor bytes to their figures but
+// not resident memory.
 #pragma once
 
 namespace tandem::testing {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/sanitizers.h"
 #include "tandem/host_allocator.h"
 #include "tandem/track/cpu_memory.h"
 
@@ -136,5 +137,38 @@ TEST(HostAllocator, TheCountingAllocatorCountsAboveIt) {
   EXPECT_EQ(tandem::track::cpu_memory_stats().current_bytes, counted);
   EXPECT_EQ(tandem::host_allocator_stats().cached_bytes, 0);  // cache 0: every block unmapped
 }
+
+// Note [The host allocator under AddressSanitizer]: ASan reports an access to the bytes past a
+// block's end (the rest of its page, and the guard page after a block that fills its pages), to
+// the guard page before it, and to a freed block in the cache; a block handed out again is
+// addressable. Each bad access runs in a child process (a death test) that ASan ends.
+#if defined(__SANITIZE_ADDRESS__) || defined(__has_feature) && __has_feature(address_sanitizer)
+TEST(HostAllocatorDeathTest, AddressSanitizerReportsAccessesOutsideALiveBlock) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  tandem::install_host_allocator(cache_of(16));
+  tandem::trim_host_cache();
+  constexpr int64_t kRagged = 2 * kMiB + 100;  // bytes: a block whose last page it fills in part
+  auto ragged = torch::empty({kRagged / 4});
+  volatile char* r = static_cast<char*>(ragged.data_ptr());
+  r[0] = 1;
+  r[kRagged - 1] = 1;
+  EXPECT_DEATH(r[kRagged] = 1, "use-after-poison");
+  EXPECT_DEATH(r[kRagged + 1000] = 1, "use-after-poison");
+  EXPECT_DEATH(r[-1] = 1, "use-after-poison");
+  auto whole = torch::empty({2 * kMiB / 4});  // fills its pages: the guard page follows
+  volatile char* w = static_cast<char*>(whole.data_ptr());
+  w[2 * kMiB - 1] = 1;
+  EXPECT_DEATH(w[2 * kMiB] = 1, "use-after-poison");
+  const auto before = tandem::host_allocator_stats();
+  whole = torch::Tensor();  // freed into the cache
+  EXPECT_EQ(tandem::host_allocator_stats().cached_bytes, before.cached_bytes + 2 * kMiB);
+  EXPECT_DEATH(w[0] = 1, "use-after-poison");
+  auto again = torch::empty({2 * kMiB / 4});  // the cached block, handed out again
+  ASSERT_EQ(again.data_ptr(), static_cast<void*>(const_cast<char*>(w)));
+  w[0] = 2;
+  w[2 * kMiB - 1] = 2;
+  EXPECT_EQ(static_cast<char*>(again.data_ptr())[0], 2);
+}
+#endif
 
 }  // namespace

@@ -76,9 +76,10 @@ struct RunConfig {
   /// ranks that split each mixture-of-experts layer's experts; 1: none.
   int ep_size = 1;
   /// Note [Resident memory and large blocks]: tandem's host allocator serves large CPU blocks
-  /// (AcceleratorOptions::host_allocator, else TANDEM_HOST_ALLOCATOR; default true, false in a
-  /// build with AddressSanitizer, which checks tensors only where malloc hands them out), keeping
-  /// at most host_cache_mb of freed ones for reuse (TANDEM_HOST_CACHE_MB; default 32).
+  /// (AcceleratorOptions::host_allocator, else TANDEM_HOST_ALLOCATOR; default true; under
+  /// AddressSanitizer it poisons what ASan's malloc would, Note [The host allocator under
+  /// AddressSanitizer]), keeping at most host_cache_mb of freed ones for reuse
+  /// (TANDEM_HOST_CACHE_MB; default 32).
   bool host_allocator = true;
   double host_cache_mb = 32;
   /// Per-rank timeline folder: AcceleratorOptions::timeline_dir, else TANDEM_TIMELINE; empty: none.
