@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "../detail/write_all.h"
 #include "detail/posix_file.h"
 #include "tandem/checkpoint/layout.h"
 #include "tandem/checkpoint/safetensors_header.h"
@@ -328,18 +329,11 @@ MergeReport merge_weights(const std::string& checkpoint, const std::string& out_
   {
     Fd out(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (out.get() < 0) fail("cannot create " + tmp.string());
-    auto write_all = [&](const char* p, std::size_t n) {
-      while (n > 0) {
-        ssize_t w = ::write(out.get(), p, n);
-        if (w < 0) {
-          if (errno == EINTR) continue;
-          fail("writing " + tmp.string() + " (is the disk full?)");
-        }
-        p += w;
-        n -= static_cast<std::size_t>(w);
-      }
+    auto write_or_fail = [&](const char* p, std::size_t n) {
+      if (!::tandem::detail::write_all(out.get(), p, n))
+        fail("writing " + tmp.string() + " (is the disk full?)");
     };
-    write_all(header.data(), header.size());
+    write_or_fail(header.data(), header.size());
     std::vector<std::unique_ptr<Fd>> in(sources.size());
     std::vector<char> buffer(std::size_t(64) << 20);
     for (const auto& e : layout) {
@@ -357,7 +351,7 @@ MergeReport merge_weights(const std::string& checkpoint, const std::string& out_
               ::pread(in[src.file]->get(), buffer.data(), n, static_cast<off_t>(src.offset + done));
           if (r < 0 && errno == EINTR) continue;
           if (r <= 0) fail("reading '" + e.name + "' from " + sources[src.file].string());
-          write_all(buffer.data(), static_cast<std::size_t>(r));
+          write_or_fail(buffer.data(), static_cast<std::size_t>(r));
           done += static_cast<uint64_t>(r);
         }
       }

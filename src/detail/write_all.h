@@ -1,5 +1,5 @@
-// Writing a whole string to a file descriptor, for the launcher's and the ranks' reports on pipes
-// and terminals (no LibTorch here).
+// Writing whole buffers to a file descriptor: the launcher's and the ranks' reports on pipes and
+// terminals, and the files merge_weights writes (no LibTorch here).
 #pragma once
 
 #include <unistd.h>
@@ -9,16 +9,23 @@
 
 namespace tandem::detail {
 
-/// Writes all of `s` to `fd`, again after an interrupted write; stops at any other failure (the
-/// callers report on a pipe or a terminal that may be gone, and have nothing better to do).
-inline void write_all(int fd, const std::string& s) {
-  std::size_t off = 0;
-  while (off < s.size()) {
-    const ssize_t n = ::write(fd, s.data() + off, s.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return;
-    off += static_cast<std::size_t>(n);
+/// Writes the `n` bytes at `p` to `fd`, again after an interrupted write; false at any other
+/// failure (errno says which), or when the descriptor takes nothing.
+inline bool write_all(int fd, const char* p, std::size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<std::size_t>(w);
   }
+  return true;
+}
+
+/// All of `s`, for a report on a pipe or a terminal that may be gone: a failure stops it, and the
+/// caller has nothing better to do.
+inline void write_all(int fd, const std::string& s) {
+  write_all(fd, s.data(), s.size());
 }
 
 }  // namespace tandem::detail

@@ -144,7 +144,7 @@ TEST(HostAllocator, TheCountingAllocatorCountsAboveIt) {
 // addressable. Each bad access runs in a child process (a death test) that ASan ends.
 #if defined(__SANITIZE_ADDRESS__) || defined(__has_feature) && __has_feature(address_sanitizer)
 TEST(HostAllocatorDeathTest, AddressSanitizerReportsAccessesOutsideALiveBlock) {
-  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // Forked without exec ("fast"): gtest runs death tests first, while this process has one thread.
   tandem::install_host_allocator(cache_of(16));
   tandem::trim_host_cache();
   constexpr int64_t kRagged = 2 * kMiB + 100;  // bytes: a block whose last page it fills in part
