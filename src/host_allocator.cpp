@@ -126,16 +126,17 @@ struct HostState {
     }
   }
   // With the mutex held: caches `p`, handing back in `evicted` what must be unmapped (the oldest
-  // blocks, or `p` itself when it is larger than the whole cache).
-  void put(void* p, size_t bytes, size_t limit, std::vector<Entry>& evicted) {
+  // blocks, or `p` itself when it is larger than the whole cache); whether `p` was cached.
+  bool put(void* p, size_t bytes, size_t limit, std::vector<Entry>& evicted) {
     if (bytes > limit) {
       evicted.emplace_back(bytes, p);
-      return;
+      return false;
     }
     evict_to(limit - bytes, evicted);
     order.emplace_back(bytes, p);
     by_size.emplace(bytes, std::prev(order.end()));
     cached += bytes;
+    return true;
   }
   size_t live_bytes = 0;  // the bytes of `live`
   size_t held_peak = 0;   // the most live_bytes + cached ever reached
@@ -197,12 +198,9 @@ void release(void* data) {
       const size_t bytes = it->second;
       h.live.erase(it);
       h.live_bytes -= bytes;
-      h.put(data, bytes, h.cache_limit.load(), evicted);
       // A cached block is unaddressable until it is handed out again (one about to be unmapped
       // is left as it is). Under the mutex: a request may take it the moment it is cached.
-      if (std::none_of(evicted.begin(), evicted.end(),
-                       [data](const HostState::Entry& e) { return e.second == data; }))
-        poison(data, bytes);
+      if (h.put(data, bytes, h.cache_limit.load(), evicted)) poison(data, bytes);
     }
   }
   if (!large) {
