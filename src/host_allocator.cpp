@@ -17,15 +17,9 @@
 #include <vector>
 
 #include "detail/cpu_allocators.h"
+#include "detail/sanitizers.h"
 
-#if defined(__SANITIZE_ADDRESS__)
-#define TANDEM_HOST_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define TANDEM_HOST_ASAN 1
-#endif
-#endif
-#ifdef TANDEM_HOST_ASAN
+#if TANDEM_ASAN
 #include <sanitizer/asan_interface.h>
 #endif
 
@@ -47,7 +41,7 @@ size_t page_size() {
 // that made this worth it: ASan maps every large malloc block anew and faults in its pages 4 KiB
 // at a time, every step; a ZeRO test spent 30 s of its 47 s of CPU in the kernel (7.3 million
 // page faults), 9 s with this allocator (0.8 million).
-#ifdef TANDEM_HOST_ASAN
+#if TANDEM_ASAN
 size_t guard_bytes() {
   return page_size();
 }

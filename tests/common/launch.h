@@ -141,11 +141,19 @@ inline bool acts_on_the_launcher(const std::string& key) {
 }
 
 // The variables `tandem launch --dry_run` gives the ranks for these options, less the launch's
-// own; a variable whose value differs between ranks is the launch's too.
+// own; a variable whose value differs between ranks is the launch's too. Asked once per command
+// line and environment in a test process: the jobs of a launch mostly share their flags, and
+// the answer depends on nothing else (each start of the launcher costs about 0.1 s of CPU under
+// AddressSanitizer, and the suites ask about a thousand times).
 inline std::map<std::string, std::string> launcher_env(int n, const std::string& program,
                                                        const LaunchOptions& options) {
   auto argv = launch_command(n, program, {}, options);
   argv.insert(argv.begin() + 2, "--dry_run");
+  static std::map<std::pair<std::vector<std::string>, std::map<std::string, std::string>>,
+                  std::map<std::string, std::string>>
+      asked;
+  const auto asked_key = std::make_pair(argv, options.env());
+  if (auto it = asked.find(asked_key); it != asked.end()) return it->second;
   auto r = run_command(argv, options.env(), 60);
   if (r.exit_code != 0)
     throw std::runtime_error("tandem launch --dry_run refused a job's flags:\n" + r.output);
@@ -172,6 +180,7 @@ inline std::map<std::string, std::string> launcher_env(int n, const std::string&
     }
     if (same && !identifies_the_launch(key)) env[key] = value;
   }
+  asked.emplace(asked_key, env);
   return env;
 }
 

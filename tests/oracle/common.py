@@ -34,9 +34,20 @@ _LAUNCH_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 _LAUNCHER_KEYS = {"TANDEM_HEARTBEAT_INTERVAL_S", "TANDEM_PREEMPTION_SIGNAL", "TANDEM_CPU_AFFINITY"}
 
 
+_ASKED = {}
+
+
 def _launcher_env(cli, n, flags, program):
     """The variables `tandem launch --dry_run` gives every rank for these flags, less the launch's
-    own (a variable whose value differs between ranks is the launch's too)."""
+    own (a variable whose value differs between ranks is the launch's too). Asked once per
+    command line, as tests/common/launch.h does."""
+    key = (cli, n, tuple(flags), program)
+    if key not in _ASKED:
+        _ASKED[key] = _ask_launcher_env(cli, n, flags, program)
+    return dict(_ASKED[key])
+
+
+def _ask_launcher_env(cli, n, flags, program):
     out = run([cli, "launch", "--dry_run", "--num_processes", str(n), "--cpu"] + flags + [program])
     ranks = []
     for line in out.splitlines():

@@ -18,6 +18,10 @@ if [ -x "$py" ]; then
   wheel=$("$py" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2> /dev/null) \
     && dirs+=("$wheel/Torch")
 fi
+# The wheel's Caffe2 config detects the machine's GPUs (a try_run of about 2 s per configure)
+# unless it is given the architectures, as scripts/build-torch2.sh gives them; which ones does
+# not change what is resolved.
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 cuda=${CUDAToolkit_ROOT:-/usr/local/cuda}
 extra=()
 [ -x "$cuda/bin/nvcc" ] && extra=(-DCUDAToolkit_ROOT="$cuda" -DCMAKE_CUDA_COMPILER="$cuda/bin/nvcc")

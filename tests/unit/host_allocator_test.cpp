@@ -142,7 +142,7 @@ TEST(HostAllocator, TheCountingAllocatorCountsAboveIt) {
 // block's end (the rest of its page, and the guard page after a block that fills its pages), to
 // the guard page before it, and to a freed block in the cache; a block handed out again is
 // addressable. Each bad access runs in a child process (a death test) that ASan ends.
-#if TANDEM_TEST_ASAN
+#if TANDEM_ASAN
 TEST(HostAllocatorDeathTest, AddressSanitizerReportsAccessesOutsideALiveBlock) {
   // Forked without exec ("fast"): gtest runs death tests first, while this process has one thread.
   tandem::install_host_allocator(cache_of(16));
