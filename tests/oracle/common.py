@@ -144,6 +144,21 @@ def load_json(path):
         return json.load(f)
 
 
+def whole_libtorch_env(env=None):
+    """`env` (os.environ by default) without the folder of the leaner libtorch_cpu that ctest puts
+    first on LD_LIBRARY_PATH (Note [A leaner LibTorch for the tests], tests/CMakeLists.txt): for
+    the runs whose resident memory is compared with what users see."""
+    env = dict(os.environ if env is None else env)
+    slim = env.pop("TANDEM_TEST_SLIM_LIBTORCH", "")
+    if slim and "LD_LIBRARY_PATH" in env:
+        kept = [p for p in env["LD_LIBRARY_PATH"].split(":") if p and p != slim]
+        if kept:
+            env["LD_LIBRARY_PATH"] = ":".join(kept)
+        else:
+            del env["LD_LIBRARY_PATH"]
+    return env
+
+
 def fresh_dir(path):
     """An empty directory at path (what an earlier run left there is removed)."""
     import shutil

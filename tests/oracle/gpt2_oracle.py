@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from common import fail, fresh_dir, launch_jobs, run
+from common import fail, fresh_dir, launch_jobs, run, whole_libtorch_env
 
 PROMPTS = [[464, 2068, 7586], [15496, 11, 995, 318], [7]]
 NEW = 20
@@ -184,8 +184,8 @@ def main():
     lf_cap = os.path.join(work, "logits-capped.safetensors")
     # Under AddressSanitizer (the tests' ASAN_OPTIONS) freed memory stays resident in its
     # quarantine on purpose: these two runs measure resident memory, so they run without one
-    # (ASan's other checks stay on).
-    env = dict(os.environ)
+    # (ASan's other checks stay on), and on the whole LibTorch users load.
+    env = whole_libtorch_env()
     if "ASAN_OPTIONS" in env:
         env["ASAN_OPTIONS"] += ":quarantine_size_mb=0"
     t_mem, out_mem = generate(gen, big_dir, PROMPTS[:1], logits=lf_mem, env=env)
