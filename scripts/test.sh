@@ -106,7 +106,7 @@ built=1
 (
   sanitizer_env
   # The tests of Debian's LibTorch load a copy of libtorch_cpu without the libraries of Caffe2's
-  # image, video and database operators: 46 libraries per process instead of 286 (Note [A leaner
+  # image, video and database operators: 44 libraries per worker instead of 291 (Note [A leaner
   # LibTorch for the tests] in tests/CMakeLists.txt).
   build_cmd=(env TANDEM_BUILD_DIR="$build" "$root/scripts/build.sh" -DTANDEM_SANITIZE="$sanitize"
              -DTANDEM_PYTHON="$venv/bin/python" -DTANDEM_TEST_SLIM_LIBTORCH=ON
