@@ -7,8 +7,12 @@ src=${2:?usage: run.sh BUILD_DIR SOURCE_DIR}
 work=$(mktemp -d /tmp/tandem-consumer-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
+# The compiler cache, with paths under the temporary folder written relative to it and the
+# freshly installed headers' times not compared (their contents are), so that a run finds what
+# the run before compiled (the consumer's one file includes LibTorch's API: 15-20 s of compile).
 launcher=()
-command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+command -v ccache > /dev/null &&
+  launcher=("-DCMAKE_CXX_COMPILER_LAUNCHER=env;CCACHE_BASEDIR=$work;CCACHE_NOHASHDIR=1;CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime;CCACHE_INODECACHE=true;ccache")
 cmake -S "$src/tests/consumer" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" \
   "${launcher[@]}" > "$work/configure.log" || { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/build" > "$work/build.log" || { cat "$work/build.log"; exit 1; }
