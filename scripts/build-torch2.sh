@@ -6,18 +6,24 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=$("$root/scripts/install-torch2.sh")
-torch_prefix=$("$venv/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+# The wheel's folder, found without importing torch (2 s of CPU, loading its CUDA libraries):
+# torch.utils.cmake_prefix_path is its share/cmake. Python_EXECUTABLE: the wheel's Caffe2 config
+# looks for a Python interpreter (1.5 s of searching), the environment's one.
+torch_dir=$("$venv/bin/python" -c \
+  'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("torch").origin))')
+torch_prefix=$torch_dir/share/cmake
 cuda=${CUDAToolkit_ROOT:-/usr/local/cuda}
 export TANDEM_BUILD_DIR=${TANDEM_BUILD_DIR:-$root/build-torch2}
 # No GPU to detect the architecture from: Hopper (sm_90) unless the caller says otherwise.
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 "$root/scripts/build.sh" -DCMAKE_PREFIX_PATH="$torch_prefix" -DCUDAToolkit_ROOT="$cuda" \
-  -DCMAKE_CUDA_COMPILER="$cuda/bin/nvcc" -DTANDEM_PYTHON="$venv/bin/python" "$@"
+  -DCMAKE_CUDA_COMPILER="$cuda/bin/nvcc" -DTANDEM_PYTHON="$venv/bin/python" \
+  -DPython_EXECUTABLE="$venv/bin/python" "$@"
 # Note [Two LibTorch installations]: the library must load one LibTorch, the wheel's, and none of
 # a system LibTorch (Debian's libtorch-dev) beside it.
 lib=$TANDEM_BUILD_DIR/src/libtandem.so
 if [ -f "$lib" ]; then
-  torch_lib=$("$venv/bin/python" -c 'import os, torch; print(os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "lib")))')
+  torch_lib=$(realpath "$torch_dir/lib")
   linked=$(ldd "$lib" | awk '$1 ~ /^lib(torch|c10)/ {print $1 " " $3}')
   outside=$(echo "$linked" | while read -r name path; do
     [ "$(dirname "$(realpath -m "$path")")" = "$torch_lib" ] || echo "  $name => $path"

@@ -15,8 +15,10 @@ dirs=("$@")
 py=${TANDEM_PYTHON:-}
 [ -n "$py" ] || py=${TANDEM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tandem}/venv-torch2/bin/python
 if [ -x "$py" ]; then
-  wheel=$("$py" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2> /dev/null) \
-    && dirs+=("$wheel/Torch")
+  # The wheel's folder, found without importing torch; its share/cmake is
+  # torch.utils.cmake_prefix_path.
+  wheel_dir=$("$py" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("torch").origin))' \
+    2> /dev/null) && dirs+=("$wheel_dir/share/cmake/Torch")
 fi
 # The wheel's Caffe2 config detects the machine's GPUs (a try_run of about 2 s per configure)
 # unless it is given the architectures, as scripts/build-torch2.sh gives them; which ones does
@@ -25,6 +27,9 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 cuda=${CUDAToolkit_ROOT:-/usr/local/cuda}
 extra=()
 [ -x "$cuda/bin/nvcc" ] && extra=(-DCUDAToolkit_ROOT="$cuda" -DCMAKE_CUDA_COMPILER="$cuda/bin/nvcc")
+# The wheel's Caffe2 config looks for a Python interpreter (1.5 s of searching per configure): the
+# environment's, as scripts/build-torch2.sh gives it; which one does not change what is resolved.
+[ -x "$py" ] && extra+=(-DPython_EXECUTABLE="$py")
 # One folder per installation, each once.
 mapfile -t dirs < <(for d in "${dirs[@]}"; do [ -f "$d/TorchConfig.cmake" ] && realpath "$d"; done | sort -u)
 [ "${#dirs[@]}" -ge 1 ] || { echo "no LibTorch installation found"; exit 1; }
