@@ -58,7 +58,8 @@ def worker(rank, work, store):
     # exception", about 1 run in 10, with or without a barrier first): a Gloo thread still
     # joinable when the interpreter's exit destroys what holds it. DDP (whose reducer holds the
     # group) goes first, both ranks tear Gloo down together, and the worker leaves without the
-    # interpreter's teardown: its file is written and closed, and mp.spawn reads exit code 0.
+    # interpreter's teardown: its file is written and closed, and mp.start_processes reads exit
+    # code 0.
     del model, opt
     dist.barrier()
     dist.destroy_process_group()
@@ -75,7 +76,11 @@ if __name__ == "__main__":
     x = torch.randn(STEPS * BATCH, 10, generator=g)
     save_file({"x": x, "y": torch.randint(0, 3, (STEPS * BATCH,), generator=g)},
               os.path.join(work, "data.safetensors"))
-    mp.spawn(worker, args=(work, os.path.join(work, "store")), nprocs=WORLD, join=True)
+    # Forked, not spawned: each spawned rank imported torch again (2 s of CPU); the ranks' math is
+    # the same either way. This process has started no threads to lose in a fork (tensors this
+    # small run on the calling thread).
+    mp.start_processes(worker, args=(work, os.path.join(work, "store")), nprocs=WORLD, join=True,
+                       start_method="fork")
     run([cli, "launch", "--num_processes", str(WORLD), "--cpu", "--num_cpu_threads_per_process", "1",
          tool, "train-ddp", work, str(STEPS)] + (["bn"] if BATCHNORM else []))
     ours = load_file(os.path.join(work, "tandem", "model.safetensors"))
