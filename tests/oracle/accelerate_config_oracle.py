@@ -7,6 +7,7 @@ import os
 import sys
 
 from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.commands.config.default import write_basic_config
 
 from common import fresh_dir, fail, run
 
@@ -27,11 +28,13 @@ for mp in ("no", "bf16", "fp16"):
     path = os.path.join(work, f"tandem_default_{mp}.yaml")
     run([cli, "config", "default", "--mixed_precision", mp, "--config_file", path])
     accelerate_loads(path, {"mixed_precision": mp, "compute_environment": "LOCAL_MACHINE"})
-# accelerate config default -> tandem launch.
-accelerate = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
+# accelerate config default -> tandem launch. `accelerate config default --mixed_precision MP
+# --config_file PATH` is write_basic_config(MP, PATH) after its argument parsing; called here, not
+# through a process of its own (3 s of CPU importing torch again).
 for mp in ("no", "bf16"):
     path = os.path.join(work, f"accelerate_default_{mp}.yaml")
-    run(accelerate + ["config", "default", "--mixed_precision", mp, "--config_file", path])
+    if not write_basic_config(mp, path):
+        fail(f"accelerate's write_basic_config did not write {path}")
     run([cli, "config", "validate", path])
     plan = run([cli, "launch", "--config_file", path, "--cpu", "--dry_run", "true"])
     want = {"no": "TANDEM_MIXED_PRECISION=no", "bf16": "TANDEM_MIXED_PRECISION=bf16"}[mp]
