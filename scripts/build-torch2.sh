@@ -7,8 +7,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=$("$root/scripts/install-torch2.sh")
 # The wheel's folder, found without importing torch (2 s of CPU, loading its CUDA libraries):
-# torch.utils.cmake_prefix_path is its share/cmake. Python_EXECUTABLE: the wheel's Caffe2 config
-# looks for a Python interpreter (1.5 s of searching), the environment's one.
+# torch.utils.cmake_prefix_path is its share/cmake.
 torch_dir=$("$venv/bin/python" -c \
   'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("torch").origin))')
 torch_prefix=$torch_dir/share/cmake
@@ -16,6 +15,8 @@ cuda=${CUDAToolkit_ROOT:-/usr/local/cuda}
 export TANDEM_BUILD_DIR=${TANDEM_BUILD_DIR:-$root/build-torch2}
 # No GPU to detect the architecture from: Hopper (sm_90) unless the caller says otherwise.
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+# Python_EXECUTABLE: the wheel's Caffe2 config looks for a Python interpreter (1.5 s of searching);
+# it gets the environment's.
 "$root/scripts/build.sh" -DCMAKE_PREFIX_PATH="$torch_prefix" -DCUDAToolkit_ROOT="$cuda" \
   -DCMAKE_CUDA_COMPILER="$cuda/bin/nvcc" -DTANDEM_PYTHON="$venv/bin/python" \
   -DPython_EXECUTABLE="$venv/bin/python" "$@"
