@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
   phase("prepared", rank);
   const double s = bench::timed_steps(
       warmup, steps,
-      [&](int i) {
+      [&, &model = model, &opt = opt](int i) {
         auto scope = acc.accumulate();
         acc.backward(
             model->forward(batch(i * acc.num_processes() + acc.process_index())).pow(2).mean());

@@ -610,8 +610,9 @@ int main(int argc, char** argv) {
                     loaded.resharded ? "(saved on " + loaded.saved_layout + ", resharded)" : "");
         }
       }
-      for (int64_t epoch = loader->epoch(); step < steps; ++epoch) {
-        loader->set_epoch(epoch);
+      int64_t epoch = loader->epoch();
+      while (step < steps) {  // run_epoch advances step
+        loader->set_epoch(epoch++);
         run_epoch(loader);
       }
     };

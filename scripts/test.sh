@@ -105,6 +105,21 @@ sanitizer_env() {
   fi
 }
 
+# Both builds compile with clang (TANDEM_TEST_CXX, Debian's clang++ by default; the
+# ThreadSanitizer and plain variants of the first keep CMake's default compiler): from an empty
+# cache clang compiles the ASan build in 53% of GCC's CPU and the 2.12 build in about half
+# (docs/test_times.md, "Two compilers"). GCC, the compiler a user's project gets by default,
+# compiles the consumer project against the installed 2.12 build (tests/consumer).
+test_cxx=$(command -v "${TANDEM_TEST_CXX:-clang++}") || {
+  echo "test.sh: no compiler ${TANDEM_TEST_CXX:-clang++} (TANDEM_TEST_CXX) on the PATH;" \
+       "scripts/install-deps.sh installs clang" >&2
+  exit 2
+}
+# A full path: the same value as the build's cache keeps, so that a configure again is no change.
+test_cxx=(-DCMAKE_CXX_COMPILER="$test_cxx")
+first_cxx=()
+[ "$sanitize" = address ] && first_cxx=("${test_cxx[@]}")
+
 echo "== tandem tests: LibTorch 1.13 (Debian), sanitizers: ${sanitize:-none}, in $build" >&2
 built=1
 (
@@ -114,7 +129,7 @@ built=1
   # LibTorch for the tests] in tests/CMakeLists.txt).
   build_cmd=(env TANDEM_BUILD_DIR="$build" "$root/scripts/build.sh" -DTANDEM_SANITIZE="$sanitize"
              -DTANDEM_PYTHON="$venv/bin/python" -DTANDEM_TEST_SLIM_LIBTORCH=ON
-             "${program_flags[@]}")
+             "${first_cxx[@]}" "${program_flags[@]}")
   build_tree "libtorch-1.13" "$build"
 ) || built=0
 wait_venv
@@ -125,7 +140,7 @@ if [ "${TANDEM_TORCH2:-1}" != 0 ]; then
        "tests below, at the lowest priority; its output follows them" >&2
   (
     build_cmd=(nice -n 19 env TANDEM_BUILD_DIR="$root/build-torch2"
-               "$root/scripts/build-torch2.sh" "${program_flags[@]}")
+               "$root/scripts/build-torch2.sh" "${test_cxx[@]}" "${program_flags[@]}")
     build_tree "libtorch-2.12" "$root/build-torch2"
   ) > "$timings.torch2-build.log" 2>&1 &
   torch2_pid=$!

@@ -370,11 +370,12 @@ LoadReport load_model(torch::nn::Module& module, const std::string& path,
                                    dtype_text(t.scalar_type())});
     }
   }
-  for (const auto& [name, t] : targets) {
+  for (const auto& target : targets) {
+    const std::string& name = target.first;
     if (entries.count(name)) continue;
     // Tied weights stored once (as transformers does) are loaded through the other name.
     bool tied = std::any_of(loadable.begin(), loadable.end(), [&](const std::string& other) {
-      return same_tensor(t, *by_name.at(other));
+      return same_tensor(target.second, *by_name.at(other));
     });
     if (!tied) report.missing.push_back(name);
   }

@@ -1,9 +1,10 @@
-// Uses the installed tandem: state, a process group of one, a collective.
+// Uses the installed tandem: state, a process group of one, a collective. Includes every header
+// of <tandem/tandem.h>, so that the installed API compiles with the consumer's compiler (CMake's
+// default), whichever compiler built the library.
 #include <iostream>
 
 #include <ATen/ATen.h>
-#include <tandem/comm/collectives.h>
-#include <tandem/version.h>
+#include <tandem/tandem.h>
 
 int main() {
   auto state = tandem::ProcessState::from_environment();

@@ -1,9 +1,12 @@
 #!/bin/bash
 # Installs tandem from BUILD_DIR into a temporary prefix, builds the consumer project against it
-# with find_package(tandem), and runs it on 1 and 2 processes.
+# with find_package(tandem) (by the compiler CXX when given, CMake's default otherwise), and runs it
+# on 1 and 2 processes.
 set -euo pipefail
-build=${1:?usage: run.sh BUILD_DIR SOURCE_DIR}
-src=${2:?usage: run.sh BUILD_DIR SOURCE_DIR}
+build=${1:?usage: run.sh BUILD_DIR SOURCE_DIR [CXX]}
+src=${2:?usage: run.sh BUILD_DIR SOURCE_DIR [CXX]}
+compiler=()
+[ -n "${3:-}" ] && compiler=(-DCMAKE_CXX_COMPILER="$3")
 work=$(mktemp -d /tmp/tandem-consumer-XXXXXX)
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
@@ -14,7 +17,7 @@ launcher=()
 command -v ccache > /dev/null &&
   launcher=("-DCMAKE_CXX_COMPILER_LAUNCHER=env;CCACHE_BASEDIR=$work;CCACHE_NOHASHDIR=1;CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime;CCACHE_INODECACHE=true;ccache")
 cmake -S "$src/tests/consumer" -B "$work/build" -G Ninja -DCMAKE_PREFIX_PATH="$work/prefix" \
-  "${launcher[@]}" > "$work/configure.log" || { cat "$work/configure.log"; exit 1; }
+  "${compiler[@]}" "${launcher[@]}" > "$work/configure.log" || { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/build" > "$work/build.log" || { cat "$work/build.log"; exit 1; }
 # A clean environment for the libraries: the installed CLI and the consumer find libtandem and
 # LibTorch through their RPATHs, not through LD_LIBRARY_PATH.

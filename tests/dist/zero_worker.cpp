@@ -259,7 +259,7 @@ int memory(const Args&) {
               << " MB" << std::endl;
     tandem::track::reset_peak_cpu_memory();
   };
-  auto step = [&](int64_t i) {
+  auto step = [&, &model = model, &opt = opt](int64_t i) {
     auto scope = acc.accumulate();
     auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(i + 1));
     auto x = torch::randn({rows, width}, gen);

@@ -249,7 +249,8 @@ TEST(LaunchResolve, EnvCannotSetWhatTheLauncherSetsPerRank) {
                                                         {"MASTER_PORT", "--main_process_port"},
                                                         {"TANDEM_RESTART_COUNT", "--max_restarts"},
                                                         {"TANDEM_USE_CPU", "--cpu"}}) {
-    e = message_of([&] { tandem::launch::to_launch_options(resolved, {{name, "1"}}); });
+    const std::string variable = name;
+    e = message_of([&] { tandem::launch::to_launch_options(resolved, {{variable, "1"}}); });
     EXPECT_TRUE(contains(e, "--env " + name + "=1")) << e;
     EXPECT_TRUE(contains(e, flag)) << e;
   }
